@@ -1,0 +1,31 @@
+//! Wire formats of the InfiniBand transport as carried by RoCE.
+//!
+//! Every header is a typed view over a byte buffer (`XxxPacket<T: AsRef<[u8]>>`, checked once with
+//! `new_checked`, then infallible getters) paired with a plain-value `XxxRepr` that can `parse` and
+//! `emit`. Protocol facts live in one place, the [`opcode`] table; code above this crate tests the
+//! flags of an opcode and never lists opcodes itself.
+//!
+//! No parser here panics or reads out of bounds on any input: every byte sequence yields a value or a
+//! typed [`Error`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod aeth;
+pub mod bth;
+pub mod error;
+pub mod ext;
+mod field;
+pub mod number;
+pub mod opcode;
+pub mod packet;
+
+pub use aeth::{AethRepr, NakCode, Syndrome};
+pub use bth::BthRepr;
+pub use error::{Error, Result};
+pub use ext::{AtomicAckEthRepr, AtomicEthRepr, DethRepr, RethRepr};
+pub use number::{Psn, Qpn};
+pub use opcode::{HeaderSet, Opcode, OpcodeInfo, QpType};
+pub use packet::{IbPacket, IbRepr};
+
+/// Length in bytes of the invariant CRC trailing every IB transport packet.
+pub const ICRC_LEN: usize = 4;
