@@ -6,7 +6,11 @@ use std::process::ExitCode;
 mod pcap;
 
 #[derive(Parser)]
-#[command(name = "softrdma", version, about = "RDMA and InfiniBand in user space")]
+#[command(
+    name = "softrdma",
+    version,
+    about = "RDMA and InfiniBand in user space"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

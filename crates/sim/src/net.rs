@@ -1,0 +1,298 @@
+//! The simulated network: nodes, packets in flight ordered by delivery time, seeded impairments.
+//!
+//! Each node's address is the IPv4-mapped GID `::ffff:10.0.0.N` (N = index + 1); a packet goes to
+//! the node whose GID is the transmit's destination GID. Every frame carries an ICRC over the IB
+//! packet; a corrupted frame fails it and is counted and dropped, as a receiver must.
+
+use core::time::Duration;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use softrdma_transport::{Config, Hca, Instant, RxInfo};
+use softrdma_wire::ICRC_LEN;
+
+use crate::memory::SimMemory;
+use crate::rng::Rng;
+
+/// Index of a node.
+pub type NodeId = usize;
+
+/// What the network does to packets, each with its probability per packet.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Impairments {
+    /// Dropped.
+    pub loss: f64,
+    /// Delivered twice.
+    pub duplicate: f64,
+    /// Held back by up to `reorder_window` so later packets overtake it.
+    pub reorder: f64,
+    /// One random bit flipped.
+    pub corrupt: f64,
+    /// One-way latency.
+    pub delay: Duration,
+    /// Extra random delay of a reordered packet (up to).
+    pub reorder_window: Duration,
+}
+
+impl Impairments {
+    /// A perfect network with 2 µs latency.
+    pub const NONE: Impairments = Impairments {
+        loss: 0.0,
+        duplicate: 0.0,
+        reorder: 0.0,
+        corrupt: 0.0,
+        delay: Duration::from_micros(2),
+        reorder_window: Duration::from_micros(20),
+    };
+
+    /// Loss `p`, plus duplication and reordering at a tenth of it each, and corruption at a
+    /// hundredth — the mixed hostile network of the scenarios.
+    pub fn hostile(p: f64) -> Impairments {
+        Impairments {
+            loss: p,
+            duplicate: p / 10.0,
+            reorder: p / 10.0,
+            corrupt: p / 100.0,
+            ..Impairments::NONE
+        }
+    }
+}
+
+/// A simulated host.
+pub struct Node {
+    /// The engine.
+    pub hca: Hca,
+    /// Its registered memory.
+    pub mem: SimMemory,
+    /// Its GID.
+    pub gid: [u8; 16],
+}
+
+/// Network counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NetStats {
+    /// Frames put on the wire.
+    pub sent: u64,
+    /// Frames delivered (including duplicates).
+    pub delivered: u64,
+    /// Frames lost.
+    pub lost: u64,
+    /// Extra copies made.
+    pub duplicated: u64,
+    /// Frames with a flipped bit.
+    pub corrupted: u64,
+    /// Frames dropped by the receiver's ICRC check.
+    pub icrc_dropped: u64,
+    /// Frames to a GID no node has.
+    pub unroutable: u64,
+}
+
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct InFlight {
+    at: Instant,
+    seq: u64,
+    to: NodeId,
+    from: NodeId,
+    frame: Vec<u8>,
+}
+
+/// The network and its nodes, in virtual time.
+pub struct Net {
+    /// Current virtual time.
+    pub now: Instant,
+    /// Nodes.
+    pub nodes: Vec<Node>,
+    /// Impairments applied to every frame.
+    pub imp: Impairments,
+    /// Counters.
+    pub stats: NetStats,
+    /// Optional hook that may drop (return false) or alter a frame in flight: (from, to, frame).
+    pub filter: Option<Box<dyn FnMut(NodeId, NodeId, &mut Vec<u8>) -> bool>>,
+    flight: BinaryHeap<Reverse<InFlight>>,
+    rng: Rng,
+    seq: u64,
+    buf: Vec<u8>,
+}
+
+/// The ICRC the simulator puts on frames: CRC-32 over the IB packet with the variant BTH byte masked.
+fn frame_icrc(pkt: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&pkt[..4]);
+    h.update(&[0xff]);
+    h.update(&pkt[5..]);
+    h.finalize()
+}
+
+impl Net {
+    /// `n` nodes with engines built from `config`, a network with `imp`, randomness from `seed`.
+    pub fn new(n: usize, config: Config, imp: Impairments, seed: u64) -> Net {
+        let nodes = (0..n)
+            .map(|i| {
+                let mut gid = [0u8; 16];
+                gid[10] = 0xff;
+                gid[11] = 0xff;
+                gid[12] = 10;
+                gid[15] = (i + 1) as u8;
+                Node {
+                    hca: Hca::new(config),
+                    mem: SimMemory::new(),
+                    gid,
+                }
+            })
+            .collect();
+        Net {
+            now: Instant::ZERO,
+            nodes,
+            imp,
+            stats: NetStats::default(),
+            filter: None,
+            flight: BinaryHeap::new(),
+            rng: Rng::new(seed),
+            seq: 0,
+            buf: vec![0; 4096 + 256],
+        }
+    }
+
+    /// The simulator's random generator (for test data).
+    pub fn rng(&mut self) -> &mut Rng {
+        &mut self.rng
+    }
+
+    /// Let every node send what it has, putting frames in flight.
+    pub fn transmit_all(&mut self) {
+        for from in 0..self.nodes.len() {
+            loop {
+                let node = &mut self.nodes[from];
+                let Some(t) = node
+                    .hca
+                    .poll_transmit(self.now, &mut node.mem, &mut self.buf)
+                else {
+                    break;
+                };
+                let mut frame = self.buf[..t.len].to_vec();
+                let n = frame.len();
+                let icrc = frame_icrc(&frame[..n - ICRC_LEN]);
+                frame[n - ICRC_LEN..].copy_from_slice(&icrc.to_le_bytes());
+                self.stats.sent += 1;
+                match self.nodes.iter().position(|nd| nd.gid == t.av.dgid) {
+                    Some(to) => self.launch(from, to, frame),
+                    None => self.stats.unroutable += 1,
+                }
+            }
+        }
+    }
+
+    fn launch(&mut self, from: NodeId, to: NodeId, mut frame: Vec<u8>) {
+        if let Some(f) = self.filter.as_mut() {
+            if !f(from, to, &mut frame) {
+                self.stats.lost += 1;
+                return;
+            }
+        }
+        if self.rng.chance(self.imp.loss) {
+            self.stats.lost += 1;
+            return;
+        }
+        if self.rng.chance(self.imp.corrupt) {
+            let bit = self.rng.below(frame.len() as u64 * 8);
+            frame[(bit / 8) as usize] ^= 1 << (bit % 8);
+            self.stats.corrupted += 1;
+        }
+        let copies = if self.rng.chance(self.imp.duplicate) {
+            self.stats.duplicated += 1;
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let mut at = self.now + self.imp.delay;
+            if self.rng.chance(self.imp.reorder) {
+                let w = self.imp.reorder_window.as_nanos() as u64;
+                at = at + Duration::from_nanos(self.rng.below(w.max(1)));
+            }
+            self.seq += 1;
+            self.flight.push(Reverse(InFlight {
+                at,
+                seq: self.seq,
+                to,
+                from,
+                frame: frame.clone(),
+            }));
+        }
+    }
+
+    fn deliver(&mut self, f: InFlight) {
+        let n = f.frame.len();
+        if n < ICRC_LEN + 12 {
+            self.stats.icrc_dropped += 1;
+            return;
+        }
+        let icrc = u32::from_le_bytes(f.frame[n - 4..].try_into().expect("4 bytes"));
+        if frame_icrc(&f.frame[..n - ICRC_LEN]) != icrc {
+            self.stats.icrc_dropped += 1;
+            return;
+        }
+        self.stats.delivered += 1;
+        let mut grh = [0u8; 40];
+        grh[8..24].copy_from_slice(&self.nodes[f.from].gid);
+        grh[24..40].copy_from_slice(&self.nodes[f.to].gid);
+        let node = &mut self.nodes[f.to];
+        node.hca
+            .handle_packet(self.now, &f.frame, &RxInfo { grh }, &mut node.mem);
+    }
+
+    /// The next moment something happens: a delivery or a timer.
+    fn next_event(&self) -> Option<Instant> {
+        let d = self.flight.peek().map(|Reverse(f)| f.at);
+        let t = self.nodes.iter().filter_map(|n| n.hca.poll_timeout()).min();
+        match (d, t) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Transmit, then advance to the next event and process everything due then. Returns false when
+    /// nothing is left to happen.
+    pub fn step(&mut self) -> bool {
+        self.transmit_all();
+        let Some(at) = self.next_event() else {
+            return false;
+        };
+        if at > self.now {
+            self.now = at;
+        }
+        while self
+            .flight
+            .peek()
+            .is_some_and(|Reverse(f)| f.at <= self.now)
+        {
+            let Reverse(f) = self.flight.pop().expect("peeked");
+            self.deliver(f);
+        }
+        for node in &mut self.nodes {
+            if node.hca.poll_timeout().is_some_and(|t| t <= self.now) {
+                node.hca.handle_timeout(self.now, &mut node.mem);
+            }
+        }
+        true
+    }
+
+    /// Step until `done` holds (true) or the network goes idle or `limit` of virtual time passes
+    /// (false).
+    pub fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&mut Net) -> bool) -> bool {
+        let end = self.now + limit;
+        loop {
+            if done(self) {
+                return true;
+            }
+            if self.now > end || !self.step() {
+                return done(self);
+            }
+        }
+    }
+
+    /// Step until nothing is left to happen or `limit` passes.
+    pub fn run_idle(&mut self, limit: Duration) {
+        self.run_until(limit, |_| false);
+    }
+}

@@ -1,0 +1,35 @@
+//! Engine configuration: limits and cadences, each with a documented default.
+
+use crate::attr::Mtu;
+
+/// Engine-wide settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// Largest `max_rd_atomic` / `max_dest_rd_atomic` accepted (rxe: 128).
+    pub max_rd_atomic: u8,
+    /// The requester asks for an ACK at least every this many packets (rxe: 64).
+    pub ack_req_every: u32,
+    /// At most this many request packets are unacknowledged at once (go-back-N window). The last
+    /// packet sent before the window fills asks for an ACK.
+    pub max_inflight_packets: u32,
+    /// Port MTU: the UD message limit.
+    pub port_mtu: Mtu,
+    /// Largest message (rxe `max_msg_sz`: 2^31).
+    pub max_msg_size: u64,
+    /// Work per `poll_transmit`-driven requester step: at most this many packets from one QP before
+    /// another QP gets a turn.
+    pub burst: u32,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            max_rd_atomic: 128,
+            ack_req_every: 64,
+            max_inflight_packets: 1024,
+            port_mtu: Mtu::M4096,
+            max_msg_size: 1 << 31,
+            burst: 16,
+        }
+    }
+}

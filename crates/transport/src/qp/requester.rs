@@ -1,0 +1,572 @@
+//! The requester: turns send WQEs into request packets.
+//!
+//! It segments each message by the path MTU, assigns PSNs (a WQE keeps its `first_psn` for life, so
+//! a retransmission regenerates exactly the same packets: nothing sent is ever stored), chooses
+//! opcodes from the table's base codes, asks for ACKs on the last packet of a message, every
+//! `ack_req_every` packets and when the window fills, and respects `max_rd_atomic`, fences and the
+//! go-back-N window. UC and UD WQEs complete as soon as their last packet is out.
+
+use std::collections::VecDeque;
+
+use super::{send_wc_opcode, Qp, QpAttrs, Timer};
+use crate::attr::{QpState, QpType};
+use crate::cq::{WcOpcode, WcStatus};
+use crate::hca::{Ctx, Transmit};
+use crate::memory::{self, Access};
+use crate::wr::{Payload, SendFlags, SendOp, SendWr};
+use softrdma_wire::aeth::rnr_timer_micros;
+use softrdma_wire::bth::DEFAULT_PKEY;
+use softrdma_wire::opcode::base;
+use softrdma_wire::{AtomicEthRepr, BthRepr, DethRepr, IbRepr, Opcode, Psn, RethRepr};
+
+/// A send WQE and its progress.
+#[derive(Debug)]
+pub(crate) struct SendWqe {
+    pub wr: SendWr,
+    pub signaled: bool,
+    /// Message length in bytes.
+    pub len: u32,
+    /// PSN of the first packet (valid once `started`).
+    pub first_psn: Psn,
+    /// PSNs the message consumes (read: one per response packet).
+    pub npkts: u32,
+    pub started: bool,
+    /// A local error found when starting: completes with this status when it reaches the head.
+    pub error: Option<WcStatus>,
+    /// The next read response must be FIRST or ONLY (a read request was just (re)sent).
+    pub read_expect_first: bool,
+}
+
+impl SendWqe {
+    pub fn last_psn(&self) -> Psn {
+        self.first_psn.add(self.npkts.saturating_sub(1))
+    }
+
+    /// `psn` falls inside this WQE's PSN range.
+    pub fn contains(&self, psn: Psn) -> bool {
+        self.started && psn.diff(self.first_psn) >= 0 && psn.diff(self.last_psn()) <= 0
+    }
+}
+
+/// Send queue with requester and completer state.
+#[derive(Debug)]
+pub(crate) struct SendQueue {
+    pub wqes: VecDeque<SendWqe>,
+    /// Index of the WQE the requester works on.
+    pub cur: usize,
+    /// Next packet index within `wqes[cur]`.
+    pub cur_pkt: u32,
+    /// PSN of the next packet to transmit.
+    pub send_psn: Psn,
+    /// PSN the next new WQE will start at.
+    pub npsn: Psn,
+    /// Oldest PSN not yet acknowledged.
+    pub una: Psn,
+    /// Highest PSN ever sent, plus one (to count retransmissions).
+    pub sent_hw: Psn,
+    /// Reads and atomics started and not completed.
+    pub rd_atomic_inflight: u32,
+    pub retry_left: u8,
+    pub rnr_left: u8,
+    /// Packets since the last AckReq.
+    pub noack: u32,
+    /// Transmission paused by an RNR NAK until the RNR timer fires.
+    pub rnr_paused: bool,
+}
+
+impl SendQueue {
+    pub fn new() -> SendQueue {
+        SendQueue {
+            wqes: VecDeque::new(),
+            cur: 0,
+            cur_pkt: 0,
+            send_psn: Psn::new(0),
+            npsn: Psn::new(0),
+            una: Psn::new(0),
+            sent_hw: Psn::new(0),
+            rd_atomic_inflight: 0,
+            retry_left: 7,
+            rnr_left: 7,
+            noack: 0,
+            rnr_paused: false,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.wqes.len()
+    }
+
+    pub fn reset_psn(&mut self, psn: Psn) {
+        self.send_psn = psn;
+        self.npsn = psn;
+        self.una = psn;
+        self.sent_hw = psn;
+    }
+
+    pub fn reset_retries(&mut self, a: &QpAttrs) {
+        self.retry_left = a.retry_cnt;
+        self.rnr_left = a.rnr_retry;
+    }
+
+    pub fn push(&mut self, wr: SendWr, signaled: bool) {
+        let len = match &wr.payload {
+            Payload::Inline(d) => d.len() as u64,
+            Payload::Sgl(sgl) => memory::sgl_len(sgl),
+        };
+        self.wqes.push_back(SendWqe {
+            wr,
+            signaled,
+            len: u32::try_from(len).unwrap_or(u32::MAX),
+            first_psn: Psn::new(0),
+            npkts: 0,
+            started: false,
+            error: if len > u64::from(u32::MAX) {
+                Some(WcStatus::LocLenErr)
+            } else {
+                None
+            },
+            read_expect_first: false,
+        });
+    }
+
+    /// Remove every WQE, returning `(wr_id, opcode)` in order, for flushing.
+    pub fn drain(&mut self) -> Vec<(u64, WcOpcode)> {
+        self.cur = 0;
+        self.cur_pkt = 0;
+        self.rd_atomic_inflight = 0;
+        self.una = self.send_psn;
+        self.wqes
+            .drain(..)
+            .map(|w| (w.wr.wr_id, send_wc_opcode(&w.wr.op)))
+            .collect()
+    }
+
+    /// Remove the head WQE after its completion.
+    pub fn pop_head(&mut self) -> Option<SendWqe> {
+        let w = self.wqes.pop_front()?;
+        if self.cur > 0 {
+            self.cur -= 1;
+        } else {
+            self.cur_pkt = 0;
+        }
+        if w.started && w.wr.op.is_read_or_atomic() {
+            self.rd_atomic_inflight = self.rd_atomic_inflight.saturating_sub(1);
+        }
+        Some(w)
+    }
+
+    /// Packets sent and not yet acknowledged.
+    pub fn unacked(&self) -> bool {
+        self.una != self.sent_hw
+    }
+
+    pub fn nothing_in_flight(&self) -> bool {
+        self.wqes.iter().all(|w| !w.started)
+    }
+
+    /// Go back to `psn`: the requester will regenerate from there.
+    pub fn rewind(&mut self, psn: Psn) {
+        let Some(i) = self
+            .wqes
+            .iter()
+            .position(|w| w.started && w.last_psn().diff(psn) >= 0)
+        else {
+            return;
+        };
+        let w = &mut self.wqes[i];
+        let k = psn.diff(w.first_psn).max(0) as u32;
+        self.cur = i;
+        self.cur_pkt = k;
+        self.send_psn = w.first_psn.add(k);
+        if w.wr.op.is_read_or_atomic() {
+            w.read_expect_first = true;
+        }
+        self.noack = 0;
+    }
+}
+
+/// Number of PSNs a message of `len` bytes takes at `mtu`.
+fn packets(len: u32, mtu: usize) -> u32 {
+    (len as usize).div_ceil(mtu).max(1) as u32
+}
+
+impl Qp {
+    /// The local ACK timeout: 4.096 µs × 2^timeout (none for timeout 0).
+    pub(super) fn ack_timeout(&self) -> Option<core::time::Duration> {
+        match self.attr.timeout {
+            0 => None,
+            t => Some(core::time::Duration::from_nanos(4096u64 << t)),
+        }
+    }
+
+    /// RNR timer duration for an encoded value.
+    pub(super) fn rnr_delay(code: u8) -> core::time::Duration {
+        core::time::Duration::from_micros(u64::from(rnr_timer_micros(code)))
+    }
+
+    /// Build the next request packet, if the requester may send one.
+    pub(super) fn poll_request(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
+        if !self.state.can_send() || self.sq.rnr_paused {
+            return None;
+        }
+        let mtu = self.attr.mtu.bytes();
+        let idx = self.sq.cur;
+        let w = self.sq.wqes.get(idx)?;
+        if !w.started {
+            if self.state == QpState::Sqd || w.error.is_some() {
+                return None;
+            }
+            if w.wr.op.is_read_or_atomic()
+                && self.sq.rd_atomic_inflight >= u32::from(self.attr.max_rd_atomic)
+            {
+                if self.attr.max_rd_atomic == 0 {
+                    self.sq.wqes[idx].error = Some(WcStatus::LocQpOpErr);
+                    self.complete_send_head(ctx);
+                }
+                return None;
+            }
+            if w.wr.flags.contains(SendFlags::FENCE) && self.sq.rd_atomic_inflight > 0 {
+                return None;
+            }
+            if let Some(status) = self.start_check(w, ctx) {
+                self.sq.wqes[idx].error = Some(status);
+                self.complete_send_head(ctx);
+                return None;
+            }
+            let npsn = self.sq.npsn;
+            let w = &mut self.sq.wqes[idx];
+            w.started = true;
+            w.first_psn = npsn;
+            w.npkts = match (self.init.qp_type, &w.wr.op) {
+                (QpType::Ud, _) => 1,
+                (_, op) if op.is_atomic() => 1,
+                _ => packets(w.len, mtu),
+            };
+            w.read_expect_first = true;
+            self.sq.npsn = npsn.add(w.npkts);
+            self.sq.cur_pkt = 0;
+            self.sq.send_psn = npsn;
+            if w.wr.op.is_read_or_atomic() {
+                self.sq.rd_atomic_inflight += 1;
+            }
+        }
+        // Window: keep at most max_inflight_packets PSNs outstanding (a lone large read may exceed).
+        let rc = self.init.qp_type == QpType::Rc;
+        let window = ctx.config.max_inflight_packets;
+        let inflight = self.sq.send_psn.diff(self.sq.una).max(0) as u32;
+        if rc && inflight >= window {
+            return None;
+        }
+        let n = self.build_request(buf, idx, ctx)?;
+        Some(n)
+    }
+
+    /// Local checks when a WQE starts; a failure is the completion status.
+    fn start_check(&self, w: &SendWqe, ctx: &Ctx<'_>) -> Option<WcStatus> {
+        if u64::from(w.len) > ctx.config.max_msg_size {
+            return Some(WcStatus::LocLenErr);
+        }
+        if self.init.qp_type == QpType::Ud && w.len as usize > self.attr.mtu.bytes() {
+            return Some(WcStatus::LocLenErr);
+        }
+        if w.wr.op.is_atomic() && w.len != 8 {
+            return Some(WcStatus::LocLenErr);
+        }
+        if let Payload::Sgl(sgl) = &w.wr.payload {
+            let need = if w.wr.op.is_read_or_atomic() {
+                Access::LOCAL_WRITE
+            } else {
+                Access::NONE
+            };
+            if memory::check_sgl(ctx.mem, self.init.pd, sgl, need).is_err() {
+                return Some(WcStatus::LocProtErr);
+            }
+        }
+        None
+    }
+
+    fn build_request(&mut self, buf: &mut [u8], idx: usize, ctx: &mut Ctx<'_>) -> Option<Transmit> {
+        let mtu = self.attr.mtu.bytes();
+        let qp_type = self.init.qp_type;
+        let k = self.sq.cur_pkt;
+        let psn = self.sq.send_psn;
+        let w = &self.sq.wqes[idx];
+        let n = w.npkts;
+        let first = k == 0;
+        let last = k + 1 == n;
+        let offset = k as usize * mtu;
+        let wire_type = match qp_type {
+            QpType::Rc => softrdma_wire::QpType::Rc,
+            QpType::Uc => softrdma_wire::QpType::Uc,
+            QpType::Ud => softrdma_wire::QpType::Ud,
+        };
+        let pick = |only: u8, fst: u8, mid: u8, lst: u8| match (first, last) {
+            (true, true) => only,
+            (true, false) => fst,
+            (false, true) => lst,
+            (false, false) => mid,
+        };
+        let (code, payload_len, is_read_req) = match w.wr.op {
+            SendOp::Send => (
+                pick(
+                    base::SEND_ONLY,
+                    base::SEND_FIRST,
+                    base::SEND_MIDDLE,
+                    base::SEND_LAST,
+                ),
+                true,
+                false,
+            ),
+            SendOp::SendWithImm(_) => (
+                pick(
+                    base::SEND_ONLY_IMM,
+                    base::SEND_FIRST,
+                    base::SEND_MIDDLE,
+                    base::SEND_LAST_IMM,
+                ),
+                true,
+                false,
+            ),
+            SendOp::SendWithInv(_) => (
+                pick(
+                    base::SEND_ONLY_INV,
+                    base::SEND_FIRST,
+                    base::SEND_MIDDLE,
+                    base::SEND_LAST_INV,
+                ),
+                true,
+                false,
+            ),
+            SendOp::Write { .. } => (
+                pick(
+                    base::WRITE_ONLY,
+                    base::WRITE_FIRST,
+                    base::WRITE_MIDDLE,
+                    base::WRITE_LAST,
+                ),
+                true,
+                false,
+            ),
+            SendOp::WriteWithImm { .. } => (
+                pick(
+                    base::WRITE_ONLY_IMM,
+                    base::WRITE_FIRST,
+                    base::WRITE_MIDDLE,
+                    base::WRITE_LAST_IMM,
+                ),
+                true,
+                false,
+            ),
+            SendOp::Read { .. } => (base::READ_REQUEST, false, true),
+            SendOp::CompareSwap { .. } => (base::COMPARE_SWAP, false, false),
+            SendOp::FetchAdd { .. } => (base::FETCH_ADD, false, false),
+        };
+        let opcode = Opcode::of(wire_type, code)?;
+        let plen = if payload_len {
+            (w.len as usize - offset.min(w.len as usize)).min(mtu)
+        } else {
+            0
+        };
+        let message_end = last || is_read_req || w.wr.op.is_atomic();
+        let solicited = message_end
+            && w.wr.flags.contains(SendFlags::SOLICITED)
+            && matches!(
+                w.wr.op,
+                SendOp::Send
+                    | SendOp::SendWithImm(_)
+                    | SendOp::SendWithInv(_)
+                    | SendOp::WriteWithImm { .. }
+            );
+        let window_full = self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32
+            >= ctx.config.max_inflight_packets;
+        let ack_req = qp_type == QpType::Rc
+            && (message_end || self.sq.noack + 1 >= ctx.config.ack_req_every || window_full);
+        let dest_qp = match (&w.wr.ud, qp_type) {
+            (Some(ud), QpType::Ud) => ud.remote_qpn,
+            _ => self.attr.dest_qpn,
+        };
+        let mut repr = IbRepr::new(BthRepr {
+            opcode,
+            solicited,
+            mig_req: false,
+            pad: 0,
+            pkey: DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp,
+            ack_req,
+            psn,
+        });
+        repr.payload_len = plen;
+        match w.wr.op {
+            SendOp::SendWithImm(imm) if last => repr.imm = Some(imm),
+            SendOp::WriteWithImm { imm, .. } if last => repr.imm = Some(imm),
+            SendOp::SendWithInv(rkey) if last => repr.ieth = Some(rkey),
+            _ => {}
+        }
+        match w.wr.op {
+            SendOp::Write { remote_addr, rkey }
+            | SendOp::WriteWithImm {
+                remote_addr, rkey, ..
+            } if first => {
+                repr.reth = Some(RethRepr {
+                    va: remote_addr,
+                    rkey,
+                    dma_len: w.len,
+                });
+            }
+            SendOp::Read { remote_addr, rkey } => {
+                repr.reth = Some(RethRepr {
+                    va: remote_addr.wrapping_add(offset as u64),
+                    rkey,
+                    dma_len: w.len.saturating_sub(offset as u32),
+                });
+            }
+            SendOp::CompareSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                repr.atomic_eth = Some(AtomicEthRepr {
+                    va: remote_addr,
+                    rkey,
+                    swap_add: swap,
+                    compare,
+                });
+            }
+            SendOp::FetchAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                repr.atomic_eth = Some(AtomicEthRepr {
+                    va: remote_addr,
+                    rkey,
+                    swap_add: add,
+                    compare: 0,
+                });
+            }
+            _ => {}
+        }
+        if let (Some(ud), QpType::Ud) = (&w.wr.ud, qp_type) {
+            let qkey = if ud.remote_qkey & 0x8000_0000 != 0 {
+                self.attr.qkey
+            } else {
+                ud.remote_qkey
+            };
+            repr.deth = Some(DethRepr {
+                qkey,
+                src_qp: self.qpn,
+            });
+        }
+        let len = repr.emit(buf).ok()?;
+        let range = repr.payload_range();
+        let gathered = match &w.wr.payload {
+            Payload::Inline(d) => {
+                buf[range].copy_from_slice(&d[offset..offset + plen]);
+                Ok(())
+            }
+            Payload::Sgl(sgl) => {
+                memory::gather(ctx.mem, self.init.pd, sgl, offset as u64, &mut buf[range])
+            }
+        };
+        if gathered.is_err() {
+            // The region went away after the start check: a local protection error.
+            self.sq.wqes[idx].error = Some(WcStatus::LocProtErr);
+            self.complete_send_head(ctx);
+            return None;
+        }
+        let av = match (&w.wr.ud, qp_type) {
+            (Some(ud), QpType::Ud) => ud.av,
+            _ => self.attr.av,
+        };
+
+        // Advance.
+        if self.sq.send_psn.before(self.sq.sent_hw) {
+            ctx.stats.retransmits += 1;
+        }
+        let consumed = if is_read_req { n - k } else { 1 };
+        self.sq.send_psn = psn.add(consumed);
+        if self.sq.send_psn.after(self.sq.sent_hw) {
+            self.sq.sent_hw = self.sq.send_psn;
+        }
+        self.sq.noack = if ack_req { 0 } else { self.sq.noack + 1 };
+        if is_read_req || w.wr.op.is_atomic() {
+            self.sq.wqes[idx].read_expect_first = true;
+        }
+        if is_read_req || last {
+            self.sq.cur += 1;
+            self.sq.cur_pkt = 0;
+        } else {
+            self.sq.cur_pkt += 1;
+        }
+        ctx.stats.sent_pkts += 1;
+        ctx.stats.sent_bytes += plen as u64;
+        match qp_type {
+            QpType::Rc => {
+                if self.timer(Timer::Retransmit).is_none() {
+                    let at = self.ack_timeout().map(|d| ctx.now + d);
+                    self.set_timer(Timer::Retransmit, at);
+                }
+            }
+            // Unreliable: done when the last packet is out.
+            QpType::Uc | QpType::Ud => {
+                self.sq.una = self.sq.send_psn;
+                if last {
+                    self.complete_send_head(ctx);
+                }
+            }
+        }
+        Some(Transmit {
+            len,
+            av,
+            src_qpn: self.qpn,
+            dest_qpn: dest_qp,
+        })
+    }
+
+    /// Complete WQEs at the head that are finished: a local error, or (UC/UD) fully sent.
+    pub(super) fn complete_send_head(&mut self, ctx: &mut Ctx<'_>) {
+        while let Some(w) = self.sq.wqes.front() {
+            if let Some(status) = w.error {
+                let w = self.sq.pop_head().expect("head exists");
+                let wc = self.wc(w.wr.wr_id, status, send_wc_opcode(&w.wr.op), 0);
+                ctx.push_send_wc(self.init.send_cq, wc);
+                match self.init.qp_type {
+                    QpType::Rc => self.enter_error(ctx),
+                    QpType::Uc | QpType::Ud => self.enter_sq_error(ctx),
+                }
+                return;
+            }
+            let done = self.init.qp_type != QpType::Rc && w.started && self.sq.cur > 0;
+            if !done {
+                return;
+            }
+            let w = self.sq.pop_head().expect("head exists");
+            self.finish_send(w, WcStatus::Success, ctx);
+        }
+    }
+
+    /// Emit the completion of a finished send WQE (successful ones only when signaled).
+    pub(super) fn finish_send(&mut self, w: SendWqe, status: WcStatus, ctx: &mut Ctx<'_>) {
+        if status != WcStatus::Success || w.signaled {
+            let byte_len = if status == WcStatus::Success {
+                w.len
+            } else {
+                0
+            };
+            let wc = self.wc(w.wr.wr_id, status, send_wc_opcode(&w.wr.op), byte_len);
+            ctx.push_send_wc(self.init.send_cq, wc);
+        }
+        self.check_drained(ctx);
+    }
+
+    pub(super) fn on_rnr_wait_over(&mut self, ctx: &mut Ctx<'_>) {
+        self.sq.rnr_paused = false;
+        let una = self.sq.una;
+        self.sq.rewind(una);
+        ctx.stats.retry_rounds += 1;
+        ctx.mark_ready(self.qpn);
+    }
+}

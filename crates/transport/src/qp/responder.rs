@@ -1,0 +1,735 @@
+//! The responder: checks incoming requests (PSN, opcode sequence, length, keys and rights), executes
+//! them against memory, completes receive WQEs, and queues the responses — ACKs, NAKs, RNR NAKs,
+//! read response streams and atomic acknowledgements — in PSN order.
+//!
+//! Duplicates (RC) are answered without executing twice: sends and writes are re-ACKed, reads are
+//! re-executed from the requested PSN, atomics are replayed from a cache of the last
+//! `max_dest_rd_atomic` results. One NAK is sent per PSN sequence error (IBA 9.7.5.1.1). UC drops a
+//! message with a missing packet silently; UD checks the Q_Key and puts the 40-byte GRH in front of
+//! the data.
+
+use std::collections::VecDeque;
+
+use super::Qp;
+use crate::attr::{QpState, QpType};
+use crate::cq::{WcFlags, WcOpcode, WcStatus};
+use crate::hca::{AsyncEvent, Ctx, Transmit};
+use crate::memory::{self, Access, AtomicOp, KeyKind, MemError};
+use crate::wr::RecvWr;
+use softrdma_wire::aeth::CREDITS_INVALID;
+use softrdma_wire::bth::DEFAULT_PKEY;
+use softrdma_wire::opcode::{base, Flags};
+use softrdma_wire::{
+    AethRepr, AtomicAckEthRepr, BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn,
+    QpType as WireQpType, Syndrome,
+};
+
+/// The message being received.
+#[derive(Debug)]
+enum InMsg {
+    /// A multi-packet SEND filling a receive WQE.
+    Send { wr: RecvWr, offset: u32 },
+    /// A multi-packet RDMA WRITE.
+    Write {
+        va: u64,
+        rkey: u32,
+        len: u32,
+        offset: u32,
+    },
+}
+
+/// A read or atomic remembered for duplicate handling.
+#[derive(Debug, Clone, Copy)]
+enum Resource {
+    Read { first: Psn, last: Psn },
+    Atomic { psn: Psn, orig: u64 },
+}
+
+/// A response waiting to be sent.
+#[derive(Debug, Clone, Copy)]
+enum Response {
+    Ack {
+        psn: Psn,
+        syndrome: Syndrome,
+        msn: u32,
+    },
+    AtomicAck {
+        psn: Psn,
+        orig: u64,
+        msn: u32,
+    },
+    Read {
+        psn: Psn,
+        va: u64,
+        rkey: u32,
+        remaining: u32,
+        first: bool,
+        msn: u32,
+    },
+}
+
+/// Responder state of a QP.
+#[derive(Debug)]
+pub(crate) struct Responder {
+    /// Next expected PSN.
+    pub epsn: Psn,
+    /// Message sequence number: messages completed.
+    pub msn: u32,
+    nak_sent: bool,
+    cur: Option<InMsg>,
+    /// UC: discarding the rest of a broken message.
+    uc_drop: bool,
+    res: VecDeque<Resource>,
+    out: VecDeque<Response>,
+    comm_est: bool,
+}
+
+/// A responder-detected error on an RC request: the NAK to send and what else happens.
+#[derive(Debug, Clone, Copy)]
+struct RespError {
+    nak: NakCode,
+    event: fn(softrdma_wire::Qpn) -> AsyncEvent,
+}
+
+const INVALID_REQUEST: RespError = RespError {
+    nak: NakCode::InvalidRequest,
+    event: AsyncEvent::QpRequestError,
+};
+const REMOTE_ACCESS: RespError = RespError {
+    nak: NakCode::RemoteAccessError,
+    event: AsyncEvent::QpAccessError,
+};
+const REMOTE_OP: RespError = RespError {
+    nak: NakCode::RemoteOperationalError,
+    event: AsyncEvent::QpFatal,
+};
+
+impl Responder {
+    pub fn new() -> Responder {
+        Responder {
+            epsn: Psn::new(0),
+            msn: 0,
+            nak_sent: false,
+            cur: None,
+            uc_drop: false,
+            res: VecDeque::new(),
+            out: VecDeque::new(),
+            comm_est: false,
+        }
+    }
+
+    /// The receive WQE of a SEND in progress (for flushing).
+    pub fn take_in_progress(&mut self) -> Option<RecvWr> {
+        match self.cur.take() {
+            Some(InMsg::Send { wr, .. }) => Some(wr),
+            _ => None,
+        }
+    }
+
+    pub fn clear_output(&mut self) {
+        self.out.clear();
+    }
+
+    fn queue_ack(&mut self, psn: Psn) {
+        let r = Response::Ack {
+            psn,
+            syndrome: Syndrome::Ack {
+                credits: CREDITS_INVALID,
+            },
+            msn: self.msn,
+        };
+        // Coalesce: a newer plain ACK covers an older one still waiting.
+        if let Some(Response::Ack {
+            syndrome: Syndrome::Ack { .. },
+            ..
+        }) = self.out.back()
+        {
+            self.out.pop_back();
+        }
+        self.out.push_back(r);
+    }
+
+    fn queue_nak(&mut self, psn: Psn, syndrome: Syndrome) {
+        self.out.push_back(Response::Ack {
+            psn,
+            syndrome,
+            msn: self.msn,
+        });
+    }
+
+    fn remember(&mut self, r: Resource, max: u8) {
+        while self.res.len() >= usize::from(max.max(1)) {
+            self.res.pop_front();
+        }
+        self.res.push_back(r);
+    }
+
+    fn pending_rd_atomic(&self) -> usize {
+        self.out
+            .iter()
+            .filter(|r| !matches!(r, Response::Ack { .. }))
+            .count()
+    }
+
+    /// UC: forget the message in progress; a SEND's receive WQE is kept for the next message.
+    fn abandon(&mut self) -> Option<RecvWr> {
+        self.take_in_progress()
+    }
+}
+
+impl Qp {
+    pub(super) fn handle_request(
+        &mut self,
+        pkt: &IbPacket<&[u8]>,
+        grh: &[u8; 40],
+        ctx: &mut Ctx<'_>,
+    ) {
+        if pkt.bth().pkey() & 0x7fff != DEFAULT_PKEY & 0x7fff {
+            ctx.stats.drop_pkey += 1;
+            return;
+        }
+        if self.state == QpState::Rtr && !self.resp.comm_est {
+            self.resp.comm_est = true;
+            ctx.events.push_back(AsyncEvent::CommEstablished(self.qpn));
+        }
+        match self.init.qp_type {
+            QpType::Ud => self.ud_request(pkt, grh, ctx),
+            QpType::Rc | QpType::Uc => self.connected_request(pkt, ctx),
+        }
+    }
+
+    fn take_recv(&mut self, ctx: &mut Ctx<'_>) -> Option<RecvWr> {
+        match self.init.srq {
+            Some(srq) => ctx.srq_take(srq),
+            None => self.rq.pop_front(),
+        }
+    }
+
+    fn recv_available(&self, ctx: &Ctx<'_>) -> bool {
+        match self.init.srq {
+            Some(srq) => ctx.srq_len(srq) > 0,
+            None => !self.rq.is_empty(),
+        }
+    }
+
+    fn ud_request(&mut self, pkt: &IbPacket<&[u8]>, grh: &[u8; 40], ctx: &mut Ctx<'_>) {
+        let Some(deth) = pkt.deth() else {
+            ctx.stats.drop_malformed += 1;
+            return;
+        };
+        if deth.qkey() != self.attr.qkey {
+            ctx.stats.drop_qkey += 1;
+            return;
+        }
+        let Some(wr) = self.take_recv(ctx) else {
+            ctx.stats.drop_no_recv += 1;
+            return;
+        };
+        let payload = pkt.payload();
+        let total = 40 + payload.len() as u64;
+        let mut wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::Recv, total as u32);
+        wc.src_qp = deth.src_qp();
+        wc.flags = WcFlags::GRH;
+        if let Some(imm) = pkt.imm() {
+            wc.imm = imm;
+            wc.flags = wc.flags.with(WcFlags::WITH_IMM);
+        }
+        if total > memory::sgl_len(&wr.sgl) {
+            wc.status = WcStatus::LocLenErr;
+            wc.byte_len = 0;
+        } else if memory::scatter(ctx.mem, self.init.pd, &wr.sgl, 0, grh).is_err()
+            || memory::scatter(ctx.mem, self.init.pd, &wr.sgl, 40, payload).is_err()
+        {
+            wc.status = WcStatus::LocProtErr;
+            wc.byte_len = 0;
+        } else {
+            ctx.stats.rcvd_bytes += payload.len() as u64;
+        }
+        ctx.push_recv_wc(self.init.recv_cq, wc);
+    }
+
+    fn connected_request(&mut self, pkt: &IbPacket<&[u8]>, ctx: &mut Ctx<'_>) {
+        let rc = self.init.qp_type == QpType::Rc;
+        let psn = pkt.bth().psn();
+        let info = pkt.info();
+        let d = psn.diff(self.resp.epsn);
+        if d < 0 {
+            if rc {
+                self.duplicate(pkt, ctx);
+            } else {
+                ctx.stats.drop_uc_msg += 1;
+            }
+            return;
+        }
+        if d > 0 {
+            ctx.stats.out_of_seq_request += 1;
+            if rc {
+                if !self.resp.nak_sent {
+                    self.resp.nak_sent = true;
+                    let epsn = self.resp.epsn;
+                    self.resp
+                        .queue_nak(epsn, Syndrome::Nak(NakCode::PsnSequenceError));
+                }
+                return;
+            }
+            // UC: packets were lost; the message they belonged to is gone.
+            self.uc_abandon();
+            self.resp.epsn = psn;
+            if !info.starts_message() {
+                self.resp.uc_drop = true;
+            }
+        }
+        self.resp.nak_sent = false;
+        if !rc && self.resp.uc_drop {
+            if !info.starts_message() {
+                self.resp.epsn = psn.next();
+                ctx.stats.drop_uc_msg += 1;
+                return;
+            }
+            self.resp.uc_drop = false;
+        }
+        if !rc && info.starts_message() && self.resp.cur.is_some() {
+            self.uc_abandon();
+        }
+        // Opcode sequence: a FIRST/ONLY only between messages, a MIDDLE/LAST only inside one of its kind.
+        let in_order = if info.starts_message() {
+            self.resp.cur.is_none()
+        } else {
+            match &self.resp.cur {
+                Some(InMsg::Send { .. }) => info.is(Flags::SEND),
+                Some(InMsg::Write { .. }) => info.is(Flags::WRITE),
+                None => false,
+            }
+        };
+        let mtu = self.attr.mtu.bytes();
+        let plen = pkt.payload().len();
+        let len_ok = if !info.is(Flags::PAYLOAD) {
+            true
+        } else if info.ends_message() {
+            plen <= mtu
+        } else {
+            plen == mtu
+        };
+        if !in_order || !len_ok {
+            return self.request_error(psn, INVALID_REQUEST, ctx);
+        }
+        let result = if info.is(Flags::SEND) {
+            self.execute_send(pkt, ctx)
+        } else if info.is(Flags::WRITE) {
+            self.execute_write(pkt, ctx)
+        } else if info.is(Flags::READ) && rc {
+            return self.execute_read(pkt, psn, ctx);
+        } else if info.is(Flags::ATOMIC) && rc {
+            return self.execute_atomic(pkt, psn, ctx);
+        } else {
+            Err(Step::Error(INVALID_REQUEST))
+        };
+        match result {
+            Ok(()) => {
+                ctx.stats.rcvd_bytes += plen as u64;
+                self.resp.epsn = psn.next();
+                if rc && pkt.bth().ack_req() {
+                    self.resp.queue_ack(psn);
+                }
+            }
+            Err(Step::Rnr) => {
+                ctx.stats.send_rnr_nak += 1;
+                if rc {
+                    let timer = self.attr.min_rnr_timer;
+                    self.resp.queue_nak(psn, Syndrome::RnrNak { timer });
+                } else {
+                    // UC: no receive posted, the message is dropped.
+                    ctx.stats.drop_no_recv += 1;
+                    self.resp.epsn = psn.next();
+                    self.resp.uc_drop = !info.ends_message();
+                }
+            }
+            Err(Step::Error(e)) => self.request_error(psn, e, ctx),
+        }
+    }
+
+    fn uc_abandon(&mut self) {
+        if let Some(wr) = self.resp.abandon() {
+            // Keep the receive WQE for the next message.
+            self.rq.push_front(wr);
+        }
+    }
+
+    /// An RC request failed the responder's checks: NAK it and go to ERR. UC drops the message.
+    fn request_error(&mut self, psn: Psn, e: RespError, ctx: &mut Ctx<'_>) {
+        if self.init.qp_type != QpType::Rc {
+            ctx.stats.drop_uc_msg += 1;
+            self.uc_abandon();
+            self.resp.epsn = psn.next();
+            self.resp.uc_drop = true;
+            return;
+        }
+        ctx.stats.send_err_nak += 1;
+        ctx.events.push_back((e.event)(self.qpn));
+        self.enter_error(ctx);
+        self.resp.queue_nak(psn, Syndrome::Nak(e.nak));
+    }
+
+    fn fail_recv(&mut self, wr: RecvWr, status: WcStatus, ctx: &mut Ctx<'_>) {
+        let wc = self.wc(wr.wr_id, status, WcOpcode::Recv, 0);
+        ctx.push_recv_wc(self.init.recv_cq, wc);
+    }
+
+    fn execute_send(&mut self, pkt: &IbPacket<&[u8]>, ctx: &mut Ctx<'_>) -> Result<(), Step> {
+        let info = pkt.info();
+        let (wr, offset) = match self.resp.cur.take() {
+            Some(InMsg::Send { wr, offset }) => (wr, offset),
+            _ => match self.take_recv(ctx) {
+                Some(wr) => (wr, 0),
+                None => return Err(Step::Rnr),
+            },
+        };
+        let payload = pkt.payload();
+        if u64::from(offset) + payload.len() as u64 > memory::sgl_len(&wr.sgl) {
+            self.fail_recv(wr, WcStatus::LocLenErr, ctx);
+            return Err(Step::Error(INVALID_REQUEST));
+        }
+        if memory::scatter(ctx.mem, self.init.pd, &wr.sgl, u64::from(offset), payload).is_err() {
+            self.fail_recv(wr, WcStatus::LocProtErr, ctx);
+            return Err(Step::Error(REMOTE_OP));
+        }
+        let offset = offset + payload.len() as u32;
+        if !info.ends_message() {
+            self.resp.cur = Some(InMsg::Send { wr, offset });
+            return Ok(());
+        }
+        let mut wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::Recv, offset);
+        if let Some(imm) = pkt.imm() {
+            wc.imm = imm;
+            wc.flags = wc.flags.with(WcFlags::WITH_IMM);
+        }
+        if let Some(rkey) = pkt.ieth() {
+            if ctx.mem.invalidate(self.init.pd, rkey).is_err() {
+                self.fail_recv(wr, WcStatus::LocProtErr, ctx);
+                return Err(Step::Error(INVALID_REQUEST));
+            }
+            wc.invalidated_rkey = rkey;
+            wc.flags = wc.flags.with(WcFlags::WITH_INV);
+        }
+        ctx.push_recv_wc(self.init.recv_cq, wc);
+        self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
+        Ok(())
+    }
+
+    fn remote_check(
+        &self,
+        ctx: &Ctx<'_>,
+        rkey: u32,
+        va: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(), Step> {
+        if !self.attr.access.contains(need) {
+            return Err(Step::Error(REMOTE_ACCESS));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        ctx.mem
+            .check(self.init.pd, rkey, KeyKind::Remote, va, len, need)
+            .map_err(|_| Step::Error(REMOTE_ACCESS))
+    }
+
+    fn execute_write(&mut self, pkt: &IbPacket<&[u8]>, ctx: &mut Ctx<'_>) -> Result<(), Step> {
+        let info = pkt.info();
+        let (va, rkey, len, offset) = match (self.resp.cur.take(), pkt.reth()) {
+            (None, Some(reth)) => {
+                self.remote_check(
+                    ctx,
+                    reth.rkey(),
+                    reth.va(),
+                    u64::from(reth.dma_len()),
+                    Access::REMOTE_WRITE,
+                )?;
+                (reth.va(), reth.rkey(), reth.dma_len(), 0u32)
+            }
+            (
+                Some(InMsg::Write {
+                    va,
+                    rkey,
+                    len,
+                    offset,
+                }),
+                None,
+            ) => (va, rkey, len, offset),
+            _ => return Err(Step::Error(INVALID_REQUEST)),
+        };
+        let payload = pkt.payload();
+        let end = u64::from(offset) + payload.len() as u64;
+        let len_ok = if info.ends_message() {
+            end == u64::from(len)
+        } else {
+            end < u64::from(len)
+        };
+        if !len_ok {
+            return Err(Step::Error(INVALID_REQUEST));
+        }
+        // A write with immediate needs a receive WQE; ask for it before touching memory.
+        if info.ends_message() && info.is(Flags::IMM) && !self.recv_available(ctx) {
+            self.resp.cur = (!info.starts_message()).then_some(InMsg::Write {
+                va,
+                rkey,
+                len,
+                offset,
+            });
+            return Err(Step::Rnr);
+        }
+        if !payload.is_empty() {
+            let addr = va.wrapping_add(u64::from(offset));
+            ctx.mem
+                .write(self.init.pd, rkey, KeyKind::Remote, addr, payload)
+                .map_err(|_| Step::Error(REMOTE_ACCESS))?;
+        }
+        if !info.ends_message() {
+            self.resp.cur = Some(InMsg::Write {
+                va,
+                rkey,
+                len,
+                offset: end as u32,
+            });
+            return Ok(());
+        }
+        if let Some(imm) = pkt.imm() {
+            let wr = self.take_recv(ctx).ok_or(Step::Rnr)?;
+            let mut wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len);
+            wc.imm = imm;
+            wc.flags = WcFlags::WITH_IMM;
+            ctx.push_recv_wc(self.init.recv_cq, wc);
+        }
+        self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
+        Ok(())
+    }
+
+    fn execute_read(&mut self, pkt: &IbPacket<&[u8]>, psn: Psn, ctx: &mut Ctx<'_>) {
+        let Some(reth) = pkt.reth() else {
+            return self.request_error(psn, INVALID_REQUEST, ctx);
+        };
+        if self.resp.pending_rd_atomic() >= usize::from(self.attr.max_dest_rd_atomic) {
+            return self.request_error(psn, INVALID_REQUEST, ctx);
+        }
+        let len = reth.dma_len();
+        if let Err(Step::Error(e)) = self.remote_check(
+            ctx,
+            reth.rkey(),
+            reth.va(),
+            u64::from(len),
+            Access::REMOTE_READ,
+        ) {
+            return self.request_error(psn, e, ctx);
+        }
+        let npkts = (len as usize).div_ceil(self.attr.mtu.bytes()).max(1) as u32;
+        let last = psn.add(npkts - 1);
+        self.resp.remember(
+            Resource::Read { first: psn, last },
+            self.attr.max_dest_rd_atomic,
+        );
+        self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
+        let msn = self.resp.msn;
+        self.resp.out.push_back(Response::Read {
+            psn,
+            va: reth.va(),
+            rkey: reth.rkey(),
+            remaining: len,
+            first: true,
+            msn,
+        });
+        self.resp.epsn = last.next();
+    }
+
+    fn execute_atomic(&mut self, pkt: &IbPacket<&[u8]>, psn: Psn, ctx: &mut Ctx<'_>) {
+        let Some(a) = pkt.atomic_eth() else {
+            return self.request_error(psn, INVALID_REQUEST, ctx);
+        };
+        if self.resp.pending_rd_atomic() >= usize::from(self.attr.max_dest_rd_atomic) {
+            return self.request_error(psn, INVALID_REQUEST, ctx);
+        }
+        if !self.attr.access.contains(Access::REMOTE_ATOMIC) {
+            return self.request_error(psn, REMOTE_ACCESS, ctx);
+        }
+        if a.va() % 8 != 0 {
+            return self.request_error(psn, INVALID_REQUEST, ctx);
+        }
+        let op = if pkt.bth().opcode().base() == base::COMPARE_SWAP {
+            AtomicOp::CompareSwap {
+                compare: a.compare(),
+                swap: a.swap_add(),
+            }
+        } else {
+            AtomicOp::FetchAdd { add: a.swap_add() }
+        };
+        let orig = match ctx.mem.atomic(self.init.pd, a.rkey(), a.va(), op) {
+            Ok(v) => v,
+            Err(MemError::Misaligned) => return self.request_error(psn, INVALID_REQUEST, ctx),
+            Err(_) => return self.request_error(psn, REMOTE_ACCESS, ctx),
+        };
+        self.resp
+            .remember(Resource::Atomic { psn, orig }, self.attr.max_dest_rd_atomic);
+        self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
+        let msn = self.resp.msn;
+        self.resp
+            .out
+            .push_back(Response::AtomicAck { psn, orig, msn });
+        self.resp.epsn = psn.next();
+    }
+
+    /// An RC request with a PSN already seen.
+    fn duplicate(&mut self, pkt: &IbPacket<&[u8]>, ctx: &mut Ctx<'_>) {
+        ctx.stats.duplicate_request += 1;
+        let psn = pkt.bth().psn();
+        let info = pkt.info();
+        if info.is(Flags::SEND) || info.is(Flags::WRITE) {
+            let last = self.resp.epsn.sub(1);
+            self.resp.queue_ack(last);
+            return;
+        }
+        let found = self.resp.res.iter().rev().copied().find(|r| match *r {
+            Resource::Read { first, last } => psn.diff(first) >= 0 && psn.diff(last) <= 0,
+            Resource::Atomic { psn: p, .. } => p == psn,
+        });
+        let msn = self.resp.msn;
+        match (found, pkt.reth()) {
+            (Some(Resource::Read { first, last }), Some(reth)) if info.is(Flags::READ) => {
+                let len = reth.dma_len();
+                if self
+                    .remote_check(
+                        ctx,
+                        reth.rkey(),
+                        reth.va(),
+                        u64::from(len),
+                        Access::REMOTE_READ,
+                    )
+                    .is_err()
+                {
+                    return;
+                }
+                // Drop a stream of the same read still queued: it restarts here.
+                self.resp.out.retain(|r| match *r {
+                    Response::Read { psn: p, .. } => !(p.diff(first) >= 0 && p.diff(last) <= 0),
+                    _ => true,
+                });
+                self.resp.out.push_back(Response::Read {
+                    psn,
+                    va: reth.va(),
+                    rkey: reth.rkey(),
+                    remaining: len,
+                    first: true,
+                    msn,
+                });
+            }
+            (Some(Resource::Atomic { psn, orig }), _) if info.is(Flags::ATOMIC) => {
+                self.resp
+                    .out
+                    .push_back(Response::AtomicAck { psn, orig, msn });
+            }
+            _ => ctx.stats.drop_stray_resp += 1,
+        }
+    }
+
+    /// Build the next queued response.
+    pub(super) fn poll_response(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
+        let r = *self.resp.out.front()?;
+        let bth = |op: u8, psn: Psn| BthRepr {
+            opcode: Opcode::of(WireQpType::Rc, op).expect("RC response opcode"),
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            pkey: DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp: self.attr.dest_qpn,
+            ack_req: false,
+            psn,
+        };
+        let ack = |msn| AethRepr {
+            syndrome: Syndrome::Ack {
+                credits: CREDITS_INVALID,
+            },
+            msn,
+        };
+        let mtu = self.attr.mtu.bytes();
+        let len = match r {
+            Response::Ack { psn, syndrome, msn } => {
+                self.resp.out.pop_front();
+                let mut repr = IbRepr::new(bth(base::ACKNOWLEDGE, psn));
+                repr.aeth = Some(AethRepr { syndrome, msn });
+                repr.emit(buf).ok()?
+            }
+            Response::AtomicAck { psn, orig, msn } => {
+                self.resp.out.pop_front();
+                let mut repr = IbRepr::new(bth(base::ATOMIC_ACKNOWLEDGE, psn));
+                repr.aeth = Some(ack(msn));
+                repr.atomic_ack_eth = Some(AtomicAckEthRepr { orig });
+                repr.emit(buf).ok()?
+            }
+            Response::Read {
+                psn,
+                va,
+                rkey,
+                remaining,
+                first,
+                msn,
+            } => {
+                let plen = (remaining as usize).min(mtu);
+                let last = remaining as usize <= mtu;
+                let op = match (first, last) {
+                    (true, true) => base::READ_RESPONSE_ONLY,
+                    (true, false) => base::READ_RESPONSE_FIRST,
+                    (false, true) => base::READ_RESPONSE_LAST,
+                    (false, false) => base::READ_RESPONSE_MIDDLE,
+                };
+                let mut repr = IbRepr::new(bth(op, psn));
+                if first || last {
+                    repr.aeth = Some(ack(msn));
+                }
+                repr.payload_len = plen;
+                let n = repr.emit(buf).ok()?;
+                let range = repr.payload_range();
+                if plen > 0
+                    && ctx
+                        .mem
+                        .read(self.init.pd, rkey, KeyKind::Remote, va, &mut buf[range])
+                        .is_err()
+                {
+                    // The region went away between the request and the response.
+                    self.request_error(psn, REMOTE_ACCESS, ctx);
+                    return self.poll_response(buf, ctx);
+                }
+                let front = self.resp.out.front_mut().expect("front exists");
+                if last {
+                    self.resp.out.pop_front();
+                } else {
+                    *front = Response::Read {
+                        psn: psn.next(),
+                        va: va.wrapping_add(plen as u64),
+                        rkey,
+                        remaining: remaining - plen as u32,
+                        first: false,
+                        msn,
+                    };
+                }
+                ctx.stats.sent_bytes += plen as u64;
+                n
+            }
+        };
+        ctx.stats.sent_pkts += 1;
+        Some(Transmit {
+            len,
+            av: self.attr.av,
+            src_qpn: self.qpn,
+            dest_qpn: self.attr.dest_qpn,
+        })
+    }
+}
+
+/// Outcome of executing one request packet, when it is not plain success.
+enum Step {
+    /// No receive WQE: RNR NAK (RC) or drop (UC).
+    Rnr,
+    /// A responder-detected error.
+    Error(RespError),
+}
