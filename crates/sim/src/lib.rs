@@ -7,6 +7,7 @@ pub mod memory;
 pub mod net;
 pub mod pair;
 pub mod rng;
+pub mod workload;
 
 pub use memory::SimMemory;
 pub use net::{Impairments, Net, NodeId};

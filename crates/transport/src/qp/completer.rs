@@ -94,6 +94,7 @@ impl Qp {
     fn progress(&mut self, una: Psn, ctx: &mut Ctx<'_>) {
         if una.after(self.sq.una) {
             self.sq.una = una;
+            self.sq.retrying_from = None;
         }
         self.sq.reset_retries(&self.attr);
         let at = if self.sq.unacked() {
@@ -105,8 +106,16 @@ impl Qp {
         ctx.mark_ready(self.qpn);
     }
 
-    /// Go back to the oldest unacknowledged PSN, spending one retry.
+    /// Go back to the oldest unacknowledged PSN, spending one retry — unless a retry from there is
+    /// already under way.
     fn retry(&mut self, ctx: &mut Ctx<'_>) {
+        if self.sq.retrying_from == Some(self.sq.una) {
+            return;
+        }
+        self.start_retry(ctx);
+    }
+
+    fn start_retry(&mut self, ctx: &mut Ctx<'_>) {
         if self.attr.retry_cnt != 7 {
             if self.sq.retry_left == 0 {
                 return self.fail_head(WcStatus::RetryExcErr, ctx);
@@ -115,6 +124,7 @@ impl Qp {
         }
         ctx.stats.retry_rounds += 1;
         let una = self.sq.una;
+        self.sq.retrying_from = Some(una);
         self.sq.rewind(una);
         let at = self.ack_timeout().map(|d| ctx.now + d);
         self.set_timer(Timer::Retransmit, at);
@@ -134,7 +144,7 @@ impl Qp {
             return;
         }
         ctx.stats.ack_timeouts += 1;
-        self.retry(ctx);
+        self.start_retry(ctx);
     }
 
     fn on_seq_nak(&mut self, psn: Psn, ctx: &mut Ctx<'_>) {

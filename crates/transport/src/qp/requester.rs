@@ -72,6 +72,9 @@ pub(crate) struct SendQueue {
     pub noack: u32,
     /// Transmission paused by an RNR NAK until the RNR timer fires.
     pub rnr_paused: bool,
+    /// A retry from this PSN is under way: further signs of the same loss are ignored until
+    /// progress or a timeout (as rxe's `started_retry`), so one loss costs one retransmission round.
+    pub retrying_from: Option<Psn>,
 }
 
 impl SendQueue {
@@ -89,6 +92,7 @@ impl SendQueue {
             rnr_left: 7,
             noack: 0,
             rnr_paused: false,
+            retrying_from: None,
         }
     }
 
@@ -250,6 +254,9 @@ impl Qp {
                 self.sq.rd_atomic_inflight += 1;
             }
         }
+        // The PSN follows from the position: a WQE keeps its PSNs for life.
+        let w = &self.sq.wqes[idx];
+        self.sq.send_psn = w.first_psn.add(self.sq.cur_pkt);
         // Window: keep at most max_inflight_packets PSNs outstanding (a lone large read may exceed).
         let rc = self.init.qp_type == QpType::Rc;
         let window = ctx.config.max_inflight_packets;

@@ -57,6 +57,7 @@ enum Response {
         psn: Psn,
         orig: u64,
         msn: u32,
+        dup: bool,
     },
     Read {
         psn: Psn,
@@ -65,6 +66,7 @@ enum Response {
         remaining: u32,
         first: bool,
         msn: u32,
+        dup: bool,
     },
 }
 
@@ -164,11 +166,13 @@ impl Responder {
         self.res.push_back(r);
     }
 
+    /// New (not duplicate) reads and atomics whose responses are still queued: at most
+    /// `max_dest_rd_atomic` when the requester keeps to its limit.
     fn pending_rd_atomic(&self) -> usize {
-        self.out
-            .iter()
-            .filter(|r| !matches!(r, Response::Ack { .. }))
-            .count()
+        let new = |r: &&Response| {
+            matches!(r, Response::AtomicAck { dup: false, .. } | Response::Read { dup: false, .. })
+        };
+        self.out.iter().filter(new).count()
     }
 
     /// UC: forget the message in progress; a SEND's receive WQE is kept for the next message.
@@ -537,6 +541,7 @@ impl Qp {
             remaining: len,
             first: true,
             msn,
+            dup: false,
         });
         self.resp.epsn = last.next();
     }
@@ -571,9 +576,8 @@ impl Qp {
             .remember(Resource::Atomic { psn, orig }, self.attr.max_dest_rd_atomic);
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         let msn = self.resp.msn;
-        self.resp
-            .out
-            .push_back(Response::AtomicAck { psn, orig, msn });
+        let ack = Response::AtomicAck { psn, orig, msn, dup: false };
+        self.resp.out.push_back(ack);
         self.resp.epsn = psn.next();
     }
 
@@ -607,11 +611,13 @@ impl Qp {
                 {
                     return;
                 }
-                // Drop a stream of the same read still queued: it restarts here.
-                self.resp.out.retain(|r| match *r {
-                    Response::Read { psn: p, .. } => !(p.diff(first) >= 0 && p.diff(last) <= 0),
-                    _ => true,
-                });
+                // A stream of the same read still queued restarts here instead; it keeps its
+                // place in the count of new requests.
+                let same = |p: Psn| p.diff(first) >= 0 && p.diff(last) <= 0;
+                let was_new = self.resp.out.iter().any(
+                    |r| matches!(*r, Response::Read { psn: p, dup: false, .. } if same(p)),
+                );
+                self.resp.out.retain(|r| !matches!(*r, Response::Read { psn: p, .. } if same(p)));
                 self.resp.out.push_back(Response::Read {
                     psn,
                     va: reth.va(),
@@ -619,12 +625,17 @@ impl Qp {
                     remaining: len,
                     first: true,
                     msn,
+                    dup: !was_new,
                 });
             }
             (Some(Resource::Atomic { psn, orig }), _) if info.is(Flags::ATOMIC) => {
-                self.resp
-                    .out
-                    .push_back(Response::AtomicAck { psn, orig, msn });
+                let queued = self.resp.out.iter().any(
+                    |r| matches!(*r, Response::AtomicAck { psn: p, .. } if p == psn),
+                );
+                if !queued {
+                    let ack = Response::AtomicAck { psn, orig, msn, dup: true };
+                    self.resp.out.push_back(ack);
+                }
             }
             _ => ctx.stats.drop_stray_resp += 1,
         }
@@ -659,7 +670,7 @@ impl Qp {
                 repr.aeth = Some(AethRepr { syndrome, msn });
                 repr.emit(buf).ok()?
             }
-            Response::AtomicAck { psn, orig, msn } => {
+            Response::AtomicAck { psn, orig, msn, .. } => {
                 self.resp.out.pop_front();
                 let mut repr = IbRepr::new(bth(base::ATOMIC_ACKNOWLEDGE, psn));
                 repr.aeth = Some(ack(msn));
@@ -673,6 +684,7 @@ impl Qp {
                 remaining,
                 first,
                 msn,
+                dup,
             } => {
                 let plen = (remaining as usize).min(mtu);
                 let last = remaining as usize <= mtu;
@@ -710,6 +722,7 @@ impl Qp {
                         remaining: remaining - plen as u32,
                         first: false,
                         msn,
+                        dup,
                     };
                 }
                 ctx.stats.sent_bytes += plen as u64;
