@@ -26,6 +26,7 @@ use std::fmt;
 use std::fs;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::Path;
 use std::str::FromStr;
 
 use nix::ifaddrs::getifaddrs;
@@ -234,6 +235,12 @@ pub fn list() -> Result<Vec<Netdev>, NetdevError> {
             let prefix_len = ifa.netmask.as_ref().and_then(ip_of).map_or(0, prefix_of);
             dev.addrs.push(IfAddr::new(ip, prefix_len));
         }
+    }
+    // An interface removed between getifaddrs and here has no sysfs directory any more: drop it
+    // rather than fail the whole listing.
+    let sys = Path::new("/sys/class/net");
+    if sys.is_dir() {
+        devs.retain(|d| sys.join(&d.name).exists());
     }
     for dev in &mut devs {
         dev.mtu = read_sysfs_u32(&dev.name, "mtu")?;
