@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+mod devinfo;
 mod pcap;
 
 #[derive(Parser)]
@@ -18,6 +19,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// List the RDMA devices and their node GUIDs (like `ibv_devices`).
+    Devices,
+    /// Print device and port attributes (like `ibv_devinfo`).
+    Devinfo(devinfo::DevinfoArgs),
     /// Work with packet captures.
     Pcap {
         #[command(subcommand)]
@@ -28,6 +33,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Devices => devinfo::run_devices(),
+        Command::Devinfo(args) => devinfo::run_devinfo(args),
         Command::Pcap { command } => pcap::run(command),
     }
 }
