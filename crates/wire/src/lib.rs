@@ -18,6 +18,7 @@ pub mod ethernet;
 pub mod ext;
 mod field;
 pub mod grh;
+pub mod icrc;
 pub mod ipv4;
 pub mod ipv6;
 pub mod lrh;
