@@ -25,6 +25,7 @@ pub mod lrh;
 pub mod number;
 pub mod opcode;
 pub mod packet;
+pub mod roce;
 pub mod udp;
 
 pub use aeth::{AethRepr, NakCode, Syndrome};
@@ -39,6 +40,7 @@ pub use lrh::{LrhPacket, LrhRepr};
 pub use number::{Psn, Qpn};
 pub use opcode::{HeaderSet, Opcode, OpcodeInfo, QpType};
 pub use packet::{IbPacket, IbRepr};
+pub use roce::{RoceV1Packet, RoceV2Packet, RoceV2Repr, UdpVerdict};
 pub use udp::{UdpPacket, UdpRepr};
 
 /// Length in bytes of the invariant CRC trailing every IB transport packet.
