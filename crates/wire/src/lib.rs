@@ -12,6 +12,7 @@
 
 pub mod aeth;
 pub mod bth;
+pub mod capture;
 pub mod checksum;
 pub mod error;
 pub mod ethernet;
