@@ -22,6 +22,10 @@ pub enum Error {
     BadLength,
     /// An IPv4 header checksum is wrong.
     BadChecksum,
+    /// An IPv4 fragment (MF set or a non-zero fragment offset); RoCE packets are never fragmented.
+    Fragmented,
+    /// The ICRC of a RoCE packet does not match its contents.
+    BadIcrc,
 }
 
 /// Result alias for this crate.
@@ -38,6 +42,8 @@ impl fmt::Display for Error {
             Error::NotRoce => write!(f, "not a RoCE packet"),
             Error::BadLength => write!(f, "length field disagrees with packet size"),
             Error::BadChecksum => write!(f, "bad header checksum"),
+            Error::Fragmented => write!(f, "IP fragment"),
+            Error::BadIcrc => write!(f, "bad ICRC"),
         }
     }
 }

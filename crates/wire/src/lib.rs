@@ -12,20 +12,37 @@
 
 pub mod aeth;
 pub mod bth;
+pub mod capture;
+pub mod checksum;
 pub mod error;
+pub mod ethernet;
 pub mod ext;
 mod field;
+pub mod grh;
+pub mod icrc;
+pub mod ipv4;
+pub mod ipv6;
+pub mod lrh;
 pub mod number;
 pub mod opcode;
 pub mod packet;
+pub mod roce;
+pub mod udp;
 
 pub use aeth::{AethRepr, NakCode, Syndrome};
 pub use bth::BthRepr;
 pub use error::{Error, Result};
+pub use ethernet::{EthernetFrame, EthernetRepr};
 pub use ext::{AtomicAckEthRepr, AtomicEthRepr, DethRepr, RethRepr};
+pub use grh::{GrhPacket, GrhRepr};
+pub use ipv4::{Ipv4Packet, Ipv4Repr};
+pub use ipv6::{Ipv6Packet, Ipv6Repr};
+pub use lrh::{LrhPacket, LrhRepr};
 pub use number::{Psn, Qpn};
 pub use opcode::{HeaderSet, Opcode, OpcodeInfo, QpType};
 pub use packet::{IbPacket, IbRepr};
+pub use roce::{RoceV1Packet, RoceV2Packet, RoceV2Repr, UdpVerdict};
+pub use udp::{UdpPacket, UdpRepr};
 
 /// Length in bytes of the invariant CRC trailing every IB transport packet.
 pub const ICRC_LEN: usize = 4;
