@@ -1,0 +1,79 @@
+//! Finding and opening devices: the registry's devices, or one built by hand (tests, tools).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
+
+use softrdma_device::{DeviceConfig, DeviceInfo, Registry};
+
+use crate::error::Result;
+use crate::runtime::{Device, DeviceHandle};
+use crate::verbs::Context;
+use crate::ROCE_PORT;
+
+/// The devices of the registry (`devices.conf`, or the implicit `rxe0` on `lo`) whose interface
+/// exists, as `ibv_get_device_list` returns them.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    let reg = Registry::load()?;
+    Ok(reg.devices().iter().filter_map(|c| DeviceInfo::open(c).ok()).collect())
+}
+
+/// Open a device of the registry by name, on the RoCEv2 port (or `$SOFTRDMA_UDP_PORT`).
+pub fn open_device(name: &str) -> Result<Context> {
+    let reg = Registry::load()?;
+    let config = reg.find(name)?.clone();
+    DeviceBuilder::from_config(config).open()
+}
+
+/// Builds and opens an embedded device.
+#[derive(Debug, Clone)]
+pub struct DeviceBuilder {
+    config: DeviceConfig,
+    udp_port: u16,
+}
+
+impl DeviceBuilder {
+    /// A device `name` on network interface `netdev`.
+    pub fn new(name: &str, netdev: &str) -> DeviceBuilder {
+        DeviceBuilder::from_config(DeviceConfig::new(name, netdev))
+    }
+
+    /// A device from a registry entry.
+    pub fn from_config(config: DeviceConfig) -> DeviceBuilder {
+        let udp_port = std::env::var("SOFTRDMA_UDP_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(ROCE_PORT);
+        DeviceBuilder { config, udp_port }
+    }
+
+    /// Use only this address of the interface (e.g. 127.0.0.2 on `lo`).
+    pub fn addr(mut self, ip: IpAddr) -> DeviceBuilder {
+        self.config = self.config.with_addr(ip);
+        self
+    }
+
+    /// Use this UDP port instead of 4791 (peers must use the same).
+    pub fn udp_port(mut self, port: u16) -> DeviceBuilder {
+        self.udp_port = port;
+        self
+    }
+
+    /// Open the device: resolve the interface, bind the UDP port, start the I/O thread.
+    pub fn open(self) -> Result<Context> {
+        let info = DeviceInfo::open(&self.config)?;
+        let (v4, v6) = bind_addrs(&info);
+        let dev = Device::new(info, v4, v6, self.udp_port)?;
+        Ok(Context::new(Arc::new(DeviceHandle::start(dev)?)))
+    }
+}
+
+/// The addresses the device's sockets bind: the bound address, or the interface's first IPv4 and
+/// first non-link-local IPv6 address (link-local needs a scope the GID does not carry).
+fn bind_addrs(info: &DeviceInfo) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
+    match info.bind {
+        Some(IpAddr::V4(a)) => (Some(a), None),
+        Some(IpAddr::V6(a)) => (None, Some(a)),
+        None => {
+            let v4 = info.netdev.ipv4().next();
+            let v6 = info.netdev.ipv6().find(|a| (a.segments()[0] & 0xffc0) != 0xfe80);
+            (v4, v6)
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! Registered memory: page-aligned pinned buffers owned by [`MemoryRegion`]s, and the region table
+//! through which the engine reaches them ([`MrTable`], the device's [`MemoryAccess`]).
+//!
+//! Soundness: a table entry holds a raw pointer to a buffer owned by a live `MemoryRegion`. The
+//! region removes its entry (under the device lock) before its buffer is freed, and every copy in
+//! or out of a buffer — the engine's through this table, the application's through
+//! [`MemoryRegion::read`]/[`MemoryRegion::write`] — happens while that same lock is held, after a
+//! bounds check against the entry. So no access touches freed memory, none goes out of bounds, and
+//! no two accesses race.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use softrdma_transport::{Access, AtomicOp, KeyKind, MemError, MemoryAccess, PdId, Sge};
+
+use crate::error::{Error, Result};
+use crate::runtime::DeviceHandle;
+
+const PAGE: usize = 4096;
+
+/// A zeroed, page-aligned heap buffer.
+pub(crate) struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain bytes owned by this value; access is synchronised by the device lock.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above; `&AlignedBuf` gives no access to the bytes by itself.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len.max(1).next_multiple_of(PAGE), PAGE).expect("valid layout")
+    }
+
+    fn new(len: usize) -> Result<AlignedBuf> {
+        if len > isize::MAX as usize / 2 {
+            return Err(Error::InvalidArgument(format!("memory region of {len} bytes is too large")));
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(Self::layout(len)) };
+        if ptr.is_null() {
+            return Err(Error::io("allocating a memory region", std::io::Error::from(std::io::ErrorKind::OutOfMemory)));
+        }
+        Ok(AlignedBuf { ptr, len })
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr, Self::layout(self.len)) }
+    }
+}
+
+/// Pin `len` bytes at `ptr`, turning a memlock refusal into a message that names the fix.
+fn pin(ptr: *mut u8, len: usize) -> Result<()> {
+    // SAFETY: mlock only changes paging of our own allocation.
+    if unsafe { libc::mlock(ptr as *const libc::c_void, len.max(1)) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if matches!(err.raw_os_error(), Some(libc::ENOMEM) | Some(libc::EPERM) | Some(libc::EAGAIN)) {
+        let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes into the struct we pass.
+        unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
+        return Err(Error::MemlockLimit { requested: len, limit: rl.rlim_cur });
+    }
+    Err(Error::io("mlock", err))
+}
+
+fn unpin(ptr: *mut u8, len: usize) {
+    // SAFETY: munlock of a range we locked.
+    unsafe { libc::munlock(ptr as *const libc::c_void, len.max(1)) };
+}
+
+/// One region in the table.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    pd: PdId,
+    ptr: *mut u8,
+    len: usize,
+    access: Access,
+}
+
+/// The device's region table: keys to buffers, with PD, bounds and rights.
+#[derive(Debug, Default)]
+pub(crate) struct MrTable {
+    entries: HashMap<u32, Entry>,
+    next_index: u32,
+}
+
+// SAFETY: the raw pointers refer to buffers owned by live MemoryRegions (see the module docs); the
+// table is only used under the device lock.
+unsafe impl Send for MrTable {}
+
+impl MrTable {
+    fn insert(&mut self, pd: PdId, ptr: *mut u8, len: usize, access: Access) -> u32 {
+        // rxe-style keys: an index in the upper 24 bits and a rolling key byte in the lower 8.
+        loop {
+            self.next_index = self.next_index.wrapping_add(1);
+            let key = ((self.next_index & 0xff_ffff) << 8) | (self.next_index.wrapping_mul(0x9d) & 0xff);
+            if key != 0 && !self.entries.contains_key(&key) {
+                self.entries.insert(key, Entry { pd, ptr, len, access });
+                return key;
+            }
+        }
+    }
+
+    fn remove(&mut self, key: u32) {
+        self.entries.remove(&key);
+    }
+
+    /// Regions registered.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn resolve(&self, pd: PdId, key: u32, addr: u64, len: u64, need: Access) -> core::result::Result<*mut u8, MemError> {
+        let e = self.entries.get(&key).ok_or(MemError::InvalidKey)?;
+        if e.pd != pd {
+            return Err(MemError::PdMismatch);
+        }
+        if !e.access.contains(need) {
+            return Err(MemError::AccessDenied);
+        }
+        let start = e.ptr as u64;
+        let end = addr.checked_add(len).ok_or(MemError::OutOfBounds)?;
+        if addr < start || end > start + e.len as u64 {
+            return Err(MemError::OutOfBounds);
+        }
+        // SAFETY: addr - start < e.len, so the offset stays inside the allocation.
+        Ok(unsafe { e.ptr.add((addr - start) as usize) })
+    }
+}
+
+fn read_right(kind: KeyKind) -> Access {
+    match kind {
+        KeyKind::Local => Access::NONE,
+        KeyKind::Remote => Access::REMOTE_READ,
+    }
+}
+
+fn write_right(kind: KeyKind) -> Access {
+    match kind {
+        KeyKind::Local => Access::LOCAL_WRITE,
+        KeyKind::Remote => Access::REMOTE_WRITE,
+    }
+}
+
+impl MemoryAccess for MrTable {
+    fn check(&self, pd: PdId, key: u32, _kind: KeyKind, addr: u64, len: u64, access: Access) -> core::result::Result<(), MemError> {
+        self.resolve(pd, key, addr, len, access).map(|_| ())
+    }
+
+    fn read(&self, pd: PdId, key: u32, kind: KeyKind, addr: u64, out: &mut [u8]) -> core::result::Result<(), MemError> {
+        let p = self.resolve(pd, key, addr, out.len() as u64, read_right(kind))?;
+        // SAFETY: `resolve` checked the range lies in a live registered buffer; the device lock is
+        // held, so nothing else touches it; `out` is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn write(&mut self, pd: PdId, key: u32, kind: KeyKind, addr: u64, data: &[u8]) -> core::result::Result<(), MemError> {
+        let p = self.resolve(pd, key, addr, data.len() as u64, write_right(kind))?;
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        Ok(())
+    }
+
+    fn atomic(&mut self, pd: PdId, rkey: u32, addr: u64, op: AtomicOp) -> core::result::Result<u64, MemError> {
+        if addr % 8 != 0 {
+            return Err(MemError::Misaligned);
+        }
+        let p = self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)? as *mut u64;
+        // SAFETY: in bounds and 8-byte aligned (the buffer is page aligned and addr % 8 == 0); the
+        // device lock serialises every access to registered memory.
+        unsafe {
+            let orig = p.read();
+            p.write(op.apply(orig));
+            Ok(orig)
+        }
+    }
+
+    fn invalidate(&mut self, _pd: PdId, _rkey: u32) -> core::result::Result<(), MemError> {
+        // Regions registered with reg_mr cannot be invalidated remotely (no memory windows or
+        // fast-registration MRs yet): the IBA says such an rkey is an invalid request.
+        Err(MemError::InvalidKey)
+    }
+}
+
+/// A registered memory region owning a pinned, page-aligned buffer.
+pub struct MemoryRegion {
+    dev: Arc<DeviceHandle>,
+    key: u32,
+    access: Access,
+    buf: AlignedBuf,
+}
+
+impl MemoryRegion {
+    pub(crate) fn register(dev: Arc<DeviceHandle>, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
+        let needs_local_write = access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
+        if needs_local_write && !access.contains(Access::LOCAL_WRITE) {
+            return Err(Error::InvalidArgument(
+                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too (as ibv_reg_mr requires)".into(),
+            ));
+        }
+        let buf = AlignedBuf::new(len)?;
+        pin(buf.ptr, len)?;
+        let key = dev.dev.lock().mem.insert(pd, buf.ptr, len, access);
+        Ok(MemoryRegion { dev, key, access, buf })
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.key
+    }
+    /// Remote key (equal to the local key, as in rxe).
+    pub fn rkey(&self) -> u32 {
+        self.key
+    }
+    /// Virtual address of the first byte, as peers use it in RDMA requests.
+    pub fn addr(&self) -> u64 {
+        self.buf.ptr as u64
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.buf.len
+    }
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.buf.len == 0
+    }
+    /// Access rights.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// An SGE for `len` bytes at `offset`, or an error if it does not fit.
+    pub fn sge(&self, offset: usize, len: usize) -> Result<Sge> {
+        self.check(offset, len)?;
+        Ok(Sge { addr: self.addr() + offset as u64, length: len as u32, lkey: self.key })
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.buf.len && len <= u32::MAX as usize => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "{len} bytes at offset {offset} do not fit in a memory region of {} bytes",
+                self.buf.len
+            ))),
+        }
+    }
+
+    /// Copy `data` into the region at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        let _guard = self.dev.dev.lock();
+        // SAFETY: bounds checked above; the device lock excludes the engine's accesses.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.ptr.add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// Copy bytes of the region at `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        let _guard = self.dev.dev.lock();
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::copy_nonoverlapping(self.buf.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// A copy of `len` bytes at `offset`.
+    pub fn to_vec(&self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        let mut v = vec![0; len];
+        self.read(offset, &mut v)?;
+        Ok(v)
+    }
+
+    /// Fill the whole region with `byte`.
+    pub fn fill(&self, byte: u8) {
+        let _guard = self.dev.dev.lock();
+        // SAFETY: the whole buffer, under the device lock.
+        unsafe { std::ptr::write_bytes(self.buf.ptr, byte, self.buf.len) };
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        self.dev.dev.lock().mem.remove(self.key);
+        unpin(self.buf.ptr, self.buf.len);
+    }
+}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion").field("key", &self.key).field("addr", &self.addr()).field("len", &self.len()).finish()
+    }
+}

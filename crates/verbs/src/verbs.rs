@@ -1,0 +1,424 @@
+//! The verbs objects: context, protection domain, completion queue and channel, queue pair, shared
+//! receive queue, address handle. Each holds the running device alive; dropping an object destroys
+//! it in the engine.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use softrdma_device::{DeviceAttr, DeviceInfo, Gid, PortAttr};
+use softrdma_transport::attr::QpCap;
+use softrdma_transport::hca::QueuePairInfo;
+use softrdma_transport::wr::UdDest;
+use softrdma_transport::{
+    Access, AddressVector, AsyncEvent, Counters, CqId, ModifyQp, PdId, QpInit, QpType, RecvWr, SendWr, SrqId,
+    WorkCompletion,
+};
+use softrdma_wire::roce::VerifyStats;
+use softrdma_wire::Qpn;
+
+use crate::error::{Error, Result};
+use crate::memory::MemoryRegion;
+use crate::runtime::{ChannelShared, DeviceHandle};
+
+/// An open device.
+#[derive(Clone)]
+pub struct Context {
+    h: Arc<DeviceHandle>,
+}
+
+impl Context {
+    pub(crate) fn new(h: Arc<DeviceHandle>) -> Context {
+        Context { h }
+    }
+
+    /// Device name.
+    pub fn name(&self) -> &str {
+        &self.h.dev.info.name
+    }
+
+    /// The device description (netdev, attributes, GIDs).
+    pub fn info(&self) -> &DeviceInfo {
+        &self.h.dev.info
+    }
+
+    /// Device attributes (`ibv_query_device`).
+    pub fn query_device(&self) -> &DeviceAttr {
+        &self.h.dev.info.attr
+    }
+
+    /// Port attributes (`ibv_query_port`); the only port is 1.
+    pub fn query_port(&self, port: u8) -> Result<&PortAttr> {
+        Ok(self.h.dev.info.port_attr(u32::from(port))?)
+    }
+
+    /// A GID (`ibv_query_gid`).
+    pub fn query_gid(&self, port: u8, index: usize) -> Result<Gid> {
+        Ok(self.h.dev.info.gid(u32::from(port), index)?.gid)
+    }
+
+    /// A P_Key (`ibv_query_pkey`).
+    pub fn query_pkey(&self, port: u8, index: usize) -> Result<u16> {
+        self.h.dev.info.check_port(u32::from(port))?;
+        self.h.dev.info.pkeys.get(index).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!("P_Key index {index} out of range (the table has {})", self.h.dev.info.pkeys.len()))
+        })
+    }
+
+    /// The UDP port the device uses.
+    pub fn udp_port(&self) -> u16 {
+        self.h.dev.port.port()
+    }
+
+    /// Allocate a protection domain.
+    pub fn alloc_pd(&self) -> ProtectionDomain {
+        let id = {
+            let mut st = self.h.dev.lock();
+            st.next_pd += 1;
+            PdId(st.next_pd)
+        };
+        ProtectionDomain { h: Arc::clone(&self.h), id }
+    }
+
+    /// Create a completion channel.
+    pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
+        Ok(CompletionChannel { _h: Arc::clone(&self.h), shared: Arc::new(ChannelShared::new()?) })
+    }
+
+    /// Create a completion queue of `cqe` entries, optionally tied to a channel.
+    pub fn create_cq(&self, cqe: u32, channel: Option<&CompletionChannel>) -> Result<CompletionQueue> {
+        let max = self.h.dev.info.attr.max_cqe;
+        if cqe == 0 || cqe > max {
+            return Err(Error::InvalidArgument(format!("CQ size {cqe} outside 1..={max}")));
+        }
+        let mut st = self.h.dev.lock();
+        let id = st.hca.create_cq(cqe);
+        if let Some(ch) = channel {
+            st.channels.insert(id, Arc::clone(&ch.shared));
+        }
+        Ok(CompletionQueue { inner: Arc::new(CqInner { h: Arc::clone(&self.h), id }) })
+    }
+
+    /// Wait up to `timeout` for an asynchronous event (`ibv_get_async_event`).
+    pub fn get_async_event(&self, timeout: Duration) -> Option<AsyncEvent> {
+        self.h.dev.wait_async_event(timeout)
+    }
+
+    /// Engine counters.
+    pub fn counters(&self) -> Counters {
+        *self.h.dev.lock().hca.counters()
+    }
+
+    /// ICRC verdicts of received packets.
+    pub fn icrc_stats(&self) -> VerifyStats {
+        self.h.dev.lock().verify
+    }
+
+    /// Memory regions currently registered.
+    pub fn mr_count(&self) -> usize {
+        self.h.dev.lock().mem.len()
+    }
+}
+
+/// A protection domain.
+pub struct ProtectionDomain {
+    h: Arc<DeviceHandle>,
+    id: PdId,
+}
+
+/// Attributes for creating a queue pair.
+pub struct QpInitAttr<'a> {
+    /// Transport.
+    pub qp_type: QpType,
+    /// CQ for send completions.
+    pub send_cq: &'a CompletionQueue,
+    /// CQ for receive completions.
+    pub recv_cq: &'a CompletionQueue,
+    /// Shared receive queue.
+    pub srq: Option<&'a SharedReceiveQueue>,
+    /// Capacities.
+    pub cap: QpCap,
+    /// Signal every send WR.
+    pub sq_sig_all: bool,
+}
+
+/// Attributes of an address handle (`ibv_ah_attr` with a GRH, as RoCE needs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AhAttr {
+    /// Destination GID.
+    pub dgid: Gid,
+    /// Local GID index.
+    pub sgid_index: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Traffic class.
+    pub traffic_class: u8,
+    /// Flow label.
+    pub flow_label: u32,
+    /// Port (1).
+    pub port: u8,
+}
+
+impl AhAttr {
+    /// An address vector to `dgid` from local GID `sgid_index`.
+    pub fn new(dgid: Gid, sgid_index: u8) -> AhAttr {
+        AhAttr { dgid, sgid_index, hop_limit: 64, traffic_class: 0, flow_label: 0, port: 1 }
+    }
+}
+
+impl ProtectionDomain {
+    /// Register `len` bytes of fresh, zeroed, pinned memory with `access`.
+    pub fn reg_mr(&self, len: usize, access: Access) -> Result<MemoryRegion> {
+        MemoryRegion::register(Arc::clone(&self.h), self.id, len, access)
+    }
+
+    /// Create a queue pair (in RESET).
+    pub fn create_qp(&self, attr: &QpInitAttr<'_>) -> Result<QueuePair> {
+        let a = &self.h.dev.info.attr;
+        let c = &attr.cap;
+        if c.max_send_wr > a.max_qp_wr || c.max_recv_wr > a.max_qp_wr {
+            return Err(Error::InvalidArgument(format!("queue depth above max_qp_wr {}", a.max_qp_wr)));
+        }
+        if c.max_send_sge > a.max_sge || c.max_recv_sge > a.max_sge {
+            return Err(Error::InvalidArgument(format!("SGE count above max_sge {}", a.max_sge)));
+        }
+        for cq in [attr.send_cq, attr.recv_cq] {
+            if !Arc::ptr_eq(&cq.inner.h, &self.h) {
+                return Err(Error::InvalidArgument("the CQ belongs to another device".into()));
+            }
+        }
+        let init = QpInit {
+            qp_type: attr.qp_type,
+            pd: self.id,
+            send_cq: attr.send_cq.inner.id,
+            recv_cq: attr.recv_cq.inner.id,
+            srq: attr.srq.map(|s| s.inner.id),
+            cap: attr.cap,
+            sq_sig_all: attr.sq_sig_all,
+        };
+        let qpn = self.h.dev.lock().hca.create_qp(init)?;
+        Ok(QueuePair {
+            h: Arc::clone(&self.h),
+            qpn,
+            qp_type: attr.qp_type,
+            _send_cq: Arc::clone(&attr.send_cq.inner),
+            _recv_cq: Arc::clone(&attr.recv_cq.inner),
+            _srq: attr.srq.map(|s| Arc::clone(&s.inner)),
+        })
+    }
+
+    /// Create a shared receive queue.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
+        let a = &self.h.dev.info.attr;
+        if max_wr == 0 || max_wr > a.max_srq_wr || max_sge > a.max_srq_sge {
+            return Err(Error::InvalidArgument(format!(
+                "SRQ of {max_wr} WRs x {max_sge} SGEs exceeds max_srq_wr {} / max_srq_sge {}",
+                a.max_srq_wr, a.max_srq_sge
+            )));
+        }
+        let id = self.h.dev.lock().hca.create_srq(max_wr, max_sge);
+        Ok(SharedReceiveQueue { inner: Arc::new(SrqInner { h: Arc::clone(&self.h), id }) })
+    }
+
+    /// Create an address handle; the source GID index must exist.
+    pub fn create_ah(&self, attr: &AhAttr) -> Result<AddressHandle> {
+        let av = av_from(&self.h, attr)?;
+        Ok(AddressHandle { av })
+    }
+}
+
+fn av_from(h: &DeviceHandle, attr: &AhAttr) -> Result<AddressVector> {
+    h.dev.info.gid(u32::from(attr.port), usize::from(attr.sgid_index))?;
+    Ok(AddressVector {
+        dgid: attr.dgid.0,
+        sgid_index: attr.sgid_index,
+        hop_limit: attr.hop_limit,
+        traffic_class: attr.traffic_class,
+        flow_label: attr.flow_label,
+        dlid: 0,
+        sl: 0,
+    })
+}
+
+struct CqInner {
+    h: Arc<DeviceHandle>,
+    id: CqId,
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        let mut st = self.h.dev.lock();
+        st.channels.remove(&self.id);
+        let _ = st.hca.destroy_cq(self.id);
+    }
+}
+
+/// A completion queue.
+pub struct CompletionQueue {
+    inner: Arc<CqInner>,
+}
+
+impl CompletionQueue {
+    /// This CQ's handle, as reported by [`CompletionChannel::get_cq_event`].
+    pub fn handle(&self) -> u32 {
+        self.inner.id.0
+    }
+
+    /// Move up to `max` completions into `out`; returns how many.
+    pub fn poll(&self, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize> {
+        Ok(self.inner.h.dev.lock().hca.poll_cq(self.inner.id, max, out)?)
+    }
+
+    /// Ask for a channel event on the next completion (solicited or error only if `solicited_only`).
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        Ok(self.inner.h.dev.lock().hca.req_notify_cq(self.inner.id, solicited_only)?)
+    }
+}
+
+/// A completion channel: blocking waits, and a file descriptor readable while events are pending.
+pub struct CompletionChannel {
+    _h: Arc<DeviceHandle>,
+    shared: Arc<ChannelShared>,
+}
+
+impl CompletionChannel {
+    /// Wait for a CQ event (up to `timeout`, or forever with `None`); returns the CQ's handle.
+    pub fn get_cq_event(&self, timeout: Option<Duration>) -> Option<u32> {
+        let q = self.shared.queue.lock().expect("channel lock");
+        let mut q = match timeout {
+            Some(t) => self.shared.cv.wait_timeout_while(q, t, |q| q.is_empty()).expect("channel lock").0,
+            None => self.shared.cv.wait_while(q, |q| q.is_empty()).expect("channel lock"),
+        };
+        let cq = q.pop_front()?;
+        let mut b = [0u8; 1];
+        let _ = self.shared.rx.recv(&mut b);
+        Some(cq.0)
+    }
+}
+
+impl AsRawFd for CompletionChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.shared.rx.as_raw_fd()
+    }
+}
+
+struct SrqInner {
+    h: Arc<DeviceHandle>,
+    id: SrqId,
+}
+
+impl Drop for SrqInner {
+    fn drop(&mut self) {
+        let _ = self.h.dev.lock().hca.destroy_srq(self.id);
+    }
+}
+
+/// A shared receive queue.
+pub struct SharedReceiveQueue {
+    inner: Arc<SrqInner>,
+}
+
+impl SharedReceiveQueue {
+    /// Post a receive.
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        Ok(self.inner.h.dev.lock().hca.post_srq_recv(self.inner.id, wr)?)
+    }
+
+    /// Arm the limit event: it fires when fewer than `limit` WQEs remain.
+    pub fn arm(&self, limit: u32) -> Result<()> {
+        Ok(self.inner.h.dev.lock().hca.arm_srq(self.inner.id, limit)?)
+    }
+}
+
+/// A queue pair. Holds its CQs (and SRQ), so it cannot outlive them.
+pub struct QueuePair {
+    h: Arc<DeviceHandle>,
+    qpn: Qpn,
+    qp_type: QpType,
+    _send_cq: Arc<CqInner>,
+    _recv_cq: Arc<CqInner>,
+    _srq: Option<Arc<SrqInner>>,
+}
+
+impl QueuePair {
+    /// QP number.
+    pub fn qpn(&self) -> Qpn {
+        self.qpn
+    }
+
+    /// Transport type.
+    pub fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    /// Modify state and attributes; a path's source GID index must exist.
+    pub fn modify(&self, attr: &ModifyQp) -> Result<()> {
+        if let Some(av) = &attr.av {
+            self.h.dev.info.gid(1, usize::from(av.sgid_index))?;
+        }
+        self.h.dev.run(|st, now| {
+            let st = &mut *st;
+            st.hca.modify_qp(self.qpn, attr, now, &mut st.mem)
+        })?;
+        Ok(())
+    }
+
+    /// Current state and attributes.
+    pub fn query(&self) -> Result<QueuePairInfo> {
+        Ok(self.h.dev.lock().hca.query_qp(self.qpn)?)
+    }
+
+    /// Post a send work request; its packets leave before this returns.
+    pub fn post_send(&self, wr: SendWr) -> Result<()> {
+        self.h.dev.run(|st, now| {
+            let st = &mut *st;
+            st.hca.post_send(self.qpn, wr, now, &mut st.mem)
+        })?;
+        Ok(())
+    }
+
+    /// Post a receive work request.
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        self.h.dev.run(|st, now| {
+            let st = &mut *st;
+            st.hca.post_recv(self.qpn, wr, now, &mut st.mem)
+        })?;
+        Ok(())
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        let _ = self.h.dev.lock().hca.destroy_qp(self.qpn);
+    }
+}
+
+/// An address handle: where UD sends go.
+#[derive(Debug, Clone, Copy)]
+pub struct AddressHandle {
+    av: AddressVector,
+}
+
+impl AddressHandle {
+    /// A UD destination through this handle.
+    pub fn ud(&self, remote_qpn: Qpn, remote_qkey: u32) -> UdDest {
+        UdDest { av: self.av, remote_qpn, remote_qkey }
+    }
+
+    /// The address vector (also the `av` of an RC/UC modify to RTR).
+    pub fn av(&self) -> AddressVector {
+        self.av
+    }
+}
+
+impl ProtectionDomain {
+    /// An address vector for connecting RC/UC QPs (the `ah_attr` of `ibv_modify_qp`).
+    pub fn path(&self, attr: &AhAttr) -> Result<AddressVector> {
+        av_from(&self.h, attr)
+    }
+
+    /// The PD's engine id.
+    pub fn id(&self) -> PdId {
+        self.id
+    }
+}

@@ -1,0 +1,180 @@
+//! Two embedded devices in one process, on two loopback addresses, doing every operation over real
+//! UDP sockets, with byte-for-byte checks.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+use softrdma_verbs::{
+    Access, AhAttr, CompletionQueue, Context, DeviceBuilder, ModifyQp, Mtu, Payload, ProtectionDomain, Psn,
+    QpCap, QpInitAttr, QpState, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus,
+    WorkCompletion,
+};
+
+/// A port of our own per test so tests run in parallel.
+fn open(last: u8, port: u16) -> Context {
+    DeviceBuilder::new(&format!("t{last}"), "lo")
+        .addr(IpAddr::V4(Ipv4Addr::new(127, 0, 9, last)))
+        .udp_port(port)
+        .open()
+        .expect("open device")
+}
+
+struct Side {
+    ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    qp: QueuePair,
+}
+
+fn side(ctx: Context, qp_type: QpType) -> Side {
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(4096, None).unwrap();
+    let cap = QpCap { max_send_wr: 1024, max_recv_wr: 1024, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 64 };
+    let qp = pd
+        .create_qp(&QpInitAttr { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false })
+        .unwrap();
+    Side { ctx, pd, cq, qp }
+}
+
+fn connect(a: &Side, b: &Side, mtu: Mtu) {
+    for (me, peer, sq, rq) in [(a, b, 100, 200), (b, a, 200, 100)] {
+        me.qp
+            .modify(&ModifyQp {
+                state: Some(QpState::Init),
+                pkey_index: Some(0),
+                port: Some(1),
+                access: Some(Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC)),
+                ..Default::default()
+            })
+            .unwrap();
+        let dgid = peer.ctx.query_gid(1, 1).unwrap();
+        me.qp
+            .modify(&ModifyQp {
+                state: Some(QpState::Rtr),
+                av: Some(me.pd.path(&AhAttr::new(dgid, 1)).unwrap()),
+                path_mtu: Some(mtu),
+                dest_qpn: Some(peer.qp.qpn()),
+                rq_psn: Some(Psn::new(rq)),
+                max_dest_rd_atomic: Some(16),
+                min_rnr_timer: Some(12),
+                ..Default::default()
+            })
+            .unwrap();
+        me.qp
+            .modify(&ModifyQp {
+                state: Some(QpState::Rts),
+                sq_psn: Some(Psn::new(sq)),
+                timeout: Some(14),
+                retry_cnt: Some(7),
+                rnr_retry: Some(7),
+                max_rd_atomic: Some(16),
+                ..Default::default()
+            })
+            .unwrap();
+    }
+}
+
+fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while out.len() < n {
+        cq.poll(n - out.len(), &mut out).unwrap();
+        assert!(start.elapsed() < Duration::from_secs(60), "timed out with {out:?}");
+        std::thread::yield_now();
+    }
+    out
+}
+
+fn rights() -> Access {
+    Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8).collect()
+}
+
+#[test]
+fn rc_every_operation_and_size() {
+    let a = side(open(1, 48791), QpType::Rc);
+    let b = side(open(2, 48791), QpType::Rc);
+    connect(&a, &b, Mtu::M4096);
+    const BIG: usize = 16 << 20;
+    let ma = a.pd.reg_mr(2 * BIG, rights()).unwrap();
+    let mb = b.pd.reg_mr(2 * BIG, rights()).unwrap();
+    for (i, len) in [0usize, 1, 7, 4096, 4097, 65536 + 3, 1 << 20, BIG].into_iter().enumerate() {
+        let data = pattern(len, i as u8);
+        ma.write(0, &data).unwrap();
+        // SEND with immediate.
+        b.qp.post_recv(RecvWr { wr_id: 10, sgl: vec![mb.sge(0, BIG).unwrap()] }).unwrap();
+        let sgl = vec![ma.sge(0, len).unwrap()];
+        a.qp.post_send(SendWr { wr_id: 1, op: SendOp::SendWithImm(0xabcd), payload: Payload::Sgl(sgl.clone()), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        let wa = wait(&a.cq, 1);
+        let wb = wait(&b.cq, 1);
+        assert_eq!((wa[0].status, wa[0].opcode), (WcStatus::Success, WcOpcode::Send), "len {len}");
+        assert_eq!((wb[0].status, wb[0].byte_len, wb[0].imm), (WcStatus::Success, len as u32, 0xabcd), "len {len}");
+        assert!(mb.to_vec(0, len).unwrap() == data, "send data, len {len}");
+        // WRITE into the second half, then READ it back into A's second half.
+        mb.fill(0);
+        a.qp.post_send(SendWr { wr_id: 2, op: SendOp::Write { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() }, payload: Payload::Sgl(sgl.clone()), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        a.qp.post_send(SendWr { wr_id: 3, op: SendOp::Read { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() }, payload: Payload::Sgl(vec![ma.sge(BIG, len).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        let wa = wait(&a.cq, 2);
+        assert_eq!(wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(), vec![(2, WcStatus::Success), (3, WcStatus::Success)], "len {len}");
+        assert!(mb.to_vec(BIG, len).unwrap() == data, "write data, len {len}");
+        assert!(ma.to_vec(BIG, len).unwrap() == data, "read data, len {len}");
+        // WRITE with immediate.
+        b.qp.post_recv(RecvWr { wr_id: 11, sgl: vec![] }).unwrap();
+        a.qp.post_send(SendWr { wr_id: 4, op: SendOp::WriteWithImm { remote_addr: mb.addr(), rkey: mb.rkey(), imm: 7 }, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+        let wb = wait(&b.cq, 1);
+        assert_eq!((wb[0].opcode, wb[0].byte_len, wb[0].imm), (WcOpcode::RecvRdmaWithImm, len as u32, 7));
+        assert!(mb.to_vec(0, len).unwrap() == data, "write-imm data, len {len}");
+    }
+    // Atomics.
+    mb.write(64, &100u64.to_ne_bytes()).unwrap();
+    a.qp.post_send(SendWr { wr_id: 5, op: SendOp::FetchAdd { remote_addr: mb.addr() + 64, rkey: mb.rkey(), add: 5 }, payload: Payload::Sgl(vec![ma.sge(0, 8).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+    a.qp.post_send(SendWr { wr_id: 6, op: SendOp::CompareSwap { remote_addr: mb.addr() + 64, rkey: mb.rkey(), compare: 105, swap: 1 }, payload: Payload::Sgl(vec![ma.sge(8, 8).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+    let wa = wait(&a.cq, 2);
+    assert!(wa.iter().all(|w| w.status == WcStatus::Success));
+    assert_eq!(ma.to_vec(0, 16).unwrap(), [100u64.to_ne_bytes(), 105u64.to_ne_bytes()].concat());
+    assert_eq!(mb.to_vec(64, 8).unwrap(), 1u64.to_ne_bytes());
+    let icrc = b.ctx.icrc_stats();
+    assert!(icrc.verified > 0 && icrc.bad == 0, "{icrc:?}");
+}
+
+#[test]
+fn ud_send_with_grh() {
+    let a = side(open(3, 48792), QpType::Ud);
+    let b = side(open(4, 48792), QpType::Ud);
+    for s in [&a, &b] {
+        s.qp.modify(&ModifyQp { state: Some(QpState::Init), pkey_index: Some(0), port: Some(1), qkey: Some(0x1111_1111), ..Default::default() }).unwrap();
+        s.qp.modify(&ModifyQp { state: Some(QpState::Rtr), ..Default::default() }).unwrap();
+        s.qp.modify(&ModifyQp { state: Some(QpState::Rts), sq_psn: Some(Psn::new(1)), ..Default::default() }).unwrap();
+    }
+    let ma = a.pd.reg_mr(4096, rights()).unwrap();
+    let mb = b.pd.reg_mr(4096, rights()).unwrap();
+    let data = pattern(512, 9);
+    ma.write(0, &data).unwrap();
+    b.qp.post_recv(RecvWr { wr_id: 1, sgl: vec![mb.sge(0, 40 + 512).unwrap()] }).unwrap();
+    let ah = a.pd.create_ah(&AhAttr::new(b.ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
+    a.qp.post_send(SendWr { wr_id: 2, op: SendOp::SendWithImm(5), payload: Payload::Sgl(vec![ma.sge(0, 512).unwrap()]), flags: SendFlags::SIGNALED, ud: Some(ah.ud(b.qp.qpn(), 0x1111_1111)) }).unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    let wb = wait(&b.cq, 1);
+    assert_eq!((wb[0].status, wb[0].byte_len, wb[0].src_qp, wb[0].imm), (WcStatus::Success, 552, a.qp.qpn(), 5));
+    assert_eq!(mb.to_vec(40, 512).unwrap(), data);
+    let grh = mb.to_vec(0, 40).unwrap();
+    assert_eq!(grh[20], 0x45, "IPv4 header in the second half of the GRH area");
+    assert_eq!(&grh[32..36], &[127, 0, 9, 3], "source address");
+    assert_eq!(&grh[36..40], &[127, 0, 9, 4], "destination address");
+}
+
+#[test]
+fn port_in_use_is_a_clear_error() {
+    let _a = open(5, 48793);
+    let err = DeviceBuilder::new("t5b", "lo")
+        .addr(IpAddr::V4(Ipv4Addr::new(127, 0, 9, 5)))
+        .udp_port(48793)
+        .open()
+        .err()
+        .expect("second bind fails");
+    assert!(err.to_string().contains("already in use"), "{err}");
+}
