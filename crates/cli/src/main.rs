@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 mod devinfo;
 mod pcap;
+mod pingpong;
 
 #[derive(Parser)]
 #[command(
@@ -23,6 +24,8 @@ enum Command {
     Devices,
     /// Print device and port attributes (like `ibv_devinfo`).
     Devinfo(devinfo::DevinfoArgs),
+    /// RC ping-pong between two hosts (like `ibv_rc_pingpong`; server without a host name).
+    Pingpong(pingpong::PingpongArgs),
     /// Work with packet captures.
     Pcap {
         #[command(subcommand)]
@@ -36,5 +39,6 @@ fn main() -> ExitCode {
         Command::Devices => devinfo::run_devices(),
         Command::Devinfo(args) => devinfo::run_devinfo(args),
         Command::Pcap { command } => pcap::run(command),
+        Command::Pingpong(args) => pingpong::run(args),
     }
 }

@@ -37,6 +37,26 @@ pub enum WcStatus {
 }
 
 impl WcStatus {
+    /// The text of `ibv_wc_status_str`.
+    pub fn description(self) -> &'static str {
+        match self {
+            WcStatus::Success => "success",
+            WcStatus::LocLenErr => "local length error",
+            WcStatus::LocQpOpErr => "local QP operation error",
+            WcStatus::LocProtErr => "local protection error",
+            WcStatus::WrFlushErr => "Work Request Flushed Error",
+            WcStatus::BadRespErr => "bad response error",
+            WcStatus::LocAccessErr => "local access error",
+            WcStatus::RemInvReqErr => "remote invalid request error",
+            WcStatus::RemAccessErr => "remote access error",
+            WcStatus::RemOpErr => "remote operation error",
+            WcStatus::RetryExcErr => "transport retry counter exceeded",
+            WcStatus::RnrRetryExcErr => "RNR retry counter exceeded",
+            WcStatus::FatalErr => "fatal error",
+            WcStatus::GeneralErr => "general error",
+        }
+    }
+
     /// The verbs name, as `ibv_wc_status_str` prints in upper case.
     pub fn name(self) -> &'static str {
         match self {

@@ -40,7 +40,7 @@ pub use softrdma_transport::{
 };
 pub use softrdma_wire::{Psn, Qpn};
 pub use verbs::{
-    AddressHandle, AhAttr, CompletionChannel, CompletionQueue, Context, ProtectionDomain, QpInitAttr, QueuePair,
+    AddressHandle, AhAttr, CompletionChannel, ConnectParams, CompletionQueue, Context, ProtectionDomain, QpInitAttr, QueuePair,
     SharedReceiveQueue,
 };
 

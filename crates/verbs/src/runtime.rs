@@ -37,6 +37,7 @@ pub(crate) struct State {
     pub tx_errors: u64,
     pub next_pd: u32,
     tx_buf: Vec<u8>,
+    rx_buf: Vec<u8>,
 }
 
 /// A completion channel's shared part: a queue of CQs with events, a condition variable for
@@ -140,6 +141,7 @@ impl Device {
             tx_errors: 0,
             next_pd: 1,
             tx_buf: vec![0; 4096 + 512],
+            rx_buf: vec![0; 65536],
         };
         Ok(Device {
             info,
@@ -233,9 +235,34 @@ impl Device {
         }
     }
 
+    /// Receive what is waiting on the sockets, fire due timers, send what that produced. Called by
+    /// the I/O thread after a wake-up, and by a thread polling an empty CQ (busy polling then makes
+    /// progress itself instead of waiting for the I/O thread to be scheduled).
+    pub fn progress(&self, st: &mut State) {
+        let now = self.now();
+        let mut buf = std::mem::take(&mut st.rx_buf);
+        for (sock, local) in self.port.sockets() {
+            for _ in 0..256 {
+                match sock.recv_from(&mut buf) {
+                    Ok((n, src)) => self.receive(st, now, &buf[..n], src, *local),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    // ICMP errors (peer port closed) surface here; the transport's timers handle
+                    // a peer that went away.
+                    Err(_) => break,
+                }
+            }
+        }
+        st.rx_buf = buf;
+        if st.hca.poll_timeout().is_some_and(|t| t <= now) {
+            st.hca.handle_timeout(now, &mut st.mem);
+        }
+        self.flush(st, now);
+    }
+
     /// The I/O loop: receive, fire timers, send; until stopped.
     fn io_loop(&self) {
-        let mut buf = vec![0u8; 65536];
+        let mut buf = [0u8; 64];
         let mut fds: Vec<libc::pollfd> = self
             .port
             .sockets()
@@ -253,23 +280,7 @@ impl Device {
             // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
             unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
             while self.wake_rx.recv(&mut buf).is_ok() {}
-            let mut st = self.lock();
-            let now = self.now();
-            for (sock, local) in self.port.sockets() {
-                for _ in 0..256 {
-                    match sock.recv_from(&mut buf) {
-                        Ok((n, src)) => self.receive(&mut st, now, &buf[..n], src, *local),
-                        Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                        Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                        // ICMP errors (peer port closed) surface here; the transport's timers
-                        // handle a peer that went away.
-                        Err(_) => break,
-                    }
-                }
-            }
-            let s = &mut *st;
-            s.hca.handle_timeout(now, &mut s.mem);
-            self.flush(s, now);
+            self.progress(&mut self.lock());
             for f in fds.iter_mut() {
                 f.revents = 0;
             }

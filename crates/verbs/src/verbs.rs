@@ -11,11 +11,11 @@ use softrdma_transport::attr::QpCap;
 use softrdma_transport::hca::QueuePairInfo;
 use softrdma_transport::wr::UdDest;
 use softrdma_transport::{
-    Access, AddressVector, AsyncEvent, Counters, CqId, ModifyQp, PdId, QpInit, QpType, RecvWr, SendWr, SrqId,
-    WorkCompletion,
+    Access, AddressVector, AsyncEvent, Counters, CqId, ModifyQp, Mtu, PdId, QpInit, QpState, QpType, RecvWr, SendWr,
+    SrqId, WorkCompletion,
 };
 use softrdma_wire::roce::VerifyStats;
-use softrdma_wire::Qpn;
+use softrdma_wire::{Psn, Qpn};
 
 use crate::error::{Error, Result};
 use crate::memory::MemoryRegion;
@@ -264,9 +264,18 @@ impl CompletionQueue {
         self.inner.id.0
     }
 
-    /// Move up to `max` completions into `out`; returns how many.
+    /// Move up to `max` completions into `out`; returns how many. An empty CQ first makes the
+    /// device progress (receive, time out, send) on this thread, so busy polling does not wait for
+    /// the I/O thread.
     pub fn poll(&self, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize> {
-        Ok(self.inner.h.dev.lock().hca.poll_cq(self.inner.id, max, out)?)
+        let dev = &self.inner.h.dev;
+        let mut st = dev.lock();
+        let n = st.hca.poll_cq(self.inner.id, max, out)?;
+        if n > 0 || max == 0 {
+            return Ok(n);
+        }
+        dev.progress(&mut st);
+        Ok(st.hca.poll_cq(self.inner.id, max, out)?)
     }
 
     /// Ask for a channel event on the next completion (solicited or error only if `solicited_only`).
@@ -420,5 +429,108 @@ impl ProtectionDomain {
     /// The PD's engine id.
     pub fn id(&self) -> PdId {
         self.id
+    }
+}
+
+/// What it takes to connect an RC or UC queue pair to a remote one (the out-of-band exchange of
+/// rdma-core's pingpong examples carries the remote QPN, PSN and GID).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectParams {
+    /// Remote QP number.
+    pub remote_qpn: Qpn,
+    /// The remote side's first send PSN (our receive PSN).
+    pub remote_psn: Psn,
+    /// Remote GID.
+    pub remote_gid: Gid,
+    /// Our first send PSN.
+    pub local_psn: Psn,
+    /// Local GID index to send from.
+    pub sgid_index: u8,
+    /// Path MTU.
+    pub mtu: Mtu,
+    /// Remote access rights granted.
+    pub access: Access,
+    /// Initiator depth and responder resources.
+    pub rd_atomic: u8,
+    /// Local ACK timeout exponent.
+    pub timeout: u8,
+    /// Transport retries.
+    pub retry_cnt: u8,
+    /// RNR retries (7: forever).
+    pub rnr_retry: u8,
+    /// RNR NAK timer code.
+    pub min_rnr_timer: u8,
+}
+
+impl ConnectParams {
+    /// Defaults as rc_pingpong uses them: MTU 1024, GID index 1, timeout 14, 7 retries, RNR timer 12,
+    /// all remote rights, 16 reads/atomics in flight.
+    pub fn new(remote_qpn: Qpn, remote_psn: Psn, remote_gid: Gid, local_psn: Psn) -> ConnectParams {
+        ConnectParams {
+            remote_qpn,
+            remote_psn,
+            remote_gid,
+            local_psn,
+            sgid_index: 1,
+            mtu: Mtu::M1024,
+            access: Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC),
+            rd_atomic: 16,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+        }
+    }
+}
+
+impl QueuePair {
+    /// Take an RC or UC QP from RESET to INIT, granting `access` (receives may be posted then).
+    pub fn init(&self, access: Access) -> Result<()> {
+        self.modify(&ModifyQp {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(access),
+            ..Default::default()
+        })
+    }
+
+    /// Take an RC or UC QP from RESET (or INIT) through RTR to RTS towards a remote QP.
+    pub fn connect(&self, pd: &ProtectionDomain, p: &ConnectParams) -> Result<()> {
+        let rc = self.qp_type == QpType::Rc;
+        if self.qp_type == QpType::Ud {
+            return Err(Error::InvalidArgument("UD QPs are not connected: use bring_up_ud".into()));
+        }
+        match self.query()?.state {
+            QpState::Reset => self.init(p.access)?,
+            QpState::Init => self.modify(&ModifyQp { access: Some(p.access), ..Default::default() })?,
+            s => return Err(Error::InvalidArgument(format!("connect needs a QP in RESET or INIT, not {}", s.name()))),
+        }
+        self.modify(&ModifyQp {
+            state: Some(QpState::Rtr),
+            av: Some(pd.path(&AhAttr::new(p.remote_gid, p.sgid_index))?),
+            path_mtu: Some(p.mtu),
+            dest_qpn: Some(p.remote_qpn),
+            rq_psn: Some(p.remote_psn),
+            max_dest_rd_atomic: rc.then_some(p.rd_atomic),
+            min_rnr_timer: rc.then_some(p.min_rnr_timer),
+            ..Default::default()
+        })?;
+        self.modify(&ModifyQp {
+            state: Some(QpState::Rts),
+            sq_psn: Some(p.local_psn),
+            timeout: rc.then_some(p.timeout),
+            retry_cnt: rc.then_some(p.retry_cnt),
+            rnr_retry: rc.then_some(p.rnr_retry),
+            max_rd_atomic: rc.then_some(p.rd_atomic),
+            ..Default::default()
+        })
+    }
+
+    /// Take a UD QP from RESET to RTS with Q_Key `qkey`.
+    pub fn bring_up_ud(&self, qkey: u32, psn: Psn) -> Result<()> {
+        self.modify(&ModifyQp { state: Some(QpState::Init), pkey_index: Some(0), port: Some(1), qkey: Some(qkey), ..Default::default() })?;
+        self.modify(&ModifyQp { state: Some(QpState::Rtr), ..Default::default() })?;
+        self.modify(&ModifyQp { state: Some(QpState::Rts), sq_psn: Some(psn), ..Default::default() })
     }
 }
