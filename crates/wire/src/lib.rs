@@ -5,6 +5,12 @@
 //! `emit`. Protocol facts live in one place, the [`opcode`] table; code above this crate tests the
 //! flags of an opcode and never lists opcodes itself.
 //!
+//! Below the IB transport headers the crate also owns what carries them: [`lrh`] and [`grh`] (native
+//! IB links and RoCEv1, with the link-level VCRC), [`ipv4`], [`ipv6`] and [`udp`] (RoCEv2),
+//! [`ethernet`], the [`icrc`] over each of these encapsulations, [`roce`] (build and verify whole
+//! RoCE packets, including the receiver-side check for a plain UDP socket), and [`capture`] (pcap
+//! files and a RoCE frame classifier).
+//!
 //! No parser here panics or reads out of bounds on any input: every byte sequence yields a value or a
 //! typed [`Error`].
 #![forbid(unsafe_code)]
