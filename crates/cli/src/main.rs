@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+mod demo;
 mod devinfo;
 mod pcap;
 mod pingpong;
@@ -20,6 +21,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Two embedded soft RoCE devices on loopback: every operation, checked, then bandwidth and latency.
+    Demo(demo::DemoArgs),
     /// List the RDMA devices and their node GUIDs (like `ibv_devices`).
     Devices,
     /// Print device and port attributes (like `ibv_devinfo`).
@@ -36,6 +39,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Demo(args) => demo::run(args),
         Command::Devices => devinfo::run_devices(),
         Command::Devinfo(args) => devinfo::run_devinfo(args),
         Command::Pcap { command } => pcap::run(command),
