@@ -6,7 +6,8 @@
 //! or out of a buffer — the engine's through this table, the application's through
 //! [`MemoryRegion::read`]/[`MemoryRegion::write`] — happens while that same lock is held, after a
 //! bounds check against the entry. So no access touches freed memory, none goes out of bounds, and
-//! no two accesses race.
+//! no two accesses race. The one exception is the unsafe `reg_mr_raw` entry point for the C ABI,
+//! where the caller owns the memory and promises it outlives the region, as `ibv_reg_mr` requires.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
@@ -191,26 +192,65 @@ impl MemoryAccess for MrTable {
     }
 }
 
-/// A registered memory region owning a pinned, page-aligned buffer.
+/// A registered memory region: a pinned buffer it owns ([`crate::ProtectionDomain::reg_mr`]), or
+/// memory of the caller's registered through the unsafe [`crate::ProtectionDomain::reg_mr_raw`] (the
+/// C ABI's `ibv_reg_mr`).
 pub struct MemoryRegion {
     dev: Arc<DeviceHandle>,
     key: u32,
     access: Access,
-    buf: AlignedBuf,
+    ptr: *mut u8,
+    len: usize,
+    _owned: Option<AlignedBuf>,
 }
 
+// SAFETY: the pointer is to memory owned by this region or promised live by the caller of
+// `reg_mr_raw`; every access through it takes the device lock.
+unsafe impl Send for MemoryRegion {}
+// SAFETY: as above.
+unsafe impl Sync for MemoryRegion {}
+
 impl MemoryRegion {
-    pub(crate) fn register(dev: Arc<DeviceHandle>, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
+    fn check_access(access: Access) -> Result<()> {
         let needs_local_write = access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
         if needs_local_write && !access.contains(Access::LOCAL_WRITE) {
             return Err(Error::InvalidArgument(
                 "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too (as ibv_reg_mr requires)".into(),
             ));
         }
+        Ok(())
+    }
+
+    pub(crate) fn register(dev: Arc<DeviceHandle>, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
+        Self::check_access(access)?;
         let buf = AlignedBuf::new(len)?;
         pin(buf.ptr, len)?;
-        let key = dev.dev.lock().mem.insert(pd, buf.ptr, len, access);
-        Ok(MemoryRegion { dev, key, access, buf })
+        let (ptr, len) = (buf.ptr, buf.len);
+        let key = dev.dev.lock().mem.insert(pd, ptr, len, access);
+        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Some(buf) })
+    }
+
+    /// Register caller memory.
+    ///
+    /// # Safety
+    /// `[ptr, ptr+len)` must be valid, writable memory that stays allocated and mapped until the
+    /// returned region is dropped. The device reads and writes it at any time while the region
+    /// exists, as a NIC does by DMA; accesses by the caller that race with those are the caller's
+    /// to order (through completions), exactly as with a hardware device.
+    pub(crate) unsafe fn register_raw(
+        dev: Arc<DeviceHandle>,
+        pd: PdId,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        Self::check_access(access)?;
+        if ptr.is_null() && len > 0 {
+            return Err(Error::InvalidArgument("null address".into()));
+        }
+        pin(ptr, len)?;
+        let key = dev.dev.lock().mem.insert(pd, ptr, len, access);
+        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: None })
     }
 
     /// Local key.
@@ -223,15 +263,15 @@ impl MemoryRegion {
     }
     /// Virtual address of the first byte, as peers use it in RDMA requests.
     pub fn addr(&self) -> u64 {
-        self.buf.ptr as u64
+        self.ptr as u64
     }
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.buf.len
+        self.len
     }
     /// Whether the region is empty.
     pub fn is_empty(&self) -> bool {
-        self.buf.len == 0
+        self.len == 0
     }
     /// Access rights.
     pub fn access(&self) -> Access {
@@ -246,10 +286,10 @@ impl MemoryRegion {
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.buf.len && len <= u32::MAX as usize => Ok(()),
+            Some(end) if end <= self.len && len <= u32::MAX as usize => Ok(()),
             _ => Err(Error::InvalidArgument(format!(
                 "{len} bytes at offset {offset} do not fit in a memory region of {} bytes",
-                self.buf.len
+                self.len
             ))),
         }
     }
@@ -259,7 +299,7 @@ impl MemoryRegion {
         self.check(offset, data.len())?;
         let _guard = self.dev.dev.lock();
         // SAFETY: bounds checked above; the device lock excludes the engine's accesses.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.ptr.add(offset), data.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
         Ok(())
     }
 
@@ -268,7 +308,7 @@ impl MemoryRegion {
         self.check(offset, out.len())?;
         let _guard = self.dev.dev.lock();
         // SAFETY: as in `write`.
-        unsafe { std::ptr::copy_nonoverlapping(self.buf.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
         Ok(())
     }
 
@@ -283,14 +323,14 @@ impl MemoryRegion {
     pub fn fill(&self, byte: u8) {
         let _guard = self.dev.dev.lock();
         // SAFETY: the whole buffer, under the device lock.
-        unsafe { std::ptr::write_bytes(self.buf.ptr, byte, self.buf.len) };
+        unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) };
     }
 }
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         self.dev.dev.lock().mem.remove(self.key);
-        unpin(self.buf.ptr, self.buf.len);
+        unpin(self.ptr, self.len);
     }
 }
 

@@ -172,6 +172,17 @@ impl ProtectionDomain {
         MemoryRegion::register(Arc::clone(&self.h), self.id, len, access)
     }
 
+    /// Register memory the caller owns (the C ABI's `ibv_reg_mr`).
+    ///
+    /// # Safety
+    /// `[ptr, ptr+len)` must be valid, writable memory that stays allocated until the region is
+    /// dropped; the device accesses it concurrently, as a NIC does by DMA (see
+    /// [`MemoryRegion`]'s docs).
+    pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<MemoryRegion> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { MemoryRegion::register_raw(Arc::clone(&self.h), self.id, ptr, len, access) }
+    }
+
     /// Create a queue pair (in RESET).
     pub fn create_qp(&self, attr: &QpInitAttr<'_>) -> Result<QueuePair> {
         let a = &self.h.dev.info.attr;
