@@ -8,9 +8,15 @@ use softrdma_transport::{Config, Mtu, QpType};
 
 fn scenario(mtu: Mtu, loss: f64, seed: u64, n: usize, big: u32, max: u32) {
     let window = if loss >= 0.1 { 32 } else { 256 };
-    let config = Config { max_inflight_packets: window, ..Config::default() };
+    let config = Config {
+        max_inflight_packets: window,
+        ..Config::default()
+    };
     let mut net = Net::new(2, config, Impairments::hostile(loss), seed);
-    let o = ConnOpts { mtu, ..ConnOpts::default() };
+    let o = ConnOpts {
+        mtu,
+        ..ConnOpts::default()
+    };
     let (a, b) = net.connect(0, 1, &o);
     let w = Workload::plan(&mut net, &a, &b, QpType::Rc, n, big, max);
     let before_a = w.region(&net, true).to_vec();
@@ -26,7 +32,10 @@ fn scenario(mtu: Mtu, loss: f64, seed: u64, n: usize, big: u32, max: u32) {
         );
     }
     if loss > 0.0 {
-        assert!(net.stats.lost > 0 && net.nodes[0].hca.counters().retransmits > 0, "impairments had no effect");
+        assert!(
+            net.stats.lost > 0 && net.nodes[0].hca.counters().retransmits > 0,
+            "impairments had no effect"
+        );
     }
 }
 
