@@ -250,3 +250,8 @@ impl Frame {
         self.flags.contains(f)
     }
 }
+
+/// One nanosecond before `t`.
+pub fn just_before(t: Instant) -> Instant {
+    Instant::from_nanos(t.as_nanos() - 1)
+}
