@@ -229,14 +229,20 @@ impl Net {
         if self.capture_limit == 0 {
             return;
         }
+        // Reuse the oldest entry's buffer once the ring is full: no allocation per frame.
+        let mut bytes = Vec::new();
         while self.capture.len() >= self.capture_limit {
-            self.capture.pop_front();
+            if let Some(old) = self.capture.pop_front() {
+                bytes = old.frame;
+            }
         }
+        bytes.clear();
+        bytes.extend_from_slice(frame);
         self.capture.push_back(Captured {
             at: self.now,
             from,
             to,
-            frame: frame.to_vec(),
+            frame: bytes,
             fate,
         });
     }
