@@ -322,3 +322,106 @@ fn write_with_immediate_without_a_receive_is_rnr() {
         assert!(m[..16].iter().chain(&m[16 + len..]).all(|&x| x == 0x77));
     }
 }
+
+/// Receives trickle in while a stream of SENDs, WRITEs with immediate and reads runs over a lossy,
+/// duplicating, reordering network: RNR NAKs interleave with sequence NAKs and timeouts, and
+/// everything still completes exactly once, in order, with the right bytes.
+#[test]
+fn rnr_under_loss_with_late_receives() {
+    let seeds: std::ops::Range<u64> = match std::env::var("RNR_SEEDS") {
+        Ok(r) => {
+            let (a, b) = r.split_once("..").expect("a..b");
+            a.parse().unwrap()..b.parse().unwrap()
+        }
+        Err(_) => 0..12,
+    };
+    for seed in seeds {
+        rnr_under_loss(seed);
+    }
+}
+
+fn rnr_under_loss(seed: u64) {
+    use softrdma_sim::Rng;
+    let loss = [0.0, 0.02, 0.1][(seed % 3) as usize];
+    let mut net = net(&format!("rnr_loss_{seed}"), Impairments::hostile(loss), 100 + seed);
+    let o = ConnOpts {
+        mtu: softrdma_transport::Mtu::M256,
+        min_rnr_timer: 1 + (seed % 4) as u8,
+        timeout: 5,
+        ..ConnOpts::default()
+    };
+    let (a, b) = pair(&mut net, &o);
+    let n = 40usize;
+    let ma = net.reg(&a, n * 2048, ALL_ACCESS, 0);
+    let mb = net.reg(&b, n * 2048, ALL_ACCESS, 0xee);
+    let mut rng = Rng::new(seed);
+    let mut src = vec![0u8; n * 2048];
+    rng.fill(&mut src);
+    net.fill(&ma, 0, &src);
+    net.fill(&mb, 0, &src.iter().map(|x| !x).collect::<Vec<_>>());
+    let rsrc = net.bytes(&mb).to_vec();
+    let mut want_s = Vec::new();
+    let mut want_r = Vec::new();
+    for i in 0..n {
+        let len = rng.below(1500) as usize;
+        let off = i * 2048;
+        let (op, opc) = match i % 4 {
+            0 | 1 => (SendOp::Send, WcOpcode::Send),
+            2 => (
+                SendOp::WriteWithImm {
+                    remote_addr: mb.at(off),
+                    rkey: mb.key,
+                    imm: i as u32,
+                },
+                WcOpcode::RdmaWrite,
+            ),
+            _ => (
+                SendOp::Read {
+                    remote_addr: mb.at(off),
+                    rkey: mb.key,
+                },
+                WcOpcode::RdmaRead,
+            ),
+        };
+        if i % 4 != 3 {
+            let ropc = if i % 4 == 2 {
+                WcOpcode::RecvRdmaWithImm
+            } else {
+                WcOpcode::Recv
+            };
+            want_r.push((i as u64, WcStatus::Success, ropc, len as u32));
+        }
+        want_s.push((i as u64, WcStatus::Success, opc, len as u32));
+        net.post_send(&a, wr(i as u64, op, &[ma.sge(off, len)])).unwrap();
+    }
+    let mut got_s = Vec::new();
+    let mut got_r = Vec::new();
+    for i in (0..n).filter(|i| i % 4 != 3) {
+        net.run_for(Duration::from_micros(rng.below(300)));
+        let sgl = if i % 4 == 2 {
+            vec![]
+        } else {
+            vec![mb.sge(i * 2048, 2048)]
+        };
+        net.post_recv(&b, recv(i as u64, &sgl)).unwrap();
+        got_s.extend(net.send_wcs(&a));
+        got_r.extend(net.recv_wcs(&b));
+    }
+    net.run_until(Duration::from_secs(60), |n| {
+        got_s.extend(n.send_wcs(&a));
+        got_s.len() == want_s.len()
+    });
+    net.settle();
+    got_r.extend(net.recv_wcs(&b));
+    assert_wcs(&got_s, &want_s);
+    assert_wcs(&got_r, &want_r);
+    assert!(net.nodes[1].hca.counters().send_rnr_nak > 0, "seed {seed}: no RNR");
+    for (i, w) in want_s.iter().enumerate() {
+        let r = i * 2048..i * 2048 + w.3 as usize;
+        if i % 4 == 3 {
+            assert_eq!(&net.bytes(&ma)[r.clone()], &rsrc[r], "seed {seed} read {i}");
+        } else {
+            assert_eq!(&net.bytes(&mb)[r.clone()], &src[r], "seed {seed} op {i}");
+        }
+    }
+}
