@@ -46,6 +46,8 @@ pub struct Op {
 pub struct Workload {
     /// Operations in posting order.
     pub ops: Vec<Op>,
+    a_node: usize,
+    b_node: usize,
     a_key: u32,
     a_addr: u64,
     b_key: u32,
@@ -121,6 +123,8 @@ impl Workload {
         rng.fill(&mut net.nodes[b.node].mem.region_mut(b_key).bytes);
         let w = Workload {
             ops,
+            a_node: a.node,
+            b_node: b.node,
             a_key,
             a_addr,
             b_key,
@@ -152,7 +156,17 @@ impl Workload {
         w
     }
 
-    fn wr(&self, i: usize) -> SendWr {
+    /// Zero B's compare-and-swap targets so their expected value is known (done by `run`).
+    pub fn prepare(&self, net: &mut Net) {
+        for op in self.ops.iter().filter(|o| o.kind == OpKind::CmpSwap) {
+            net.nodes[self.b_node].mem.region_mut(self.b_key).bytes
+                [op.off as usize..op.off as usize + 8]
+                .fill(0);
+        }
+    }
+
+    /// The send WR of operation `i` (posted on A).
+    pub fn wr(&self, i: usize) -> SendWr {
         let op = &self.ops[i];
         let local = Sge {
             addr: self.a_addr + op.off,
@@ -209,11 +223,7 @@ impl Workload {
         limit: Duration,
     ) -> (Vec<WorkCompletion>, Vec<WorkCompletion>) {
         // Atomics target words whose value we know: make B's word 0 for CAS, keep it for FA.
-        for op in self.ops.iter().filter(|o| o.kind == OpKind::CmpSwap) {
-            net.nodes[b.node].mem.region_mut(self.b_key).bytes
-                [op.off as usize..op.off as usize + 8]
-                .fill(0);
-        }
+        self.prepare(net);
         let mut next = 0;
         let mut scq = Vec::new();
         let mut rcq = Vec::new();
@@ -327,9 +337,9 @@ impl Workload {
     /// Contents of A's (`true`) or B's data region.
     pub fn region<'n>(&self, net: &'n Net, a_side: bool) -> &'n [u8] {
         let (node, key) = if a_side {
-            (0, self.a_key)
+            (self.a_node, self.a_key)
         } else {
-            (1, self.b_key)
+            (self.b_node, self.b_key)
         };
         &net.nodes[node].mem.region(key).bytes
     }

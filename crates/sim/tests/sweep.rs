@@ -54,5 +54,10 @@ fn sweep() {
             Err(_) => fails.push(format!("seed {seed}: panicked")),
         }
     }
-    assert!(fails.is_empty(), "{} failures:\n{}", fails.len(), fails.join("\n"));
+    assert!(
+        fails.is_empty(),
+        "{} failures:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
 }

@@ -343,7 +343,11 @@ fn rnr_under_loss_with_late_receives() {
 fn rnr_under_loss(seed: u64) {
     use softrdma_sim::Rng;
     let loss = [0.0, 0.02, 0.1][(seed % 3) as usize];
-    let mut net = net(&format!("rnr_loss_{seed}"), Impairments::hostile(loss), 100 + seed);
+    let mut net = net(
+        &format!("rnr_loss_{seed}"),
+        Impairments::hostile(loss),
+        100 + seed,
+    );
     let o = ConnOpts {
         mtu: softrdma_transport::Mtu::M256,
         min_rnr_timer: 1 + (seed % 4) as u8,
@@ -392,7 +396,8 @@ fn rnr_under_loss(seed: u64) {
             want_r.push((i as u64, WcStatus::Success, ropc, len as u32));
         }
         want_s.push((i as u64, WcStatus::Success, opc, len as u32));
-        net.post_send(&a, wr(i as u64, op, &[ma.sge(off, len)])).unwrap();
+        net.post_send(&a, wr(i as u64, op, &[ma.sge(off, len)]))
+            .unwrap();
     }
     let mut got_s = Vec::new();
     let mut got_r = Vec::new();
@@ -415,7 +420,10 @@ fn rnr_under_loss(seed: u64) {
     got_r.extend(net.recv_wcs(&b));
     assert_wcs(&got_s, &want_s);
     assert_wcs(&got_r, &want_r);
-    assert!(net.nodes[1].hca.counters().send_rnr_nak > 0, "seed {seed}: no RNR");
+    assert!(
+        net.nodes[1].hca.counters().send_rnr_nak > 0,
+        "seed {seed}: no RNR"
+    );
     for (i, w) in want_s.iter().enumerate() {
         let r = i * 2048..i * 2048 + w.3 as usize;
         if i % 4 == 3 {
