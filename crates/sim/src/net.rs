@@ -98,6 +98,9 @@ struct InFlight {
     frame: Vec<u8>,
 }
 
+/// A hook that may drop (return false) or alter a frame in flight: (from, to, frame).
+pub type Filter = Box<dyn FnMut(NodeId, NodeId, &mut Vec<u8>) -> bool>;
+
 /// What became of a frame put on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fate {
@@ -140,7 +143,7 @@ pub struct Net {
     /// Counters.
     pub stats: NetStats,
     /// Optional hook that may drop (return false) or alter a frame in flight: (from, to, frame).
-    pub filter: Option<Box<dyn FnMut(NodeId, NodeId, &mut Vec<u8>) -> bool>>,
+    pub filter: Option<Filter>,
     /// The last frames put on the wire, oldest first, at most `capture_limit` of them.
     pub capture: VecDeque<Captured>,
     /// Size of the capture ring (0 disables it).
