@@ -6,10 +6,12 @@
 pub mod memory;
 pub mod net;
 pub mod pair;
+pub mod pcap;
 pub mod rng;
+pub mod steps;
 pub mod workload;
 
 pub use memory::SimMemory;
-pub use net::{Impairments, Net, NodeId};
+pub use net::{Captured, Fate, Impairments, Net, NodeId};
 pub use pair::{ConnOpts, Endpoint};
 pub use rng::Rng;

@@ -148,7 +148,7 @@ impl MemoryAccess for SimMemory {
     }
 
     fn atomic(&mut self, pd: PdId, rkey: u32, addr: u64, op: AtomicOp) -> Result<u64, MemError> {
-        if addr % 8 != 0 {
+        if !addr.is_multiple_of(8) {
             return Err(MemError::Misaligned);
         }
         let (_, off) = self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)?;

@@ -6,12 +6,14 @@
 
 use core::time::Duration;
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, VecDeque};
+use std::path::PathBuf;
 
 use softrdma_transport::{Config, Hca, Instant, RxInfo};
 use softrdma_wire::ICRC_LEN;
 
 use crate::memory::SimMemory;
+use crate::pcap;
 use crate::rng::Rng;
 
 /// Index of a node.
@@ -96,6 +98,40 @@ struct InFlight {
     frame: Vec<u8>,
 }
 
+/// A hook that may drop (return false) or alter a frame in flight: (from, to, frame).
+pub type Filter = Box<dyn FnMut(NodeId, NodeId, &mut Vec<u8>) -> bool>;
+
+/// What became of a frame put on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// Put in flight (it may still fail the receiver's ICRC check if corrupted).
+    Launched,
+    /// Dropped by the filter hook.
+    Filtered,
+    /// Dropped by random loss.
+    Lost,
+    /// Inserted by [`Net::inject`].
+    Injected,
+}
+
+/// One frame in the capture ring: the IB packet (BTH through ICRC) as the sender produced it.
+#[derive(Debug, Clone)]
+pub struct Captured {
+    /// Virtual time it was sent.
+    pub at: Instant,
+    /// Sending node.
+    pub from: NodeId,
+    /// Receiving node.
+    pub to: NodeId,
+    /// The frame (after the filter altered it, if it did).
+    pub frame: Vec<u8>,
+    /// What happened to it.
+    pub fate: Fate,
+}
+
+/// Frames kept in the capture ring unless [`Net::capture_limit`] is changed.
+pub const DEFAULT_CAPTURE: usize = 4096;
+
 /// The network and its nodes, in virtual time.
 pub struct Net {
     /// Current virtual time.
@@ -107,7 +143,14 @@ pub struct Net {
     /// Counters.
     pub stats: NetStats,
     /// Optional hook that may drop (return false) or alter a frame in flight: (from, to, frame).
-    pub filter: Option<Box<dyn FnMut(NodeId, NodeId, &mut Vec<u8>) -> bool>>,
+    pub filter: Option<Filter>,
+    /// The last frames put on the wire, oldest first, at most `capture_limit` of them.
+    pub capture: VecDeque<Captured>,
+    /// Size of the capture ring (0 disables it).
+    pub capture_limit: usize,
+    /// Where to write the capture ring as a pcap if the thread panics while this `Net` is alive
+    /// (see [`Net::pcap_on_failure`]).
+    pub pcap_on_panic: Option<PathBuf>,
     flight: BinaryHeap<Reverse<InFlight>>,
     rng: Rng,
     seq: u64,
@@ -146,6 +189,9 @@ impl Net {
             imp,
             stats: NetStats::default(),
             filter: None,
+            capture: VecDeque::new(),
+            capture_limit: DEFAULT_CAPTURE,
+            pcap_on_panic: None,
             flight: BinaryHeap::new(),
             rng: Rng::new(seed),
             seq: 0,
@@ -182,17 +228,42 @@ impl Net {
         }
     }
 
+    fn record(&mut self, from: NodeId, to: NodeId, frame: &[u8], fate: Fate) {
+        if self.capture_limit == 0 {
+            return;
+        }
+        // Reuse the oldest entry's buffer once the ring is full: no allocation per frame.
+        let mut bytes = Vec::new();
+        while self.capture.len() >= self.capture_limit {
+            if let Some(old) = self.capture.pop_front() {
+                bytes = old.frame;
+            }
+        }
+        bytes.clear();
+        bytes.extend_from_slice(frame);
+        self.capture.push_back(Captured {
+            at: self.now,
+            from,
+            to,
+            frame: bytes,
+            fate,
+        });
+    }
+
     fn launch(&mut self, from: NodeId, to: NodeId, mut frame: Vec<u8>) {
         if let Some(f) = self.filter.as_mut() {
             if !f(from, to, &mut frame) {
                 self.stats.lost += 1;
+                self.record(from, to, &frame, Fate::Filtered);
                 return;
             }
         }
         if self.rng.chance(self.imp.loss) {
             self.stats.lost += 1;
+            self.record(from, to, &frame, Fate::Lost);
             return;
         }
+        self.record(from, to, &frame, Fate::Launched);
         if self.rng.chance(self.imp.corrupt) {
             let bit = self.rng.below(frame.len() as u64 * 8);
             frame[(bit / 8) as usize] ^= 1 << (bit % 8);
@@ -221,6 +292,52 @@ impl Net {
         }
     }
 
+    /// Put a frame (an IB packet with a valid ICRC, e.g. a copy of a captured one) in flight from
+    /// `from` to `to`, bypassing the filter and the impairments; it arrives after the usual delay.
+    pub fn inject(&mut self, from: NodeId, to: NodeId, frame: Vec<u8>) {
+        self.record(from, to, &frame, Fate::Injected);
+        self.seq += 1;
+        self.flight.push(Reverse(InFlight {
+            at: self.now + self.imp.delay,
+            seq: self.seq,
+            to,
+            from,
+            frame,
+        }));
+    }
+
+    /// Recompute the ICRC of a frame the test altered on purpose (so the receiver accepts it).
+    pub fn seal(frame: &mut [u8]) {
+        let n = frame.len();
+        let icrc = frame_icrc(&frame[..n - ICRC_LEN]);
+        frame[n - ICRC_LEN..].copy_from_slice(&icrc.to_le_bytes());
+    }
+
+    /// The capture ring as a classic pcap (raw IPv4, UDP port 4791).
+    pub fn pcap_bytes(&self) -> Vec<u8> {
+        let gids: Vec<[u8; 16]> = self.nodes.iter().map(|n| n.gid).collect();
+        pcap::write(self.capture.iter().map(|c| pcap::Record {
+            at: c.at,
+            src: ipv4_of(&gids[c.from]),
+            dst: ipv4_of(&gids[c.to]),
+            src_port: 0xc000 | c.from as u16,
+            ib: &c.frame,
+        }))
+    }
+
+    /// Write the capture ring to `path` (directories created).
+    pub fn write_pcap(&self, path: &std::path::Path) -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, self.pcap_bytes())
+    }
+
+    /// If the test panics while this `Net` lives, write its capture ring to `dir/name.pcap`.
+    pub fn pcap_on_failure(&mut self, dir: impl Into<PathBuf>, name: &str) {
+        self.pcap_on_panic = Some(dir.into().join(format!("{name}.pcap")));
+    }
+
     fn deliver(&mut self, f: InFlight) {
         let n = f.frame.len();
         if n < ICRC_LEN + 12 {
@@ -233,16 +350,20 @@ impl Net {
             return;
         }
         self.stats.delivered += 1;
+        // As rxe does for RoCEv2 over IPv4: the IPv4 header in the last 20 bytes of the GRH area.
         let mut grh = [0u8; 40];
-        grh[8..24].copy_from_slice(&self.nodes[f.from].gid);
-        grh[24..40].copy_from_slice(&self.nodes[f.to].gid);
+        let (src, dst) = (
+            ipv4_of(&self.nodes[f.from].gid),
+            ipv4_of(&self.nodes[f.to].gid),
+        );
+        grh[20..40].copy_from_slice(&pcap::ipv4_header(src, dst, 8 + n as u16));
         let node = &mut self.nodes[f.to];
         node.hca
             .handle_packet(self.now, &f.frame, &RxInfo { grh }, &mut node.mem);
     }
 
     /// The next moment something happens: a delivery or a timer.
-    fn next_event(&self) -> Option<Instant> {
+    pub(crate) fn next_event(&self) -> Option<Instant> {
         let d = self.flight.peek().map(|Reverse(f)| f.at);
         let t = self.nodes.iter().filter_map(|n| n.hca.poll_timeout()).min();
         match (d, t) {
@@ -294,5 +415,27 @@ impl Net {
     /// Step until nothing is left to happen or `limit` passes.
     pub fn run_idle(&mut self, limit: Duration) {
         self.run_until(limit, |_| false);
+    }
+}
+
+/// The IPv4 address of an IPv4-mapped GID.
+pub fn ipv4_of(gid: &[u8; 16]) -> [u8; 4] {
+    [gid[12], gid[13], gid[14], gid[15]]
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        if let Some(path) = self.pcap_on_panic.take() {
+            if std::thread::panicking() {
+                match self.write_pcap(&path) {
+                    Ok(()) => eprintln!(
+                        "sim: {} frames written to {}",
+                        self.capture.len(),
+                        path.display()
+                    ),
+                    Err(e) => eprintln!("sim: could not write {}: {e}", path.display()),
+                }
+            }
+        }
     }
 }

@@ -3,7 +3,7 @@
 use softrdma_transport::attr::QpCap;
 use softrdma_transport::{
     Access, AddressVector, CqId, ModifyQp, Mtu, PdId, QpInit, QpState, QpType, RecvWr, SendWr,
-    VerbsError, WorkCompletion,
+    SrqId, VerbsError, WorkCompletion,
 };
 use softrdma_wire::{Psn, Qpn};
 
@@ -71,6 +71,11 @@ impl Default for ConnOpts {
 impl Net {
     /// A QP of `o.qp_type` on `node`, in RESET, with its own CQs and PD 1.
     pub fn create_qp(&mut self, node: NodeId, o: &ConnOpts) -> Endpoint {
+        self.create_qp_srq(node, o, None)
+    }
+
+    /// As [`Net::create_qp`], receiving from `srq` if given.
+    pub fn create_qp_srq(&mut self, node: NodeId, o: &ConnOpts, srq: Option<SrqId>) -> Endpoint {
         let hca = &mut self.nodes[node].hca;
         let scq = hca.create_cq(o.depth * 2);
         let rcq = hca.create_cq(o.depth * 2);
@@ -88,7 +93,7 @@ impl Net {
                 pd,
                 send_cq: scq,
                 recv_cq: rcq,
-                srq: None,
+                srq,
                 cap,
                 sq_sig_all: false,
             })
@@ -161,6 +166,22 @@ impl Net {
     pub fn connect(&mut self, na: NodeId, nb: NodeId, o: &ConnOpts) -> (Endpoint, Endpoint) {
         let a = self.create_qp(na, o);
         let b = self.create_qp(nb, o);
+        let (pa, pb) = (o.psn, o.psn.wrapping_add(0x1000) & 0xff_ffff);
+        self.bring_up(&a, &b, o, pa, pb);
+        self.bring_up(&b, &a, o, pb, pa);
+        (a, b)
+    }
+
+    /// Two connected QPs, `b` (on `nb`) receiving from `srq_b`.
+    pub fn connect_srq(
+        &mut self,
+        na: NodeId,
+        nb: NodeId,
+        o: &ConnOpts,
+        srq_b: SrqId,
+    ) -> (Endpoint, Endpoint) {
+        let a = self.create_qp(na, o);
+        let b = self.create_qp_srq(nb, o, Some(srq_b));
         let (pa, pb) = (o.psn, o.psn.wrapping_add(0x1000) & 0xff_ffff);
         self.bring_up(&a, &b, o, pa, pb);
         self.bring_up(&b, &a, o, pb, pa);

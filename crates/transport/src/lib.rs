@@ -20,6 +20,8 @@ pub mod hca;
 pub mod memory;
 mod qp;
 pub mod stats;
+#[cfg(test)]
+mod tests;
 pub mod time;
 pub mod wr;
 

@@ -173,6 +173,10 @@ impl Qp {
             self.sq.rnr_left -= 1;
         }
         self.sq.rnr_paused = true;
+        // The requester goes back to `una` when the wait is over: that is the retry for this
+        // PSN. A sequence-error NAK for the packets that followed the RNR'd one (the responder
+        // sends one) is the same loss and must not spend a transport retry.
+        self.sq.retrying_from = Some(self.sq.una);
         self.set_timer(Timer::Retransmit, None);
         self.set_timer(Timer::RnrWait, Some(ctx.now + Self::rnr_delay(timer)));
     }

@@ -170,7 +170,10 @@ impl Responder {
     /// `max_dest_rd_atomic` when the requester keeps to its limit.
     fn pending_rd_atomic(&self) -> usize {
         let new = |r: &&Response| {
-            matches!(r, Response::AtomicAck { dup: false, .. } | Response::Read { dup: false, .. })
+            matches!(
+                r,
+                Response::AtomicAck { dup: false, .. } | Response::Read { dup: false, .. }
+            )
         };
         self.out.iter().filter(new).count()
     }
@@ -576,7 +579,12 @@ impl Qp {
             .remember(Resource::Atomic { psn, orig }, self.attr.max_dest_rd_atomic);
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         let msn = self.resp.msn;
-        let ack = Response::AtomicAck { psn, orig, msn, dup: false };
+        let ack = Response::AtomicAck {
+            psn,
+            orig,
+            msn,
+            dup: false,
+        };
         self.resp.out.push_back(ack);
         self.resp.epsn = psn.next();
     }
@@ -614,10 +622,13 @@ impl Qp {
                 // A stream of the same read still queued restarts here instead; it keeps its
                 // place in the count of new requests.
                 let same = |p: Psn| p.diff(first) >= 0 && p.diff(last) <= 0;
-                let was_new = self.resp.out.iter().any(
-                    |r| matches!(*r, Response::Read { psn: p, dup: false, .. } if same(p)),
-                );
-                self.resp.out.retain(|r| !matches!(*r, Response::Read { psn: p, .. } if same(p)));
+                let was_new =
+                    self.resp.out.iter().any(
+                        |r| matches!(*r, Response::Read { psn: p, dup: false, .. } if same(p)),
+                    );
+                self.resp
+                    .out
+                    .retain(|r| !matches!(*r, Response::Read { psn: p, .. } if same(p)));
                 self.resp.out.push_back(Response::Read {
                     psn,
                     va: reth.va(),
@@ -629,11 +640,18 @@ impl Qp {
                 });
             }
             (Some(Resource::Atomic { psn, orig }), _) if info.is(Flags::ATOMIC) => {
-                let queued = self.resp.out.iter().any(
-                    |r| matches!(*r, Response::AtomicAck { psn: p, .. } if p == psn),
-                );
+                let queued = self
+                    .resp
+                    .out
+                    .iter()
+                    .any(|r| matches!(*r, Response::AtomicAck { psn: p, .. } if p == psn));
                 if !queued {
-                    let ack = Response::AtomicAck { psn, orig, msn, dup: true };
+                    let ack = Response::AtomicAck {
+                        psn,
+                        orig,
+                        msn,
+                        dup: true,
+                    };
                     self.resp.out.push_back(ack);
                 }
             }

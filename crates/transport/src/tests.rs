@@ -1,0 +1,372 @@
+//! Single-engine step tests: hand-built request packets into one responder, and the exact responses
+//! it produces (in the style of smoltcp's `send!`/`recv!` socket tests).
+
+use crate::attr::{AddressVector, ModifyQp, Mtu, QpCap, QpInit, QpState, QpType};
+use crate::config::Config;
+use crate::hca::{Hca, PdId, RxInfo};
+use crate::memory::{Access, AtomicOp, KeyKind, MemError, MemoryAccess};
+use crate::time::Instant;
+use crate::wr::{RecvWr, Sge};
+use crate::{WcOpcode, WcStatus};
+use softrdma_wire::aeth::CREDITS_INVALID;
+use softrdma_wire::bth::DEFAULT_PKEY;
+use softrdma_wire::opcode::base;
+use softrdma_wire::{
+    BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn, QpType as WireQpType, Qpn, Syndrome,
+};
+
+/// One flat region at address 0 under key 1, every right granted.
+struct Flat(Vec<u8>);
+
+impl Flat {
+    fn range(&self, key: u32, addr: u64, len: u64) -> Result<core::ops::Range<usize>, MemError> {
+        if key != 1 {
+            return Err(MemError::InvalidKey);
+        }
+        let end = addr.checked_add(len).ok_or(MemError::OutOfBounds)?;
+        if end > self.0.len() as u64 {
+            return Err(MemError::OutOfBounds);
+        }
+        Ok(addr as usize..end as usize)
+    }
+}
+
+impl MemoryAccess for Flat {
+    fn check(
+        &self,
+        _: PdId,
+        key: u32,
+        _: KeyKind,
+        addr: u64,
+        len: u64,
+        _: Access,
+    ) -> Result<(), MemError> {
+        self.range(key, addr, len).map(|_| ())
+    }
+    fn read(
+        &self,
+        _: PdId,
+        key: u32,
+        _: KeyKind,
+        addr: u64,
+        out: &mut [u8],
+    ) -> Result<(), MemError> {
+        let r = self.range(key, addr, out.len() as u64)?;
+        out.copy_from_slice(&self.0[r]);
+        Ok(())
+    }
+    fn write(
+        &mut self,
+        _: PdId,
+        key: u32,
+        _: KeyKind,
+        addr: u64,
+        data: &[u8],
+    ) -> Result<(), MemError> {
+        let r = self.range(key, addr, data.len() as u64)?;
+        self.0[r].copy_from_slice(data);
+        Ok(())
+    }
+    fn atomic(&mut self, _: PdId, key: u32, addr: u64, op: AtomicOp) -> Result<u64, MemError> {
+        let r = self.range(key, addr, 8)?;
+        let orig = u64::from_ne_bytes(self.0[r.clone()].try_into().expect("8"));
+        self.0[r].copy_from_slice(&op.apply(orig).to_ne_bytes());
+        Ok(orig)
+    }
+    fn invalidate(&mut self, _: PdId, _: u32) -> Result<(), MemError> {
+        Err(MemError::InvalidKey)
+    }
+}
+
+const PEER: Qpn = Qpn::new(0x77);
+const EPSN: u32 = 0x100;
+const RNR_CODE: u8 = 0x0e;
+
+/// A responder: an RC QP in RTR expecting PSN 0x100, with RNR timer code 14.
+struct Rig {
+    hca: Hca,
+    mem: Flat,
+    qpn: Qpn,
+    cq: crate::CqId,
+    now: Instant,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        let mut hca = Hca::new(Config::default());
+        let cq = hca.create_cq(64);
+        let cap = QpCap {
+            max_send_wr: 16,
+            max_recv_wr: 16,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let qpn = hca
+            .create_qp(QpInit {
+                qp_type: QpType::Rc,
+                pd: PdId(1),
+                send_cq: cq,
+                recv_cq: cq,
+                srq: None,
+                cap,
+                sq_sig_all: false,
+            })
+            .unwrap();
+        let mut mem = Flat(vec![0; 1 << 16]);
+        let now = Instant::ZERO;
+        let init = ModifyQp {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(Access::REMOTE_WRITE.with(Access::REMOTE_READ)),
+            ..Default::default()
+        };
+        hca.modify_qp(qpn, &init, now, &mut mem).unwrap();
+        let rtr = ModifyQp {
+            state: Some(QpState::Rtr),
+            av: Some(AddressVector::default()),
+            path_mtu: Some(Mtu::M256),
+            dest_qpn: Some(PEER),
+            rq_psn: Some(Psn::new(EPSN)),
+            max_dest_rd_atomic: Some(4),
+            min_rnr_timer: Some(RNR_CODE),
+            ..Default::default()
+        };
+        hca.modify_qp(qpn, &rtr, now, &mut mem).unwrap();
+        Rig {
+            hca,
+            mem,
+            qpn,
+            cq,
+            now,
+        }
+    }
+
+    /// Feed one request (`send!`).
+    fn send(&mut self, op: u8, psn: u32, ack_req: bool, payload: usize) {
+        let mut repr = IbRepr::new(BthRepr {
+            opcode: Opcode::of(WireQpType::Rc, op).unwrap(),
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            pkey: DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp: self.qpn,
+            ack_req,
+            psn: Psn::new(psn & 0xff_ffff),
+        });
+        repr.payload_len = payload;
+        let mut buf = vec![0xabu8; repr.buffer_len()];
+        let n = repr.emit(&mut buf).unwrap();
+        let rx = RxInfo { grh: [0; 40] };
+        self.hca
+            .handle_packet(self.now, &buf[..n], &rx, &mut self.mem);
+    }
+
+    /// Everything the engine sends now (`recv!`), as (opcode base, PSN, syndrome, MSN).
+    fn recv(&mut self) -> Vec<(u8, u32, Option<Syndrome>, Option<u32>)> {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 4096 + 64];
+        while let Some(t) = self.hca.poll_transmit(self.now, &mut self.mem, &mut buf) {
+            let p = IbPacket::new_checked(&buf[..t.len]).unwrap();
+            assert_eq!(t.dest_qpn, PEER);
+            out.push((
+                p.bth().opcode().base(),
+                p.bth().psn().value(),
+                p.aeth().map(|a| a.syndrome()),
+                p.aeth().map(|a| a.msn()),
+            ));
+        }
+        out
+    }
+
+    fn post_recv(&mut self, wr_id: u64, len: u32) {
+        let wr = RecvWr {
+            wr_id,
+            sgl: vec![Sge {
+                addr: 0x1000 * wr_id,
+                length: len,
+                lkey: 1,
+            }],
+        };
+        self.hca
+            .post_recv(self.qpn, wr, self.now, &mut self.mem)
+            .unwrap();
+    }
+}
+
+const ACK: Option<Syndrome> = Some(Syndrome::Ack {
+    credits: CREDITS_INVALID,
+});
+
+#[test]
+fn rnr_nak_carries_the_timer_code_and_the_psn() {
+    let mut r = Rig::new();
+    r.send(base::SEND_ONLY, EPSN, true, 10);
+    let rnr = Some(Syndrome::RnrNak { timer: RNR_CODE });
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, rnr, Some(0))]);
+    // The syndrome byte on the wire: 001 followed by the 5-bit timer code.
+    assert_eq!(Syndrome::RnrNak { timer: RNR_CODE }.byte(), 0x2e);
+    assert_eq!(r.hca.counters().send_rnr_nak, 1);
+    // Nothing was consumed: the PSN is still expected, and once a receive exists it completes.
+    assert_eq!(r.hca.query_qp(r.qpn).unwrap().rq_psn, Psn::new(EPSN));
+    r.post_recv(1, 64);
+    r.send(base::SEND_ONLY, EPSN, true, 10);
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, ACK, Some(1))]);
+    let mut wc = Vec::new();
+    r.hca.poll_cq(r.cq, 8, &mut wc).unwrap();
+    assert_eq!(
+        wc.iter()
+            .map(|w| (w.wr_id, w.status, w.opcode, w.byte_len))
+            .collect::<Vec<_>>(),
+        vec![(1, WcStatus::Success, WcOpcode::Recv, 10)]
+    );
+}
+
+#[test]
+fn rnr_on_a_write_with_immediate() {
+    let mut r = Rig::new();
+    let repr_write = |r: &mut Rig| {
+        // WRITE_ONLY_IMM needs a RETH and ImmDt; build it by hand.
+        let mut repr = IbRepr::new(BthRepr {
+            opcode: Opcode::of(WireQpType::Rc, base::WRITE_ONLY_IMM).unwrap(),
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            pkey: DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp: r.qpn,
+            ack_req: true,
+            psn: Psn::new(EPSN),
+        });
+        repr.reth = Some(softrdma_wire::RethRepr {
+            va: 0x100,
+            rkey: 1,
+            dma_len: 4,
+        });
+        repr.imm = Some(0x55);
+        repr.payload_len = 4;
+        let mut buf = vec![0u8; repr.buffer_len()];
+        let n = repr.emit(&mut buf).unwrap();
+        buf[repr.payload_range()].copy_from_slice(b"abcd");
+        r.hca
+            .handle_packet(r.now, &buf[..n], &RxInfo { grh: [0; 40] }, &mut r.mem);
+    };
+    repr_write(&mut r);
+    let rnr = Some(Syndrome::RnrNak { timer: RNR_CODE });
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, rnr, Some(0))]);
+    assert_eq!(
+        &r.mem.0[0x100..0x104],
+        &[0; 4],
+        "memory untouched before a receive exists"
+    );
+    r.post_recv(2, 0);
+    repr_write(&mut r);
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, ACK, Some(1))]);
+    assert_eq!(&r.mem.0[0x100..0x104], b"abcd");
+}
+
+#[test]
+fn acks_coalesce_to_the_newest() {
+    let mut r = Rig::new();
+    r.post_recv(1, 4096);
+    r.post_recv(2, 4096);
+    // Two messages, every packet asking for an ACK, all arriving before the engine transmits:
+    // one ACK for the newest PSN with the MSN of both messages.
+    r.send(base::SEND_FIRST, EPSN, true, 256);
+    r.send(base::SEND_LAST, EPSN + 1, true, 10);
+    r.send(base::SEND_ONLY, EPSN + 2, true, 20);
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN + 2, ACK, Some(2))]);
+    // Without AckReq: no ACK at all.
+    r.post_recv(3, 4096);
+    r.send(base::SEND_ONLY, EPSN + 3, false, 1);
+    assert_eq!(r.recv(), vec![]);
+    // A read response in the queue is not folded into: ACK, then the read, then the next ACK.
+    r.post_recv(4, 4096);
+    r.send(base::SEND_ONLY, EPSN + 4, true, 256);
+    let mut read = IbRepr::new(BthRepr {
+        opcode: Opcode::of(WireQpType::Rc, base::READ_REQUEST).unwrap(),
+        solicited: false,
+        mig_req: false,
+        pad: 0,
+        pkey: DEFAULT_PKEY,
+        fecn: false,
+        becn: false,
+        dest_qp: r.qpn,
+        ack_req: true,
+        psn: Psn::new(EPSN + 5),
+    });
+    read.reth = Some(softrdma_wire::RethRepr {
+        va: 0,
+        rkey: 1,
+        dma_len: 16,
+    });
+    let mut buf = vec![0u8; read.buffer_len()];
+    let n = read.emit(&mut buf).unwrap();
+    r.hca
+        .handle_packet(r.now, &buf[..n], &RxInfo { grh: [0; 40] }, &mut r.mem);
+    assert_eq!(
+        r.recv(),
+        vec![
+            (base::ACKNOWLEDGE, EPSN + 4, ACK, Some(4)),
+            (base::READ_RESPONSE_ONLY, EPSN + 5, ACK, Some(5)),
+        ]
+    );
+}
+
+#[test]
+fn one_sequence_nak_per_gap() {
+    let mut r = Rig::new();
+    for i in 0..4 {
+        r.post_recv(i + 1, 4096);
+    }
+    // PSNs 0x102 and 0x103 arrive with 0x100 missing: one NAK for the expected PSN.
+    r.send(base::SEND_ONLY, EPSN + 2, true, 1);
+    r.send(base::SEND_ONLY, EPSN + 3, true, 1);
+    let seq = Some(Syndrome::Nak(NakCode::PsnSequenceError));
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, seq, Some(0))]);
+    assert_eq!(r.hca.counters().out_of_seq_request, 2);
+    // The gap is filled: the next gap gets its own NAK.
+    r.send(base::SEND_ONLY, EPSN, true, 1);
+    r.send(base::SEND_ONLY, EPSN + 2, true, 1);
+    assert_eq!(
+        r.recv(),
+        vec![
+            (base::ACKNOWLEDGE, EPSN, ACK, Some(1)),
+            (base::ACKNOWLEDGE, EPSN + 1, seq, Some(1)),
+        ]
+    );
+}
+
+#[test]
+fn duplicate_send_is_acked_with_the_last_psn_and_not_redelivered() {
+    let mut r = Rig::new();
+    r.post_recv(1, 4096);
+    r.post_recv(2, 4096);
+    r.send(base::SEND_ONLY, EPSN, true, 5);
+    r.send(base::SEND_ONLY, EPSN + 1, false, 5);
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, ACK, Some(1))]);
+    // A duplicate of the first, without AckReq: still ACKed, with the newest PSN received.
+    r.send(base::SEND_ONLY, EPSN, false, 5);
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN + 1, ACK, Some(2))]);
+    let mut wc = Vec::new();
+    r.hca.poll_cq(r.cq, 8, &mut wc).unwrap();
+    assert_eq!(wc.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(r.hca.counters().duplicate_request, 1);
+}
+
+#[test]
+fn comm_established_on_the_first_packet_in_rtr() {
+    let mut r = Rig::new();
+    r.post_recv(1, 64);
+    r.send(base::SEND_ONLY, EPSN, true, 1);
+    r.send(base::SEND_ONLY, EPSN + 1, true, 1);
+    assert_eq!(
+        r.hca.poll_event(),
+        Some(crate::AsyncEvent::CommEstablished(r.qpn))
+    );
+    assert_eq!(r.hca.poll_event(), None);
+}
