@@ -6,7 +6,6 @@
 pub mod memory;
 pub mod net;
 pub mod pair;
-pub mod pcap;
 pub mod rng;
 pub mod steps;
 pub mod workload;
