@@ -60,7 +60,14 @@ pub struct AgentConfig {
 impl AgentConfig {
     /// rdma_cm's timeouts with the given device facts.
     pub fn new(ca_guid: u64, addrs: Vec<(IpAddr, u8)>, mtu: Mtu, seed: u64) -> AgentConfig {
-        AgentConfig { ca_guid, addrs, mtu, response_timeout: 20, max_retries: 15, seed }
+        AgentConfig {
+            ca_guid,
+            addrs,
+            mtu,
+            response_timeout: 20,
+            max_retries: 15,
+            seed,
+        }
     }
 }
 

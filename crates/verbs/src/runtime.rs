@@ -20,6 +20,7 @@ use softrdma_device::DeviceInfo;
 use softrdma_transport::{AsyncEvent, Config, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, UdpVerdict, VerifyStats};
 
+use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::UdpPort;
 use crate::memory::MrTable;
@@ -36,6 +37,8 @@ pub(crate) struct State {
     /// Datagrams the socket refused.
     pub tx_errors: u64,
     pub next_pd: u32,
+    /// The connection manager of the device (QP1).
+    pub cm: CmState,
     tx_buf: Vec<u8>,
     rx_buf: Vec<u8>,
 }
@@ -122,10 +125,27 @@ fn grh_area(src: SocketAddr, dst: SocketAddr, udp_payload: usize) -> [u8; 40] {
     g
 }
 
+/// The CM agent of a device: its GUID, the addresses its sockets are bound to with their GID
+/// indices, its MTU, and a seed that differs per process and run.
+fn cm_agent(info: &DeviceInfo, port: &UdpPort) -> softrdma_cm::CmAgent {
+    let addrs = port
+        .sockets()
+        .filter_map(|(_, a)| {
+            let index = info.gids.iter().find(|(_, e)| e.gid.to_ip() == a.ip()).map(|(i, _)| i)?;
+            Some((a.ip(), u8::try_from(index).ok()?))
+        })
+        .collect();
+    let mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let seed = t.as_nanos() as u64 ^ (u64::from(std::process::id()) << 40);
+    softrdma_cm::CmAgent::new(softrdma_cm::AgentConfig::new(info.node_guid().0, addrs, mtu, seed))
+}
+
 impl Device {
     /// Bind the UDP endpoint and build the engine for `info`.
     pub fn new(info: DeviceInfo, v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>, udp_port: u16) -> Result<Device> {
         let port = UdpPort::bind(v4, v6, udp_port)?;
+        let cm = CmState::new(cm_agent(&info, &port));
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         let config = Config { port_mtu, max_rd_atomic, ..Config::default() };
@@ -140,6 +160,7 @@ impl Device {
             verify: VerifyStats::default(),
             tx_errors: 0,
             next_pd: 1,
+            cm,
             tx_buf: vec![0; 4096 + 512],
             rx_buf: vec![0; 65536],
         };
@@ -179,6 +200,15 @@ impl Device {
     /// Send every packet the engine has, and hand out completion and async events.
     fn flush(&self, st: &mut State, now: Instant) {
         let st = &mut *st;
+        st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
+            let dst = SocketAddr::new(gid_ip(&dgid), self.port.port());
+            let sent = self.port.local_for(&dst).is_some_and(|src| {
+                seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok()
+            });
+            if !sent {
+                st.tx_errors += 1;
+            }
+        });
         while let Some(t) = st.hca.poll_transmit(now, &mut st.mem, &mut st.tx_buf) {
             let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
             let Some(src) = self.port.local_for(&dst) else {
@@ -227,8 +257,11 @@ impl Device {
                 counters.rcvd_pkts += 1;
                 st.verify.record(UdpVerdict::Bad);
             }
-            Ok((_, verdict)) => {
+            Ok((ib, verdict)) => {
                 st.verify.record(verdict);
+                if st.cm.handle_packet(now, src.ip(), &ib) {
+                    return;
+                }
                 let rx = RxInfo { grh: grh_area(src, local, payload.len()) };
                 st.hca.handle_packet(now, payload, &rx, &mut st.mem);
             }
@@ -257,6 +290,9 @@ impl Device {
         if st.hca.poll_timeout().is_some_and(|t| t <= now) {
             st.hca.handle_timeout(now, &mut st.mem);
         }
+        if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
+            st.cm.agent.handle_timeout(now);
+        }
         self.flush(st, now);
     }
 
@@ -271,7 +307,10 @@ impl Device {
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
         while !self.stop.load(Ordering::Acquire) {
-            let deadline = self.lock().hca.poll_timeout();
+            let deadline = {
+                let st = self.lock();
+                [st.hca.poll_timeout(), st.cm.agent.poll_timeout()].into_iter().flatten().min()
+            };
             let wait = match deadline {
                 Some(at) => at.saturating_since(self.now()).min(Duration::from_millis(200)),
                 None => Duration::from_millis(200),

@@ -114,6 +114,16 @@ impl Context {
         self.h.dev.lock().verify
     }
 
+    /// The running device (for the CM's IDs).
+    pub(crate) fn handle(&self) -> &Arc<DeviceHandle> {
+        &self.h
+    }
+
+    /// Create an RDMA CM ID on this device (`rdma_create_id`), reporting to `channel`.
+    pub fn create_cm_id(&self, channel: &crate::cm::CmEventChannel, ps: softrdma_cm::PortSpace) -> crate::cm::CmId {
+        crate::cm::CmId::create(Arc::clone(&self.h), channel, ps)
+    }
+
     /// Memory regions currently registered.
     pub fn mr_count(&self) -> usize {
         self.h.dev.lock().mem.len()
