@@ -11,9 +11,10 @@
 //!
 //! - Time is virtual and follows the capture: frame `n` is processed at its timestamp (relative to the
 //!   first frame, plus one second). Timers that expire between two frames fire at their own deadline.
-//! - Everything our engine has to send is drained after every input (packet, timer, verb), as a real
-//!   driver does. Responses therefore go out as soon as the request arrives; requests as soon as they
-//!   are posted and the window allows.
+//! - Everything our engine has to send is drained after every input (packet, timer, verb), as rxe's
+//!   per-packet tasklets do. Responses therefore go out as soon as the request arrives; requests as
+//!   soon as they are posted and the window allows. [`Replay::set_batched`] drains only after each
+//!   run of back-to-back packets from the peer instead, as the verbs runtime does under load.
 //! - After the last frame the clock runs on for a second, so a retransmission we would make (because
 //!   something stayed unacknowledged) shows up as an extra packet.
 
@@ -309,6 +310,112 @@ pub fn assert_not_later(what: &str, ours: &[Tagged], kernel: &[Tagged]) {
     }
 }
 
+/// A plain ACK (not a NAK, not an atomic ACK, not a read response).
+fn is_plain_ack(t: &Tagged) -> bool {
+    let p = &t.packet;
+    p.repr.bth.opcode.base() == softrdma_wire::opcode::base::ACKNOWLEDGE
+        && matches!(
+            p.repr.aeth.map(|a| a.syndrome),
+            Some(softrdma_wire::Syndrome::Ack { .. })
+        )
+}
+
+/// The (PSN, MSN) of every plain ACK of a stream, in order.
+pub fn plain_acks(s: &[Tagged]) -> Vec<(Psn, u32)> {
+    s.iter()
+        .filter(|t| is_plain_ack(t))
+        .map(|t| (t.packet.psn(), t.packet.repr.aeth.map_or(0, |a| a.msn)))
+        .collect()
+}
+
+/// The plain ACKs an RC responder owes for `inbound` requests, starting at `first_psn` with path MTU
+/// `mtu`, when it
+/// answers each request as it arrives and only when asked: one for each SEND or WRITE packet with
+/// AckReq set, carrying its PSN and the MSN — the number of messages completed so far, a READ
+/// counting when it arrives (IBA C9-148) and an atomic when executed. A duplicate SEND or WRITE is
+/// acknowledged again at the newest PSN received, with the current MSN (C9-105). Reads and atomics
+/// are answered by their own responses, not by ACKs. Assumes no loss, NAK or RNR.
+pub fn acks_due(inbound: &[Tagged], first_psn: Psn, mtu: usize) -> Vec<(Psn, u32)> {
+    let mut epsn = first_psn;
+    let mut msn = 0u32;
+    let mut due = Vec::new();
+    for t in inbound {
+        let info = t.packet.info();
+        let psn = t.packet.psn();
+        let plain = info.is(Flags::SEND) || info.is(Flags::WRITE);
+        if psn.before(epsn) {
+            if plain {
+                due.push((epsn.sub(1), msn));
+            }
+            continue;
+        }
+        if info.is(Flags::READ) {
+            let len = t.packet.repr.reth.map_or(0, |r| r.dma_len);
+            epsn = psn.add((len as usize).div_ceil(mtu).max(1) as u32);
+            msn += 1;
+            continue;
+        }
+        epsn = psn.next();
+        if info.ends_message() {
+            msn += 1;
+        }
+        if plain && t.packet.repr.bth.ack_req {
+            due.push((psn, msn));
+        }
+    }
+    due
+}
+
+/// Compare response streams when our responder may coalesce ACKs and the kernel's did not.
+///
+/// An ACK for PSN `n` acknowledges every request up to `n` and a responder may coalesce its
+/// acknowledgements (IBA vol. 1, 9.7.5.1), so when several requests asking for an ACK are received
+/// before it transmits, our responder sends only the newest ACK. rxe answers each one from its
+/// tasklet as it comes. Checked:
+///
+/// - everything but plain ACKs (NAKs, atomic ACKs, read responses) is identical and in order;
+/// - each ACK of ours is one of the kernel's, every field equal (so the PSN is one that asked for an
+///   ACK, and the MSN is the count of messages completed at that PSN), in the kernel's order;
+/// - each of the kernel's ACKs is covered by one of ours with the same or a later PSN, sent before
+///   the kernel's went out.
+///
+/// Returns how many ACKs we sent and how many the kernel did.
+#[track_caller]
+pub fn assert_acks_coalesced(what: &str, ours: &[Tagged], kernel: &[Tagged]) -> (usize, usize) {
+    let others =
+        |s: &[Tagged]| -> Vec<Tagged> { s.iter().filter(|t| !is_plain_ack(t)).cloned().collect() };
+    let (o, k) = (others(ours), others(kernel));
+    assert_same(&format!("{what} (other than ACKs)"), &o, &k);
+    assert_not_later(&format!("{what} (other than ACKs)"), &o, &k);
+    let acks =
+        |s: &[Tagged]| -> Vec<Tagged> { s.iter().filter(|t| is_plain_ack(t)).cloned().collect() };
+    let (ours, kernel) = (acks(ours), acks(kernel));
+    let mut at = 0;
+    for o in &ours {
+        let found = kernel[at..]
+            .iter()
+            .position(|k| o.packet.diff(&k.packet).is_empty());
+        let Some(j) = found else {
+            panic!(
+                "{what}: our ACK {:?} (after frame {}) is none of the kernel's remaining ACKs",
+                o.packet, o.frame
+            );
+        };
+        at += j + 1;
+    }
+    for k in &kernel {
+        let covered = ours
+            .iter()
+            .any(|o| o.frame < k.frame && o.packet.psn().diff(k.packet.psn()) >= 0);
+        assert!(
+            covered,
+            "{what}: the kernel's ACK {:?} (frame {}) has no ACK of ours covering it in time",
+            k.packet, k.frame
+        );
+    }
+    (ours.len(), kernel.len())
+}
+
 /// The QP and its attributes for one replayed host.
 #[derive(Debug, Clone, Copy)]
 pub struct Setup {
@@ -397,6 +504,7 @@ pub struct Replay {
     next: usize,
     now: Instant,
     last_frame: usize,
+    batched: bool,
     sent: Vec<Tagged>,
     buf: Vec<u8>,
 }
@@ -483,9 +591,23 @@ impl Replay {
             next: 0,
             now,
             last_frame: 0,
+            batched: false,
             sent: Vec::new(),
             buf: vec![0; 8192],
         }
+    }
+
+    /// Drive like the verbs runtime under load instead of like rxe's per-packet tasklet: take every
+    /// run of back-to-back frames from the peer (no frame of ours between them) as one receive batch,
+    /// and transmit only after the batch. Queued plain ACKs then coalesce (see
+    /// [`assert_acks_coalesced`]).
+    pub fn set_batched(&mut self, on: bool) {
+        self.batched = on;
+    }
+
+    /// Whether receive batches are on.
+    pub fn batched(&self) -> bool {
+        self.batched
     }
 
     /// The frames of this connection (both directions).
@@ -608,7 +730,13 @@ impl Replay {
             self.hca.handle_packet(self.now, &f.ib, &rx, &mut self.mem);
         }
         self.last_frame = f.frame;
-        self.drain();
+        let more = self
+            .frames
+            .get(self.next)
+            .is_some_and(|n| n.src == self.setup.peer_ip);
+        if !(self.batched && more) {
+            self.drain();
+        }
     }
 
     /// Move the clock to `to`, firing each timer at its own deadline on the way.
