@@ -21,16 +21,16 @@
 use core::fmt;
 use core::time::Duration;
 use std::net::IpAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use softrdma_transport::attr::QpCap;
 use softrdma_transport::{
     Access, AddressVector, Config, CqId, Hca, Instant, ModifyQp, Mtu, PdId, QpInit, QpState,
     QpType, RecvWr, RxInfo, SendWr, WorkCompletion,
 };
-use softrdma_wire::capture::{classify, Classified, PcapReader};
+use softrdma_wire::capture::{classify, Classified, LinkType, PcapReader, PcapWriter};
 use softrdma_wire::opcode::Flags;
-use softrdma_wire::roce::{IpRepr, RoceV2Packet};
+use softrdma_wire::roce::{IpRepr, RoceV2Packet, RoceV2Repr};
 use softrdma_wire::{IbPacket, IbRepr, OpcodeInfo, Psn, Qpn};
 
 use crate::memory::SimMemory;
@@ -507,6 +507,9 @@ pub struct Replay {
     batched: bool,
     sent: Vec<Tagged>,
     buf: Vec<u8>,
+    /// Every packet fed and sent, in order, for the failure pcap.
+    log: Vec<(Instant, IpAddr, IpAddr, Vec<u8>)>,
+    pcap_on_failure: Option<PathBuf>,
 }
 
 impl Replay {
@@ -594,6 +597,8 @@ impl Replay {
             batched: false,
             sent: Vec::new(),
             buf: vec![0; 8192],
+            log: Vec::new(),
+            pcap_on_failure: None,
         }
     }
 
@@ -603,6 +608,29 @@ impl Replay {
     /// [`assert_acks_coalesced`]).
     pub fn set_batched(&mut self, on: bool) {
         self.batched = on;
+    }
+
+    /// If the thread panics (a failed assertion) while this replay is alive, write what was fed to
+    /// our engine and what it sent, in order, to a pcap at `path` (raw IP, RoCEv2, ICRCs filled).
+    pub fn pcap_on_failure(&mut self, path: PathBuf) {
+        self.pcap_on_failure = Some(path);
+    }
+
+    /// Write the packets fed and sent so far as a pcap.
+    pub fn write_pcap(&self, path: &Path) -> std::io::Result<()> {
+        let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+        let mut w = PcapWriter::new(file, LinkType::Raw)?;
+        let mut frame = vec![0u8; 16384];
+        for (at, src, dst, ib) in &self.log {
+            let repr = RoceV2Repr::new(*src, *dst, 0xc000);
+            let hl = repr.header_len();
+            frame[hl..hl + ib.len()].copy_from_slice(ib);
+            let n = repr
+                .emit(&mut frame, ib.len())
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+            w.write_frame(Duration::from_nanos(at.as_nanos()), &frame[..n])?;
+        }
+        w.into_inner().map(|_| ())
     }
 
     /// Whether receive batches are on.
@@ -728,6 +756,7 @@ impl Replay {
         if f.src == self.setup.peer_ip {
             let rx = RxInfo { grh: [0; 40] };
             self.hca.handle_packet(self.now, &f.ib, &rx, &mut self.mem);
+            self.log.push((self.now, f.src, f.dst, f.ib.clone()));
         }
         self.last_frame = f.frame;
         let more = self
@@ -763,6 +792,9 @@ impl Replay {
             };
             assert_eq!(t.src_qpn, self.setup.qpn, "transmit source QP");
             assert_eq!(t.dest_qpn, self.setup.dest_qpn, "transmit destination QP");
+            let bytes = self.buf[..t.len].to_vec();
+            self.log
+                .push((self.now, self.setup.ip, self.setup.peer_ip, bytes));
             let packet = Packet::parse(&self.buf[..t.len])
                 .unwrap_or_else(|e| panic!("our packet does not parse: {e}"));
             self.sent.push(Tagged {
@@ -772,5 +804,16 @@ impl Replay {
             });
         }
         panic!("the engine keeps transmitting");
+    }
+}
+
+impl Drop for Replay {
+    fn drop(&mut self) {
+        if let (true, Some(path)) = (std::thread::panicking(), &self.pcap_on_failure) {
+            match self.write_pcap(path) {
+                Ok(()) => eprintln!("replay: packets fed and sent written to {}", path.display()),
+                Err(e) => eprintln!("replay: could not write {}: {e}", path.display()),
+            }
+        }
     }
 }

@@ -59,7 +59,7 @@ use softrdma_sim::replay::{
 };
 use softrdma_transport::wr::Payload;
 use softrdma_transport::{
-    Access, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus,
+    Access, Counters, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus,
 };
 use softrdma_wire::opcode::Flags;
 use softrdma_wire::Psn;
@@ -77,6 +77,17 @@ fn golden(file: &str) -> PathBuf {
 
 fn capture(name: &str) -> Vec<CapturedPacket> {
     replay::load(&golden(&format!("{name}.pcap")))
+}
+
+/// A replay of `setup`'s host that writes a pcap of what it was fed and sent if the test fails.
+fn replay(name: &str, cap: &[CapturedPacket], setup: Setup, batched: bool) -> Replay {
+    let mut r = Replay::new(cap, setup);
+    r.set_batched(batched);
+    let side = if setup.ip == VM1 { "vm1" } else { "vm2" };
+    let drive = if batched { "batched" } else { "per-packet" };
+    let file = format!("replay-{name}-{side}-{drive}.pcap");
+    r.pcap_on_failure(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(file));
+    r
 }
 
 /// The capture's notes print these lines: the QPNs, PSNs, keys and addresses used below.
@@ -150,6 +161,22 @@ fn message(stream: &[Tagged], k: usize) -> Vec<u8> {
 /// ACKs may be coalesced ([`assert_acks_coalesced`]). Returns (our plain ACKs, the kernel's).
 #[track_caller]
 fn assert_streams(r: &Replay) -> (usize, usize) {
+    assert_streams_and(r, Counters::default())
+}
+
+/// [`assert_streams`], and our counters: every packet received and sent accounted for, the bytes
+/// sent, and no event (drop, duplicate, NAK, timeout, retransmission...) other than `events`.
+#[track_caller]
+fn assert_streams_and(r: &Replay, events: Counters) -> (usize, usize) {
+    let c = *r.hca.counters();
+    let want = Counters {
+        rcvd_pkts: r.kernel_received().len() as u64,
+        sent_pkts: r.ours().len() as u64,
+        sent_bytes: r.ours().iter().map(|t| t.packet.payload.len() as u64).sum(),
+        rcvd_bytes: c.rcvd_bytes,
+        ..events
+    };
+    assert_eq!(c, want, "counters");
     let kernel = r.kernel_sent();
     let ours = r.ours();
     let (oq, kq) = (requests(ours), requests(&kernel));
@@ -212,15 +239,16 @@ fn widest_gap(sent: &[Tagged], inbound: &[Tagged], first_psn: Psn, ours: bool) -
 /// rx_depth), the buffer filled with 0x7b, each SEND (wr_id 2, signaled) posted once the previous
 /// one and a receive (wr_id 1) completed; one CQ for both. Returns the replay for more checks.
 fn pingpong_side(
+    name: &str,
     cap: &[CapturedPacket],
     setup: Setup,
     size: usize,
     iters: usize,
+    events: Counters,
     batched: bool,
 ) -> (Replay, (usize, usize)) {
     let server = setup.ip == VM1;
-    let mut r = Replay::new(cap, setup);
-    r.set_batched(batched);
+    let mut r = replay(name, cap, setup, batched);
     let pd = r.pd;
     let (buf, buf_va) = r.mem.register(pd, size, all_access());
     r.mem.region_mut(buf).bytes.fill(0x7b);
@@ -235,7 +263,7 @@ fn pingpong_side(
         .map(|_| signaled(2, SendOp::Send, sge(buf, buf_va, size)))
         .collect();
     r.post_sends_as_captured(wrs);
-    let acks = assert_streams(&r);
+    let acks = assert_streams_and(&r, events);
     let recv = ok(1, WcOpcode::Recv, size as u32);
     let send = ok(2, WcOpcode::Send, size as u32);
     let pair = if server { [recv, send] } else { [send, recv] };
@@ -256,18 +284,32 @@ fn rxe_rc_pingpong() {
         ],
     );
     let cap = capture(name);
+    // vm1 got the first SEND twice (the client's retransmission, below) and ACKed both copies.
     let server = Setup::rc(VM1, VM2, 0x11, 0x11, 0x81590e, 0xfb7b33);
-    let acks = both_drives(|b| pingpong_side(&cap, server, 64, 5, b).1);
+    let events = Counters {
+        duplicate_request: 1,
+        ..Counters::default()
+    };
+    let acks = both_drives(|b| pingpong_side(name, &cap, server, 64, 5, events, b).1);
     // Batched: the first SEND and its retransmission arrive back to back; one ACK answers both.
     assert_eq!(acks, (5, 6));
+    // vm2 timed out once and sent the first SEND again; the second ACK of it matched nothing
+    // outstanding any more and was dropped.
     let client = Setup::rc(VM2, VM1, 0x11, 0x11, 0xfb7b33, 0x81590e);
-    let acks = both_drives(|b| pingpong_side(&cap, client, 64, 5, b).1);
+    let events = Counters {
+        ack_timeouts: 1,
+        retry_rounds: 1,
+        retransmits: 1,
+        drop_stray_resp: 1,
+        ..Counters::default()
+    };
+    let acks = both_drives(|b| pingpong_side(name, &cap, client, 64, 5, events, b).1);
     assert_eq!(acks, (5, 5));
 
     // The client's first SEND went unanswered for longer than the local ACK timeout (14: 67.1 ms;
     // vm1 was slow), so both kernels and we retransmit it. Ours leaves exactly at the timeout, the
     // kernel's 11 ms later (jiffies and a TCG guest).
-    let (r, _) = pingpong_side(&cap, client, 64, 5, false);
+    let (r, _) = pingpong_side(name, &cap, client, 64, 5, events, false);
     let (ours, kernel) = (requests(r.ours()), requests(&r.kernel_sent()));
     assert_eq!(ours[0].packet.psn(), ours[1].packet.psn());
     assert_eq!(
@@ -289,10 +331,12 @@ fn rxe_rc_pingpong_4k() {
     );
     let cap = capture(name);
     let server = Setup::rc(VM1, VM2, 0x12, 0x12, 0x1a3044, 0xbe0d24);
-    let acks = both_drives(|b| pingpong_side(&cap, server, 4096, 3, b).1);
+    let acks =
+        both_drives(|b| pingpong_side(name, &cap, server, 4096, 3, Counters::default(), b).1);
     assert_eq!(acks, (3, 3));
     let client = Setup::rc(VM2, VM1, 0x12, 0x12, 0xbe0d24, 0x1a3044);
-    let acks = both_drives(|b| pingpong_side(&cap, client, 4096, 3, b).1);
+    let acks =
+        both_drives(|b| pingpong_side(name, &cap, client, 4096, 3, Counters::default(), b).1);
     assert_eq!(acks, (3, 3));
 }
 
@@ -318,8 +362,12 @@ fn rxe_write() {
 
     // Responder: vm1's buffer takes 20 writes of 8192 bytes.
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, Setup::rc(VM1, VM2, 0x14, 0x14, 0x4eeff6, 0xcaa95e));
-        r.set_batched(batched);
+        let mut r = replay(
+            name,
+            &cap,
+            Setup::rc(VM1, VM2, 0x14, 0x14, 0x4eeff6, 0xcaa95e),
+            batched,
+        );
         let pd = r.pd;
         r.mem
             .register_at(pd, 0x564, 0x55ee_281b_2000, size, all_access());
@@ -335,8 +383,12 @@ fn rxe_write() {
 
     // Requester: vm2 writes its buffer 20 times.
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, Setup::rc(VM2, VM1, 0x14, 0x14, 0xcaa95e, 0x4eeff6));
-        r.set_batched(batched);
+        let mut r = replay(
+            name,
+            &cap,
+            Setup::rc(VM2, VM1, 0x14, 0x14, 0xcaa95e, 0x4eeff6),
+            batched,
+        );
         let pd = r.pd;
         r.mem
             .register_at(pd, 0x5d5, 0x5563_6828_6000, size, all_access());
@@ -390,8 +442,7 @@ fn rxe_read() {
     assert_eq!(data.len(), size);
 
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, server);
-        r.set_batched(batched);
+        let mut r = replay(name, &cap, server, batched);
         let pd = r.pd;
         r.mem
             .register_at(pd, 0x6c7, 0x7f31_7ac0_a000, size, all_access());
@@ -405,8 +456,7 @@ fn rxe_read() {
 
     // Requester: ib_read_bw posts its 20 reads at once (TX depth 20), each into its own slot here.
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, client);
-        r.set_batched(batched);
+        let mut r = replay(name, &cap, client, batched);
         let pd = r.pd;
         let base = 0x7fa3_5f57_c000;
         r.mem
@@ -459,8 +509,7 @@ fn rxe_send() {
     // Responder: vm1 posted its 20 receives (RX depth 20) before the client started; each gets its
     // own slot here so every message can be checked.
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, server);
-        r.set_batched(batched);
+        let mut r = replay(name, &cap, server, batched);
         let pd = r.pd;
         let (rkey, rva) = r.mem.register(pd, size * iters as usize, all_access());
         for i in 0..iters {
@@ -485,8 +534,12 @@ fn rxe_send() {
 
     // Requester: vm2 sends its buffer 20 times.
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, Setup::rc(VM2, VM1, 0x16, 0x16, 0x762725, 0x14ec52));
-        r.set_batched(batched);
+        let mut r = replay(
+            name,
+            &cap,
+            Setup::rc(VM2, VM1, 0x16, 0x16, 0x762725, 0x14ec52),
+            batched,
+        );
         let pd = r.pd;
         let (lkey, va) = r.mem.register(pd, size, all_access());
         r.mem.region_mut(lkey).bytes = message(&inbound, 0);
@@ -529,8 +582,7 @@ fn atomic(name: &str, qpn: u32, server_psn: u32, client_psn: u32, cas: bool) {
     let (rkey, base) = (eth(&reqs[0]).rkey, eth(&reqs[0]).va);
 
     let n = both_drives(|batched| {
-        let mut r = Replay::new(&cap, server);
-        r.set_batched(batched);
+        let mut r = replay(name, &cap, server, batched);
         let pd = r.pd;
         r.mem.register_at(pd, rkey, base, 4096, all_access());
         for (q, a) in reqs.iter().zip(&acks) {
@@ -560,8 +612,7 @@ fn atomic(name: &str, qpn: u32, server_psn: u32, client_psn: u32, cas: bool) {
     // Requester: the tool posts all 20 at once (TX depth 20); each original value lands in its
     // own 8-byte slot here.
     let n = both_drives(|batched| {
-        let mut r = Replay::new(&cap, client);
-        r.set_batched(batched);
+        let mut r = replay(name, &cap, client, batched);
         let pd = r.pd;
         let (lkey, va) = r.mem.register(pd, 8 * reqs.len(), all_access());
         for (i, q) in reqs.iter().enumerate() {
@@ -662,8 +713,7 @@ fn rxe_imm() {
     // it answers a SEND with immediate, a WRITE with immediate to buf+1024, a READ of buf+2048 and
     // a SEND.
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, server);
-        r.set_batched(batched);
+        let mut r = replay(name, &cap, server, batched);
         let pd = r.pd;
         r.mem.register_at(pd, buf_key, buf_va, 4096, all_access());
         r.mem.region_mut(buf_key).bytes[2048..2048 + 32].copy_from_slice(&read_me);
@@ -707,8 +757,7 @@ fn rxe_imm() {
     // Client (vm2): one receive for the server's message, then the four operations, each posted
     // once the previous one completed.
     let acks = both_drives(|batched| {
-        let mut r = Replay::new(&cap, client);
-        r.set_batched(batched);
+        let mut r = replay(name, &cap, client, batched);
         let pd = r.pd;
         let (key, va) = r.mem.register(pd, 4096, all_access());
         let msgs: [&[u8]; 3] = [b"send-with-imm\0", b"write-with-imm\0", b"bye\0"];
