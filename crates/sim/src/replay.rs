@@ -17,6 +17,11 @@
 //!   run of back-to-back packets from the peer instead, as the verbs runtime does under load.
 //! - After the last frame the clock runs on for a second, so a retransmission we would make (because
 //!   something stayed unacknowledged) shows up as an extra packet.
+//!
+//! Comparisons: [`assert_same`] (every field, in order), [`assert_not_later`] (we never needed more
+//! input than the kernel had), [`assert_acks_coalesced`] (the one allowed difference of batched
+//! driving) and [`acks_due`] (the ACKs an RC responder owes, modelled from the AckReq packets).
+//! [`Replay::pcap_on_failure`] leaves a pcap of the replay behind when a test fails.
 
 use core::fmt;
 use core::time::Duration;
