@@ -28,7 +28,7 @@
 //! - READ responses FIRST/MIDDLE/LAST or ONLY, AETH on FIRST, LAST and ONLY only, MSN counted when
 //!   the READ arrives; ATOMIC_ACKNOWLEDGE with the original value and the MSN;
 //! - the requester's window: rxe sends while its next PSN is at most 128 past the oldest unanswered
-//!   one, so 64 KiB reads go out three at a time; so do ours with `max_inflight_packets` 129 (ours
+//!   one, so 64 KiB reads go out three at a time; so do ours with the default `max_inflight_packets`, 129 (ours
 //!   counts the PSNs in flight before sending; the engine's default is 1024);
 //! - the retransmission of an unanswered SEND after the local ACK timeout (14: 67.1 ms) in
 //!   rxe_rc_pingpong, and a duplicate ACK for the retransmitted copy.
@@ -441,8 +441,8 @@ fn rxe_read() {
         ..Setup::rc(VM2, VM1, 0x15, 0x15, 0xb3e098, 0x3f12bf)
     };
     // rxe sends while its next PSN is at most RXE_MAX_UNACKED_PSNS (128) past the oldest one not
-    // answered; our window counts the PSNs in flight before sending, so 129 is the same limit.
-    client.config.max_inflight_packets = 129;
+    // answered; our default window (129 PSNs in flight before sending) is the same limit.
+    assert_eq!(client.config.max_inflight_packets, 129);
     // What vm1's buffer held: the payload of its first read response stream.
     let data = message(&responses(&Replay::new(&cap, server).kernel_sent()), 0);
     assert_eq!(data.len(), size);
