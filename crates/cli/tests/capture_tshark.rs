@@ -79,9 +79,10 @@ fn captured_traffic_decodes_in_tshark_and_passes_pcap_check() {
         .filter(|f| f.opcode == RC_SEND_ONLY && f.udp_len - 8 - 12 - 4 < 16)
         .map(|f| f.number)
         .collect();
-    assert_eq!(
-        flagged, short_sends,
-        "frames tshark flags by default, against RC SEND ONLY frames with under 16 payload bytes"
+    // (Equal with tshark 4.0; a Wireshark whose heuristic checks the length first flags none.)
+    assert!(
+        flagged.iter().all(|n| short_sends.contains(n)),
+        "frames tshark flags by default {flagged:?}, RC SEND ONLY frames with under 16 payload bytes {short_sends:?}"
     );
     assert_eq!(short_sends.len(), 2, "the 0- and 8-byte SENDs");
 
@@ -290,15 +291,15 @@ fn decode(file: &Path, extra: &[&str]) -> Vec<Frame> {
 /// No malformed packet and no error or warning expert info, in the full decode (`-V`) and the
 /// expert summary (`-z expert`).
 fn expert_clean(file: &Path) {
-    let full = tshark(
-        &[
-            &["-o", "ip.check_checksum:TRUE", "-V"],
-            NO_RPCRDMA_HEURISTIC,
-        ]
-        .concat(),
-        file,
-    );
-    let bad: Vec<&str> = full
+    // One run: the full decode, then the expert summary (which has an "Errors (N)" or
+    // "Warnings (N)" section only if there is such an item).
+    let args = [
+        &["-o", "ip.check_checksum:TRUE", "-V", "-z", "expert"],
+        NO_RPCRDMA_HEURISTIC,
+    ]
+    .concat();
+    let out = tshark(&args, file);
+    let bad: Vec<&str> = out
         .lines()
         .filter(|l| {
             l.contains("Malformed")
@@ -306,23 +307,19 @@ fn expert_clean(file: &Path) {
                 || l.contains("Expert Info (Warning")
                 || l.contains("Bad checksum")
                 || l.contains("[Header checksum status: Bad]")
+                || l.starts_with("Errors (")
+                || l.starts_with("Warnings (")
         })
         .take(10)
         .collect();
-    assert!(bad.is_empty(), "tshark -V complains:\n{}", bad.join("\n"));
-    let summary = tshark(
-        &[
-            &["-o", "ip.check_checksum:TRUE", "-q", "-z", "expert"],
-            NO_RPCRDMA_HEURISTIC,
-        ]
-        .concat(),
-        file,
+    assert!(
+        bad.is_empty(),
+        "tshark -V -z expert complains:\n{}",
+        bad.join("\n")
     );
     assert!(
-        !summary.contains("Errors (")
-            && !summary.contains("Warnings (")
-            && !summary.contains("Malformed"),
-        "tshark -z expert:\n{summary}"
+        out.contains("InfiniBand"),
+        "tshark -V shows no InfiniBand layer"
     );
 }
 
