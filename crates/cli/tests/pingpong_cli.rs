@@ -276,10 +276,51 @@ fn must_fail(cmd: &mut Command) -> String {
 }
 
 #[test]
-fn unknown_device_is_named() {
-    let (_dir, conf) = config(&[("pa", "127.0.12.21")]);
+fn unknown_device_is_named_with_the_known_ones() {
+    let (_dir, conf) = config(&[("pa", "127.0.12.21"), ("pb", "127.0.12.25")]);
     let err = must_fail(&mut pingpong(&conf, free_udp_port(), &["-d", "nosuch"]));
     assert!(err.contains("IB device nosuch not found"), "{err}");
+    assert!(
+        err.contains(&format!("devices in {}: pa, pb", conf.display())),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_config_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("no-such-devices.conf");
+    let err = must_fail(&mut pingpong(&conf, free_udp_port(), &["-d", "pa"]));
+    assert!(
+        err.contains(&format!(
+            "IB device pa not found ({} does not exist",
+            conf.display()
+        )) && err.contains("rxe0 on lo"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_interface_or_address_is_not_an_unknown_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("devices.conf");
+    std::fs::write(
+        &conf,
+        "pa netdev nosuchif0\npb netdev lo addr 10.255.255.254\n",
+    )
+    .unwrap();
+    let err = must_fail(&mut pingpong(&conf, free_udp_port(), &["-d", "pa"]));
+    assert!(
+        err.contains("Couldn't get context for pa")
+            && err.contains("network interface \"nosuchif0\" not found"),
+        "{err}"
+    );
+    let err = must_fail(&mut pingpong(&conf, free_udp_port(), &["-d", "pb"]));
+    assert!(
+        err.contains("Couldn't get context for pb")
+            && err.contains("10.255.255.254 is not an address of lo"),
+        "{err}"
+    );
 }
 
 #[test]
