@@ -3,7 +3,7 @@
 //! header checksums validated), carry every RC opcode and the UD ones, and pass
 //! `softrdma pcap check` (every ICRC verified; Wireshark shows the ICRC but does not check it).
 //!
-//! Two devices on 127.0.11.1 and 127.0.11.2, UDP port 4791 (the port tshark dissects as RoCEv2
+//! Two devices on 127.11.X.1 and 127.11.X.2, UDP port 4791 (the port tshark dissects as RoCEv2
 //! by default), exchange one of every operation at sizes from 0 bytes to 3 packets, while
 //! `tshark -i lo` captures that pair of addresses. The capture must hold exactly the packets the
 //! two devices counted as sent, so nothing went missing between start and stop.
@@ -30,8 +30,21 @@ use softrdma_verbs::{
 };
 
 const STRICT_ENV: &str = "SOFTRDMA_TEST_STRICT";
-const ADDR_A: Ipv4Addr = Ipv4Addr::new(127, 0, 11, 1);
-const ADDR_B: Ipv4Addr = Ipv4Addr::new(127, 0, 11, 2);
+
+/// Two loopback addresses, 127.11.X.1 and .2, whose UDP port 4791 is free: X from the process id,
+/// so concurrent runs neither collide nor capture each other's packets.
+fn pick_addrs() -> (Ipv4Addr, Ipv4Addr) {
+    let start = std::process::id() % 250;
+    for i in 0..250 {
+        let x = ((start + i) % 250 + 1) as u8;
+        let (a, b) = (Ipv4Addr::new(127, 11, x, 1), Ipv4Addr::new(127, 11, x, 2));
+        let free = |ip| std::net::UdpSocket::bind((ip, ROCE_PORT)).is_ok();
+        if free(a) && free(b) {
+            return (a, b);
+        }
+    }
+    panic!("no free pair of loopback addresses for UDP port {ROCE_PORT}");
+}
 
 fn skip(reason: &str) {
     if std::env::var_os(STRICT_ENV).is_some_and(|v| v == "1") {
@@ -53,11 +66,12 @@ fn captured_traffic_decodes_in_tshark_and_passes_pcap_check() {
     }
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("softrdma.pcap");
-    let capture = match Capture::start(&file) {
+    let (addr_a, addr_b) = pick_addrs();
+    let capture = match Capture::start(&file, addr_a, addr_b) {
         Ok(c) => c,
         Err(e) => return skip(&format!("tshark cannot capture on lo: {e}")),
     };
-    let sent = traffic();
+    let sent = traffic(addr_a, addr_b);
     let log = capture.stop();
     println!("tshark: {}", log.trim());
 
@@ -134,8 +148,8 @@ struct Capture {
 }
 
 impl Capture {
-    fn start(file: &Path) -> Result<Capture, String> {
-        let filter = format!("udp port {ROCE_PORT} and host {ADDR_A} and host {ADDR_B}");
+    fn start(file: &Path, a: Ipv4Addr, b: Ipv4Addr) -> Result<Capture, String> {
+        let filter = format!("udp port {ROCE_PORT} and host {a} and host {b}");
         let mut child = Command::new("tshark")
             .args(["-i", "lo", "-B", "32", "-f", &filter, "-F", "pcap", "-w"])
             .arg(file)
@@ -432,9 +446,9 @@ fn post(
 }
 
 /// One of every operation between two devices; returns the packets both sent.
-fn traffic() -> u64 {
-    let a = host("cap0", ADDR_A);
-    let b = host("cap1", ADDR_B);
+fn traffic(addr_a: Ipv4Addr, addr_b: Ipv4Addr) -> u64 {
+    let a = host("cap0", addr_a);
+    let b = host("cap1", addr_b);
     for (me, peer, mine, theirs) in [(&a, &b, 0x100, 0x200), (&b, &a, 0x200, 0x100)] {
         let mut p = ConnectParams::new(
             peer.rc.qpn(),

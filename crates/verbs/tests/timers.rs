@@ -13,18 +13,18 @@ use std::time::{Duration, Instant};
 use common::Endpoint;
 use softrdma_verbs::{ConnectParams, DeviceBuilder, Gid, Psn, Qpn, SendOp};
 
-const UDP_PORT: u16 = 48811;
-
 #[test]
 fn retransmission_timer_armed_by_post_send_fires_without_polling() {
+    // The silent peer first, on a port of its own; the device then takes that port too.
+    let peer_ip = Ipv4Addr::new(127, 0, 14, 2);
+    let peer = UdpSocket::bind(SocketAddr::new(IpAddr::V4(peer_ip), 0)).unwrap();
+    let udp_port = peer.local_addr().unwrap().port();
+    peer.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let ctx = DeviceBuilder::new("timer0", "lo")
         .addr(IpAddr::V4(Ipv4Addr::new(127, 0, 14, 1)))
-        .udp_port(UDP_PORT)
+        .udp_port(udp_port)
         .open()
         .unwrap();
-    let peer_ip = Ipv4Addr::new(127, 0, 14, 2);
-    let peer = UdpSocket::bind(SocketAddr::new(IpAddr::V4(peer_ip), UDP_PORT)).unwrap();
-    peer.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let ep = Endpoint::new(ctx, 4096, 16);
     let mut p = ConnectParams::new(
         Qpn::new(0x99),

@@ -12,7 +12,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream, UdpSocket};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::process::{Child, Command, Stdio};
 use std::thread::JoinHandle;
@@ -25,10 +25,10 @@ use softrdma_verbs::{
 
 /// This test's name, for `--exact` in the child.
 const TEST_NAME: &str = "two_processes_every_operation_every_size";
-/// Set in the child: the TCP port of the parent's control listener.
+/// Set in the child: `TCP:UDP`, the port of the parent's control listener and the devices' UDP port.
 const ROLE_ENV: &str = "SOFTRDMA_PROOF_ROLE";
-/// A UDP port of this test's own, so it runs in parallel with the others.
-const UDP_PORT: u16 = 48801;
+/// The devices' addresses (the UDP port is picked per run, so concurrent runs do not collide).
+const ADDR: [Ipv4Addr; 2] = [Ipv4Addr::new(127, 0, 10, 1), Ipv4Addr::new(127, 0, 10, 2)];
 
 /// The largest message.
 const BIG: usize = 16 << 20;
@@ -68,7 +68,13 @@ const SIZES: &[usize] = &[
 #[test]
 fn two_processes_every_operation_every_size() {
     match std::env::var(ROLE_ENV) {
-        Ok(port) => child(port.parse().expect("control port")),
+        Ok(ports) => {
+            let (tcp, udp) = ports.split_once(':').expect("TCP:UDP");
+            child(
+                tcp.parse().expect("control port"),
+                udp.parse().expect("UDP port"),
+            )
+        }
         Err(_) => parent(),
     }
 }
@@ -155,10 +161,21 @@ impl Hello {
     }
 }
 
-fn open(last: u8) -> Endpoint {
-    let ctx = DeviceBuilder::new(&format!("proof{last}"), "lo")
-        .addr(IpAddr::V4(Ipv4Addr::new(127, 0, 10, last)))
-        .udp_port(UDP_PORT)
+/// A UDP port free on both addresses right now.
+fn free_udp_port() -> u16 {
+    loop {
+        let a = UdpSocket::bind((ADDR[0], 0)).unwrap();
+        let port = a.local_addr().unwrap().port();
+        if UdpSocket::bind((ADDR[1], port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn open(side: usize, udp_port: u16) -> Endpoint {
+    let ctx = DeviceBuilder::new(&format!("proof{side}"), "lo")
+        .addr(IpAddr::V4(ADDR[side]))
+        .udp_port(udp_port)
         .open()
         .expect("open device");
     Endpoint::new(ctx, REGION, 64)
@@ -198,10 +215,12 @@ fn handshake(ep: &Endpoint, ctl: &mut Ctl, psn: u32, first: bool) -> Hello {
 fn parent() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
+    let udp = free_udp_port();
+    let ep = open(0, udp);
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
         .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
-        .env(ROLE_ENV, port.to_string())
+        .env(ROLE_ENV, format!("{port}:{udp}"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -212,7 +231,6 @@ fn parent() {
     let mut guard = ChildGuard(Some(child));
 
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let ep = open(1);
         let stream = accept(&listener, &mut guard);
         let mut ctl = Ctl::new(stream);
         let peer = handshake(&ep, &mut ctl, 0x00_1234, true);
@@ -245,8 +263,8 @@ fn parent() {
     );
 }
 
-fn child(port: u16) {
-    let ep = open(2);
+fn child(port: u16, udp: u16) {
+    let ep = open(1, udp);
     let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to the parent");
     let mut ctl = Ctl::new(stream);
     let peer = handshake(&ep, &mut ctl, 0xfe_dcba, false);
