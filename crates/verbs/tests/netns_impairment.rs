@@ -23,7 +23,7 @@
 //!
 //! Both devices are requesters at once: 168 messages each way (24 rounds of SEND, SEND with
 //! immediate, WRITE, WRITE with immediate, READ, FETCH_ADD, CMP_SWAP) of mixed sizes up to 64 KiB
-//! (65 packets at MTU 1024), 24 in flight per side. Every completion (status, opcode, order, length,
+//! (64 packets at MTU 1024), 24 in flight per side. Every completion (status, opcode, order, length,
 //! immediate), every landed byte (plus a canary guard after it), every READ and every atomic result
 //! and target word is checked; duplicated atomics must not apply twice.
 //!
