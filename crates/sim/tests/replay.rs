@@ -435,7 +435,7 @@ fn rxe_read() {
         max_rd_atomic: 128,
         ..Setup::rc(VM1, VM2, 0x15, 0x15, 0x3f12bf, 0xb3e098)
     };
-    let mut client = Setup {
+    let client = Setup {
         max_dest_rd_atomic: 128,
         max_rd_atomic: 128,
         ..Setup::rc(VM2, VM1, 0x15, 0x15, 0xb3e098, 0x3f12bf)

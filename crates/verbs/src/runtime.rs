@@ -3,8 +3,11 @@
 //! produces.
 //!
 //! Verbs calls run on the caller's thread: they take the lock, act on the engine, and send any
-//! packets it produced right away (no wake-up of the I/O thread on the send path). The I/O thread
-//! sleeps in `ppoll` on the sockets and a wake-up socket until a packet or the next timer.
+//! packets it produced right away (no hand-over to the I/O thread on the send path). The I/O thread
+//! sleeps in `ppoll` on the sockets and a wake-up socket until a packet or the next timer; a call
+//! that arms a timer earlier than the one the I/O thread sleeps towards (the first request after
+//! an idle period, an RNR wait) wakes it once, so the timer fires on time even if the application
+//! then blocks instead of polling.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
@@ -36,11 +39,22 @@ pub(crate) struct State {
     pub verify: VerifyStats,
     /// Datagrams the socket refused.
     pub tx_errors: u64,
+    /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
+    /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
+    /// than this must wake it, or the timer would fire up to an idle wait late.
+    io_wake_at: Option<Instant>,
     pub next_pd: u32,
     /// The connection manager of the device (QP1).
     pub cm: CmState,
     tx_buf: Vec<u8>,
     rx_buf: Vec<u8>,
+}
+
+impl State {
+    /// The earliest timer of the engine and the CM agent.
+    fn next_deadline(&self) -> Option<Instant> {
+        [self.hca.poll_timeout(), self.cm.agent.poll_timeout()].into_iter().flatten().min()
+    }
 }
 
 /// A completion channel's shared part: a queue of CQs with events, a condition variable for
@@ -159,6 +173,7 @@ impl Device {
             async_events: VecDeque::new(),
             verify: VerifyStats::default(),
             tx_errors: 0,
+            io_wake_at: None,
             next_pd: 1,
             cm,
             tx_buf: vec![0; 4096 + 512],
@@ -223,6 +238,14 @@ impl Device {
         while let Some(cq) = st.hca.poll_cq_event() {
             if let Some(ch) = st.channels.get(&cq) {
                 ch.notify(cq);
+            }
+        }
+        if let Some(t) = st.next_deadline() {
+            if st.io_wake_at.is_none_or(|w| t < w) {
+                // Recorded so that one earlier deadline costs one wake-up, however many calls
+                // see it before the I/O thread runs.
+                st.io_wake_at = Some(t);
+                let _ = self.wake();
             }
         }
         let mut any = false;
@@ -307,13 +330,13 @@ impl Device {
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
         while !self.stop.load(Ordering::Acquire) {
-            let deadline = {
-                let st = self.lock();
-                [st.hca.poll_timeout(), st.cm.agent.poll_timeout()].into_iter().flatten().min()
-            };
-            let wait = match deadline {
-                Some(at) => at.saturating_since(self.now()).min(Duration::from_millis(200)),
-                None => Duration::from_millis(200),
+            let wait = {
+                let mut st = self.lock();
+                let now = self.now();
+                let idle = now + IDLE_WAIT;
+                let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
+                st.io_wake_at = Some(wake_at);
+                wake_at.saturating_since(now)
             };
             let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
             // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
@@ -330,6 +353,9 @@ impl Device {
         self.wake_tx.send(&[1]).map(|_| ())
     }
 }
+
+/// The longest the I/O thread sleeps without a deadline (it also rechecks `stop` this often).
+const IDLE_WAIT: Duration = Duration::from_millis(200);
 
 /// Owner of a running device: stops and joins the I/O thread when the last verbs object is gone.
 pub(crate) struct DeviceHandle {
