@@ -346,6 +346,11 @@ pub struct SharedReceiveQueue {
 }
 
 impl SharedReceiveQueue {
+    /// This SRQ's handle, as [`AsyncEvent::SrqLimitReached`] reports it.
+    pub fn handle(&self) -> u32 {
+        self.inner.id.0
+    }
+
     /// Post a receive.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         Ok(self.inner.h.dev.lock().hca.post_srq_recv(self.inner.id, wr)?)
