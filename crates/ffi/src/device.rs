@@ -186,6 +186,7 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut IbvDevice) -> *mut IbvCont
     };
     let num_comp_vectors = verbs.query_device().num_comp_vectors.min(i32::MAX as u32) as c_int;
     let async_fd = verbs.async_event_fd();
+    objects::make_blocking(async_fd);
     let ops = IbvContextOps {
         _compat_query_device: Some(ibv_query_device),
         _compat_query_port: Some(ibv_query_port),

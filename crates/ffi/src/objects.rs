@@ -209,6 +209,7 @@ pub unsafe extern "C" fn ibv_create_comp_channel(context: *mut IbvContext) -> *m
     match unsafe { soft(context) }.verbs.create_comp_channel() {
         Ok(ch) => {
             use std::os::fd::AsRawFd;
+            make_blocking(ch.as_raw_fd());
             let ibv = IbvCompChannel { context, fd: ch.as_raw_fd(), refcnt: 0 };
             Box::into_raw(Box::new(Channel { ibv, ch })) as *mut IbvCompChannel
         }
@@ -396,6 +397,21 @@ pub unsafe extern "C" fn req_notify_cq(cq: *mut IbvCq, solicited_only: c_int) ->
     match unsafe { to_cq(cq) }.cq.req_notify(solicited_only != 0) {
         Ok(()) => 0,
         Err(e) => errno::fail("ibv_req_notify_cq", &e),
+    }
+}
+
+/// Clear `O_NONBLOCK` on a notification descriptor handed to the application, so that the flag
+/// says what the application wants: rdma-core's `ibv_get_cq_event` / `ibv_get_async_event` block
+/// unless the application made the descriptor non-blocking, and then fail with EAGAIN. (The
+/// Verbs API reads these descriptors only for a byte it knows is there, so blocking mode never
+/// stalls it.)
+pub fn make_blocking(fd: c_int) {
+    // SAFETY: fcntl on a descriptor the device owns; no memory is passed.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        if fl >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK);
+        }
     }
 }
 
