@@ -29,7 +29,11 @@ fn main() {
     let table = fs::read_to_string(manifest.join("symbols.txt")).expect("read symbols.txt");
     let mut nodes: Vec<String> = Vec::new();
     let mut versions: Vec<(String, String)> = Vec::new();
-    for line in table.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+    for line in table
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
         let mut it = line.split_whitespace();
         let (Some(version), Some(symbol), None) = (it.next(), it.next(), it.next()) else {
             panic!("symbols.txt: bad line {line:?}");
@@ -42,9 +46,15 @@ fn main() {
     // `.symver` must sit in the object file that defines the symbol, so each module gets the
     // directives for the `#[no_mangle]` functions it defines (`include!`d at its end).
     let mut defined = Vec::new();
-    let mut modules: Vec<_> = fs::read_dir(manifest.join("src")).expect("read src").map(|e| e.unwrap().path()).collect();
+    let mut modules: Vec<_> = fs::read_dir(manifest.join("src"))
+        .expect("read src")
+        .map(|e| e.unwrap().path())
+        .collect();
     modules.sort();
-    for path in modules.iter().filter(|p| p.extension().is_some_and(|e| e == "rs")) {
+    for path in modules
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+    {
         let src = fs::read_to_string(path).expect("read module");
         let lines: Vec<&str> = src.lines().collect();
         let mut symver = String::from("core::arch::global_asm!(\n");
@@ -53,10 +63,21 @@ fn main() {
             if l.trim() != "#[no_mangle]" {
                 continue;
             }
-            let decl = lines[i + 1..].iter().find(|l| l.contains("extern \"C\" fn ")).expect("fn after #[no_mangle]");
-            let name = decl.split("fn ").nth(1).and_then(|r| r.split('(').next()).expect("fn name").trim();
+            let decl = lines[i + 1..]
+                .iter()
+                .find(|l| l.contains("extern \"C\" fn "))
+                .expect("fn after #[no_mangle]");
+            let name = decl
+                .split("fn ")
+                .nth(1)
+                .and_then(|r| r.split('(').next())
+                .expect("fn name")
+                .trim();
             let Some((_, version)) = versions.iter().find(|(s, _)| s == name) else {
-                panic!("{} exports {name}, which symbols.txt does not list", path.display());
+                panic!(
+                    "{} exports {name}, which symbols.txt does not list",
+                    path.display()
+                );
             };
             writeln!(symver, "    \".symver {name}, {name}@@{version}\",").unwrap();
             defined.push(name.to_owned());
@@ -64,15 +85,34 @@ fn main() {
         }
         symver.push_str(");\n");
         let stem = path.file_stem().unwrap().to_string_lossy();
-        fs::write(out.join(format!("symver_{stem}.rs")), if any { symver } else { String::new() }).expect("write symver");
+        fs::write(
+            out.join(format!("symver_{stem}.rs")),
+            if any { symver } else { String::new() },
+        )
+        .expect("write symver");
     }
     for (s, _) in &versions {
-        assert!(defined.contains(s), "symbols.txt lists {s}, which no module defines");
+        assert!(
+            defined.contains(s),
+            "symbols.txt lists {s}, which no module defines"
+        );
     }
     // rdma-core 44 defines these nodes even where we export nothing from them.
-    for n in ["IBVERBS_1.0", "IBVERBS_1.1", "IBVERBS_1.5", "IBVERBS_1.6", "IBVERBS_1.7", "IBVERBS_1.8", "IBVERBS_1.9",
-        "IBVERBS_1.10", "IBVERBS_1.11", "IBVERBS_1.12", "IBVERBS_1.13", "IBVERBS_1.14", "IBVERBS_PRIVATE_34"]
-    {
+    for n in [
+        "IBVERBS_1.0",
+        "IBVERBS_1.1",
+        "IBVERBS_1.5",
+        "IBVERBS_1.6",
+        "IBVERBS_1.7",
+        "IBVERBS_1.8",
+        "IBVERBS_1.9",
+        "IBVERBS_1.10",
+        "IBVERBS_1.11",
+        "IBVERBS_1.12",
+        "IBVERBS_1.13",
+        "IBVERBS_1.14",
+        "IBVERBS_PRIVATE_34",
+    ] {
         if !nodes.iter().any(|x| x == n) {
             nodes.push(n.to_owned());
         }
@@ -91,12 +131,18 @@ fn main() {
     }
     fs::write(out.join("libibverbs.map"), map).expect("write map");
 
-    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={}", out.join("libibverbs.map").display());
+    println!(
+        "cargo:rustc-cdylib-link-arg=-Wl,--version-script={}",
+        out.join("libibverbs.map").display()
+    );
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libibverbs.so.1");
 
     let lib_dir = out.join("softrdma-lib");
     fs::create_dir_all(&lib_dir).expect("create softrdma-lib");
-    for (src, map, soname) in [("mlx5.c", "mlx5.map", "libmlx5.so.1"), ("efa.c", "efa.map", "libefa.so.1")] {
+    for (src, map, soname) in [
+        ("mlx5.c", "mlx5.map", "libmlx5.so.1"),
+        ("efa.c", "efa.map", "libefa.so.1"),
+    ] {
         build_stub(&manifest.join("stubs"), src, map, soname, &lib_dir);
     }
 }
@@ -114,6 +160,8 @@ fn build_stub(dir: &Path, src: &str, map: &str, soname: &str, lib_dir: &Path) {
     match status {
         Ok(s) if s.success() => {}
         Ok(s) => panic!("{cc} failed on stubs/{src}: {s}"),
-        Err(e) => println!("cargo:warning=no C compiler ({cc}: {e}): {soname} not built; perftest needs it"),
+        Err(e) => println!(
+            "cargo:warning=no C compiler ({cc}: {e}): {soname} not built; perftest needs it"
+        ),
     }
 }

@@ -46,4 +46,3 @@ mod ext;
 mod misc;
 mod objects;
 mod post;
-
