@@ -500,6 +500,7 @@ pub unsafe extern "C" fn ibv_query_gid(
     // SAFETY: a live context of ours; `gid` writable.
     match gid_entry(unsafe { soft(context) }, u32::from(port_num), index as u32) {
         Ok(e) => {
+            // SAFETY: `gid` is writable (checked non-NULL; caller's contract).
             unsafe { (*gid).raw = e.map_or([0; 16], |e| e.gid.raw) };
             0
         }
@@ -530,6 +531,7 @@ pub unsafe extern "C" fn _ibv_query_gid_ex(
     // SAFETY: a live context of ours; `entry` writable.
     match gid_entry(unsafe { soft(context) }, port_num, gid_index) {
         Ok(Some(e)) => {
+            // SAFETY: `entry` is writable (checked non-NULL, size checked).
             unsafe { ptr::write(entry, e) };
             0
         }
@@ -596,6 +598,7 @@ pub unsafe extern "C" fn ibv_query_gid_type(
                 Some(e) if e.gid_type == IBV_GID_TYPE_ROCE_V2 => IBV_GID_TYPE_SYSFS_ROCE_V2,
                 _ => IBV_GID_TYPE_SYSFS_IB_ROCE_V1,
             };
+            // SAFETY: `gid_type` is writable (checked non-NULL; caller's contract).
             unsafe { *gid_type = t };
             0
         }
@@ -624,6 +627,7 @@ pub unsafe extern "C" fn ibv_query_pkey(
         .query_pkey(port_num, index as usize)
     {
         Ok(p) => {
+            // SAFETY: `pkey` is writable (checked non-NULL; caller's contract).
             unsafe { *pkey = p.to_be() };
             0
         }

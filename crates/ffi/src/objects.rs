@@ -384,6 +384,7 @@ pub unsafe fn create_cq_common(
     let verbs_ch = if ch.is_null() {
         None
     } else {
+        // SAFETY: as above.
         Some(unsafe { &(*ch).ch })
     };
     let cq = ctx
@@ -794,6 +795,7 @@ pub unsafe fn create_qp_common(req: &mut QpRequest) -> Result<*mut Qp, c_int> {
     let srq = if req.srq.is_null() {
         None
     } else {
+        // SAFETY: as above.
         Some(unsafe { to_srq(req.srq) })
     };
     let max_sge = pd_max_sge(pd);
