@@ -21,12 +21,15 @@ pub fn lib_dir() -> &'static Path {
             .and_then(Path::parent)
             .expect("target dir")
             .to_path_buf();
-        let built = profile_dir.join("libibverbs.so");
-        assert!(
-            built.exists(),
-            "{} is missing: build the softrdma-ffi crate first",
-            built.display()
-        );
+        // Cargo builds the cdylib into deps/ for the tests (and copies it up a level only when it
+        // links it anew), so deps/ has the current one.
+        let built = [
+            profile_dir.join("deps/libibverbs.so"),
+            profile_dir.join("libibverbs.so"),
+        ]
+        .into_iter()
+        .find(|p| p.exists())
+        .expect("libibverbs.so is missing: build the softrdma-ffi crate first");
         let dir = profile_dir.join("softrdma-lib");
         std::fs::create_dir_all(&dir).expect("create softrdma-lib");
         let stubs = Path::new(env!("OUT_DIR")).join("softrdma-lib");
