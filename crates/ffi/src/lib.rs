@@ -22,6 +22,36 @@
 //!   `/dev/infiniband`; `ibv_open_device` opens the embedded device in this process (its UDP port
 //!   is `$SOFTRDMA_UDP_PORT`, default 4791).
 //!
+//! # Using it
+//!
+//! ```text
+//! cargo build --release -p softrdma-ffi
+//! mkdir -p lib
+//! cp target/release/libibverbs.so lib/libibverbs.so.1
+//! cp target/release/build/softrdma-ffi-*/out/softrdma-lib/*.so.1 lib/   # libmlx5, libefa stubs
+//! printf 'sr0 netdev lo addr 127.0.0.2\nsr1 netdev lo addr 127.0.0.3\n' > devices.conf
+//! SOFTRDMA_CONFIG=$PWD/devices.conf LD_LIBRARY_PATH=$PWD/lib ibv_rc_pingpong -d sr0 -g 1 &
+//! SOFTRDMA_CONFIG=$PWD/devices.conf LD_LIBRARY_PATH=$PWD/lib ibv_rc_pingpong -d sr1 -g 1 127.0.0.1
+//! ```
+//!
+//! Each process opens its own embedded device, so a server and a client use two devices (two
+//! loopback addresses); `-g 1` selects the IPv4 GID, as with the kernel's rxe (RoCE needs a GRH).
+//! perftest links `libmlx5.so.1` and `libefa.so.1` directly: `build.rs` builds small stand-ins
+//! that export what perftest imports and answer "not this device" (`EOPNOTSUPP`).
+//!
+//! The crate builds in one codegen unit (workspace `Cargo.toml`): the `.symver` directives must be
+//! in the object file that defines each exported function.
+//!
+//! # Not provided
+//!
+//! * the pre-1.1 compat entry points (`ibv_get_device_list@IBVERBS_1.0` etc., for binaries built
+//!   against libibverbs 1.0 in 2006) and the provider-facing `IBVERBS_PRIVATE_34` symbols
+//!   (`ibv_cmd_*`, `verbs_register_driver_34`...), which only rdma-core's own providers use; the one
+//!   private symbol applications import, `ibv_query_gid_type`, is exported;
+//! * memory windows, XRC, multicast, flow steering, counters, device memory, work queues and RSS,
+//!   thread and parent domains, CQ moderation and resizing, SRQ resizing, on-demand paging,
+//!   dma-buf MRs, ECE, object import: all refused with `EOPNOTSUPP`.
+//!
 //! # Errors
 //!
 //! Calls fail the way rdma-core documents: functions returning `int` return an errno value (or
