@@ -9,7 +9,7 @@
 //! folded in:
 //!
 //! * every public object is a private `#[repr(C)]` struct whose first field is the public `ibv_*`
-//!   struct ([`objects`]); a pointer the application hands back is cast to the private struct
+//!   struct (module `objects`); a pointer the application hands back is cast to the private struct
 //!   (rxe's `to_rqp`);
 //! * one [`abi::IbvContextOps`] table serves the header's inline data-path calls
 //!   (`ibv_post_send`, `ibv_poll_cq`, ...), and a [`abi::VerbsContext`] placed *before*
