@@ -88,6 +88,10 @@ pub(crate) struct Device {
     state: Mutex<State>,
     pub port: UdpPort,
     async_cv: Condvar,
+    /// One byte per queued async event: the read end is readable while events are pending
+    /// (`ibv_context.async_fd`).
+    async_tx: UnixDatagram,
+    async_rx: UnixDatagram,
     wake_tx: UnixDatagram,
     wake_rx: UnixDatagram,
     stop: AtomicBool,
@@ -166,6 +170,9 @@ impl Device {
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
         wake_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         wake_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
+        let (async_tx, async_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the async event socket", e))?;
+        async_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
+        async_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         let state = State {
             hca: Hca::new(config),
             mem: MrTable::default(),
@@ -184,6 +191,8 @@ impl Device {
             state: Mutex::new(state),
             port,
             async_cv: Condvar::new(),
+            async_tx,
+            async_rx,
             wake_tx,
             wake_rx,
             stop: AtomicBool::new(false),
@@ -251,6 +260,7 @@ impl Device {
         let mut any = false;
         while let Some(ev) = st.hca.poll_event() {
             st.async_events.push_back(ev);
+            let _ = self.async_tx.send(&[1]);
             any = true;
         }
         if any {
@@ -265,7 +275,17 @@ impl Device {
             .async_cv
             .wait_timeout_while(st, timeout, |s| s.async_events.is_empty())
             .expect("device lock poisoned");
-        st.async_events.pop_front()
+        let ev = st.async_events.pop_front();
+        if ev.is_some() {
+            let mut b = [0u8; 1];
+            let _ = self.async_rx.recv(&mut b);
+        }
+        ev
+    }
+
+    /// A file descriptor readable while async events are pending.
+    pub fn async_event_fd(&self) -> std::os::fd::RawFd {
+        self.async_rx.as_raw_fd()
     }
 
     /// One received datagram.

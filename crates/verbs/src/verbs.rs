@@ -104,6 +104,13 @@ impl Context {
         self.h.dev.wait_async_event(timeout)
     }
 
+    /// A file descriptor that is readable while asynchronous events are pending (what
+    /// `ibv_context.async_fd` is in libibverbs): poll it, then call [`Context::get_async_event`].
+    /// It stays open as long as the device runs.
+    pub fn async_event_fd(&self) -> RawFd {
+        self.h.dev.async_event_fd()
+    }
+
     /// Engine counters.
     pub fn counters(&self) -> Counters {
         *self.h.dev.lock().hca.counters()
@@ -349,6 +356,11 @@ pub struct SharedReceiveQueue {
 }
 
 impl SharedReceiveQueue {
+    /// This SRQ's handle, as [`AsyncEvent::SrqLimitReached`] reports it.
+    pub fn handle(&self) -> u32 {
+        self.inner.id.0
+    }
+
     /// Post a receive.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         Ok(self.inner.h.dev.lock().hca.post_srq_recv(self.inner.id, wr)?)
