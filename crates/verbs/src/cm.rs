@@ -298,6 +298,13 @@ impl CmId {
     pub fn addrs(&self) -> (Option<SocketAddr>, Option<SocketAddr>) {
         self.h.dev.lock().cm.agent.addrs(self.id)
     }
+
+    /// Report this ID's later events to `channel` (`rdma_migrate_id`). Events already queued on
+    /// the old channel stay there.
+    pub fn migrate(&mut self, channel: &CmEventChannel) {
+        self.h.dev.lock().cm.channels.insert(self.id, Arc::clone(&channel.shared));
+        self._channel = Arc::clone(&channel.shared);
+    }
 }
 
 impl Drop for CmId {

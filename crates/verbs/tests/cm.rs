@@ -181,3 +181,20 @@ fn ud_resolution_with_sidr() {
     assert_eq!(ud.qkey, 0x0123_4567);
     assert_eq!(ud.dgid, sctx.query_gid(1, 1).unwrap().0);
 }
+
+#[test]
+fn migrate_moves_later_events_to_another_channel() {
+    let sctx = open(10, 47915);
+    let cctx = open(9, 47915);
+    let (sch, cch, other) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
+    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp);
+    listener.bind_addr(SocketAddr::new(ip(10), 7471)).unwrap();
+    listener.listen(1).unwrap();
+    let mut cid = cctx.create_cm_id(&cch, PortSpace::Tcp);
+    cid.resolve_addr(None, SocketAddr::new(ip(10), 7471)).unwrap();
+    expect(&cch, &cctx, CmEventKind::AddrResolved);
+    cid.migrate(&other);
+    cid.resolve_route().unwrap();
+    expect(&other, &cctx, CmEventKind::RouteResolved);
+    assert!(cch.get_event(&cctx, Some(Duration::from_millis(50))).is_none());
+}
