@@ -9,6 +9,8 @@
 //!   directives are what versions them. A function exported but not listed, or listed but not
 //!   defined, fails the build.
 //! * The SONAME is `libibverbs.so.1`, whatever the file is called.
+//! * `stubs/rdmacm.c` becomes `$OUT_DIR/softrdma-lib/librdmacm.so.1`, the RDMA CM's drop-in
+//!   library: it forwards to the connection manager in this crate (`src/cma.rs`).
 //! * `stubs/mlx5.c` and `stubs/efa.c` become `$OUT_DIR/softrdma-lib/libmlx5.so.1` and
 //!   `libefa.so.1` (perftest links them directly). They are C so that they need nothing from this
 //!   crate; a missing C compiler only skips them, with a warning.
@@ -121,11 +123,12 @@ fn main() {
     let mut prev: Option<&str> = None;
     for n in &nodes {
         let local = if prev.is_none() { " local: *;" } else { "" };
-        match (n.starts_with("IBVERBS_PRIVATE"), prev) {
+        let private = n.contains("_PRIVATE");
+        match (private, prev) {
             (false, Some(p)) => writeln!(map, "{n} {{{local} }} {p};").unwrap(),
             _ => writeln!(map, "{n} {{{local} }};").unwrap(),
         }
-        if !n.starts_with("IBVERBS_PRIVATE") {
+        if !private {
             prev = Some(n);
         }
     }
@@ -145,6 +148,82 @@ fn main() {
     ] {
         build_stub(&manifest.join("stubs"), src, map, soname, &lib_dir);
     }
+    build_rdmacm(&manifest.join("stubs"), &versions, &out, &lib_dir);
+}
+
+/// `librdmacm.so.1`: `stubs/rdmacm.c` forwards each `rdma_*` to `softrdma_rdma_*` of
+/// `SOFTRDMA_PRIVATE_1` in our libibverbs.so.1. That library is not built yet, so the shim links
+/// against a stand-in built from the same file (`-DSOFTRDMA_LINK_STUB`), which gives it the
+/// `DT_NEEDED` entry and the versioned references. The forwarded names and symbols.txt's
+/// `SOFTRDMA_PRIVATE_1` entries must be the same set.
+fn build_rdmacm(dir: &Path, versions: &[(String, String)], out: &Path, lib_dir: &Path) {
+    let src = fs::read_to_string(dir.join("rdmacm.c")).expect("read rdmacm.c");
+    let mut forwarded: Vec<String> = src
+        .lines()
+        .filter(|l| l.starts_with("FWD(") || l.starts_with("FWDV("))
+        .filter_map(|l| {
+            l.split([',', '('])
+                .map(str::trim)
+                .find(|t| t.starts_with("rdma_"))
+                .map(|t| format!("softrdma_{t}"))
+        })
+        .collect();
+    forwarded.sort();
+    let mut private: Vec<String> = versions
+        .iter()
+        .filter(|(_, v)| v == "SOFTRDMA_PRIVATE_1")
+        .map(|(s, _)| s.clone())
+        .collect();
+    private.sort();
+    assert_eq!(
+        forwarded, private,
+        "stubs/rdmacm.c forwards and symbols.txt's SOFTRDMA_PRIVATE_1 lists must match"
+    );
+    let stub_dir = out.join("rdmacm-link");
+    fs::create_dir_all(&stub_dir).expect("create rdmacm-link");
+    let stub_map = stub_dir.join("private.map");
+    fs::write(
+        &stub_map,
+        format!("SOFTRDMA_PRIVATE_1 {{ global: {}; local: *; }};\n", private.join("; ")),
+    )
+    .expect("write private.map");
+    println!("cargo:rerun-if-changed=stubs/rdmacm.c");
+    println!("cargo:rerun-if-changed=stubs/rdmacm.map");
+    let cc = env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+    let run = |what: &str, c: &mut Command| match c.status() {
+        Ok(s) if s.success() => true,
+        Ok(s) => panic!("{cc} failed building {what}: {s}"),
+        Err(e) => {
+            println!("cargo:warning=no C compiler ({cc}: {e}): {what} not built");
+            false
+        }
+    };
+    let common = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror"];
+    if !run(
+        "the libibverbs.so.1 link stand-in",
+        Command::new(&cc)
+            .args(common)
+            .args(["-DSOFTRDMA_LINK_STUB", "-Wno-unused-parameter"])
+            .arg("-Wl,-soname,libibverbs.so.1")
+            .arg(format!("-Wl,--version-script={}", stub_map.display()))
+            .arg("-o")
+            .arg(stub_dir.join("libibverbs.so.1"))
+            .arg(dir.join("rdmacm.c")),
+    ) {
+        return;
+    }
+    run(
+        "librdmacm.so.1",
+        Command::new(&cc)
+            .args(common)
+            .arg("-Wl,-soname,librdmacm.so.1")
+            .arg(format!("-Wl,--version-script={}", dir.join("rdmacm.map").display()))
+            .arg("-Wl,--no-undefined")
+            .arg("-o")
+            .arg(lib_dir.join("librdmacm.so.1"))
+            .arg(dir.join("rdmacm.c"))
+            .arg(stub_dir.join("libibverbs.so.1")),
+    );
 }
 
 fn build_stub(dir: &Path, src: &str, map: &str, soname: &str, lib_dir: &Path) {

@@ -195,7 +195,7 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut IbvDevice) -> *mut IbvCont
     }
     // SAFETY: checked above: one of our devices.
     let dev = unsafe { &*(device as *mut SoftDevice) };
-    let verbs = match softrdma_verbs::open_device(&dev.name) {
+    let verbs = match open_shared(&dev.name) {
         Ok(c) => c,
         Err(e) => {
             // Opening is where configuration mistakes show (address not local, port taken):
@@ -273,8 +273,54 @@ pub unsafe extern "C" fn ibv_close_device(context: *mut IbvContext) -> c_int {
     }
     let off = offset_of!(SoftContext, vctx) + offset_of!(VerbsContext, context);
     // SAFETY: from ibv_open_device: the context field of a boxed SoftContext.
-    drop(unsafe { Box::from_raw((context as *mut u8).sub(off) as *mut SoftContext) });
+    let soft = unsafe { Box::from_raw((context as *mut u8).sub(off) as *mut SoftContext) };
+    release_shared(soft.verbs.name());
+    drop(soft);
     0
+}
+
+/// The devices open in this process, with how many contexts use each. An embedded device owns
+/// its UDP port, so opening it twice in one process would fail; a second `ibv_open_device` (or
+/// the connection manager's own context on the device, which librdmacm opens alongside the
+/// application's) shares the running instance instead, as contexts on one kernel device share
+/// the hardware.
+static OPEN: Mutex<Vec<(String, Context, usize)>> = Mutex::new(Vec::new());
+
+/// Open device `name`, or share it if this process has it open already.
+pub fn open_shared(name: &str) -> Result<Context, softrdma_verbs::Error> {
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, ctx, users)) = open.iter_mut().find(|(n, _, _)| n == name) {
+        *users += 1;
+        return Ok(ctx.clone());
+    }
+    let ctx = softrdma_verbs::open_device(name)?;
+    open.push((name.to_owned(), ctx.clone(), 1));
+    Ok(ctx)
+}
+
+/// A context on `name` was closed: forget the device when it was the last (its objects keep
+/// it running until they go).
+fn release_shared(name: &str) {
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(i) = open.iter().position(|(n, _, _)| n == name) {
+        open[i].2 -= 1;
+        if open[i].2 == 0 {
+            open.remove(i);
+        }
+    }
+}
+
+/// Names of the devices open in this process, in the order they were opened.
+pub fn open_names() -> Vec<String> {
+    let open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    open.iter().map(|(n, _, _)| n.clone()).collect()
+}
+
+/// Our `struct ibv_device` for registry device `name` (as `ibv_get_device_list` lists it).
+pub fn registry_device(name: &str) -> Option<*mut IbvDevice> {
+    let infos = softrdma_verbs::devices().ok()?;
+    let info = infos.iter().find(|i| i.name == name)?;
+    Some(device_for(&info.name, info.node_guid().0) as *mut IbvDevice)
 }
 
 fn fill_device_attr(a: &DeviceAttr, out: &mut IbvDeviceAttr) {

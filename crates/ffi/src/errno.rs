@@ -12,6 +12,12 @@ pub fn set(e: c_int) {
     unsafe { *libc::__errno_location() = e };
 }
 
+/// This thread's errno.
+pub fn get() -> c_int {
+    // SAFETY: as in `set`.
+    unsafe { *libc::__errno_location() }
+}
+
 /// Whether `SOFTRDMA_FFI_DEBUG` asks for failures to be explained on stderr.
 pub fn debug() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();

@@ -229,7 +229,7 @@ const SEND_OPS_SUPPORTED: u64 = IBV_QP_EX_WITH_RDMA_WRITE
 const IBV_QP_INIT_ATTR_CREATE_FLAGS: u32 = 1 << 3;
 
 /// `verbs_context.create_qp_ex` (the inline calls `ibv_create_qp` itself when only the PD is given).
-unsafe extern "C" fn create_qp_ex(
+pub(crate) unsafe extern "C" fn create_qp_ex(
     _context: *mut IbvContext,
     attr: *mut IbvQpInitAttrEx,
 ) -> *mut IbvQp {

@@ -70,6 +70,9 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub mod abi;
+mod addrinfo;
+mod cma;
+pub mod cma_abi;
 mod device;
 mod errno;
 mod ext;
