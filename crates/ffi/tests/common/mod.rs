@@ -1,4 +1,4 @@
-//! Shared by the ffi tests: the library directory (`libibverbs.so.1` and the vendor stubs, as an
+//! Shared by the ffi tests: the library directory (`libibverbs.so.1`, `librdmacm.so.1` and the vendor stubs, as an
 //! application finds them through `LD_LIBRARY_PATH`), the device configuration, free ports, and
 //! running a server and a client as two processes.
 
@@ -37,6 +37,7 @@ pub fn lib_dir() -> &'static Path {
             (built, "libibverbs.so.1"),
             (stubs.join("libmlx5.so.1"), "libmlx5.so.1"),
             (stubs.join("libefa.so.1"), "libefa.so.1"),
+            (stubs.join("librdmacm.so.1"), "librdmacm.so.1"),
         ];
         for (src, name) in files {
             // Copy then rename: other test binaries may be reading the directory right now.
@@ -127,7 +128,7 @@ fn listening(port: u16) -> bool {
 }
 
 /// Wait for `child` to finish within `limit`, killing it past that.
-fn wait_limit(mut child: Child, limit: Duration) -> (Output, bool) {
+pub fn wait_limit(mut child: Child, limit: Duration) -> (Output, bool) {
     let start = Instant::now();
     let mut killed = false;
     loop {
