@@ -65,6 +65,8 @@ struct Id {
     deadline: Option<Instant>,
     /// Peer's REQ values needed at accept.
     req_info: Option<ReqInfo>,
+    /// REJs "invalid service ID" still to be answered by sending the REQ again.
+    no_listener_left: u8,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -96,6 +98,7 @@ impl Id {
             retries_left: 0,
             deadline: None,
             req_info: None,
+            no_listener_left: 0,
         }
     }
 }
@@ -360,6 +363,7 @@ impl CmAgent {
     /// Connect (`rdma_connect`): REQ (RC/UC) or SIDR_REQ (UD).
     pub fn connect(&mut self, h: IdHandle, param: ConnParam, now: Instant) -> Result<(), CmError> {
         let guid = self.config.ca_guid;
+        let no_listener_retries = self.config.no_listener_retries;
         let comm_id = self.random();
         let psn = Psn::new(self.random());
         let tid = u64::from(self.random()) << 8 | 0x2;
@@ -437,6 +441,7 @@ impl CmAgent {
             })
         };
         id.param = Some(param);
+        id.no_listener_left = no_listener_retries;
         self.send_tracked(h, route.dgid, &msg, now);
         Ok(())
     }
@@ -606,7 +611,7 @@ impl CmAgent {
             CmMessage::Req(r) => self.on_req(src_gid, tid, r),
             CmMessage::Rep(r) => self.on_rep(r),
             CmMessage::Rtu(r) => self.on_rtu(r),
-            CmMessage::Rej(r) => self.on_rej(r),
+            CmMessage::Rej(r) => self.on_rej(now, r),
             CmMessage::Mra(r) => self.on_mra(now, r.remote_comm_id, r.service_timeout),
             CmMessage::Dreq(r) => self.on_dreq(now, src_gid, tid, r),
             CmMessage::Drep(r) => self.on_drep(now, r),
@@ -824,7 +829,7 @@ impl CmAgent {
         self.event(h, EventKind::Established, conn, None);
     }
 
-    fn on_rej(&mut self, r: RejRepr) {
+    fn on_rej(&mut self, now: Instant, r: RejRepr) {
         let Some(h) = self.find(|i| {
             i.local_comm_id == r.remote_comm_id
                 && matches!(i.state, State::ReqSent | State::RepSent)
@@ -833,6 +838,17 @@ impl CmAgent {
             return;
         };
         let id = self.ids.get_mut(&h).expect("found");
+        if id.state == State::ReqSent
+            && r.reason == reason::INVALID_SERVICE_ID
+            && id.no_listener_left > 0
+        {
+            // Nobody listens yet: the retransmission timer sends the same REQ again (the peer
+            // kept no state for it).
+            id.no_listener_left -= 1;
+            id.retries_left = id.retries_left.max(1);
+            id.deadline = Some(now + crate::types::NO_LISTENER_RETRY_DELAY);
+            return;
+        }
         let qpn = id.param.as_ref().map(|p| p.qpn);
         let was_rep_sent = id.state == State::RepSent;
         id.state = State::Done;

@@ -241,6 +241,63 @@ fn no_listener_is_rejected_at_once() {
 }
 
 #[test]
+fn no_listener_retries_find_a_late_listener() {
+    let mut p = Pair::new();
+    p.s[0] = Side {
+        agent: CmAgent::new(AgentConfig {
+            no_listener_retries: 3,
+            ..AgentConfig::new(0x1000, vec![(ip(1), 1)], Mtu::M1024, 1)
+        }),
+        ..side(1)
+    };
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    p.events(0);
+    p.s[0]
+        .agent
+        .connect(c, ConnParam::new(Qpn::new(0x20)), p.now)
+        .unwrap();
+    p.pump();
+    // Rejected, but not reported: the REQ goes again after the delay.
+    assert!(p.events(0).is_empty());
+    assert_eq!(
+        p.s[0].agent.poll_timeout(),
+        Some(p.now + crate::NO_LISTENER_RETRY_DELAY)
+    );
+    let l = p.s[1].agent.create_id(PortSpace::Tcp);
+    p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
+    p.s[1].agent.listen(l, 4).unwrap();
+    assert!(p.tick());
+    let ev: Vec<_> = std::iter::from_fn(|| p.s[1].agent.poll_event()).collect();
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(ev[0].kind, EventKind::ConnectRequest { listener: l });
+    // Without a listener the retries run out and REJECTED is reported.
+    let c2 = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c2, None, addr(2, 9999)).unwrap();
+    p.s[0].agent.resolve_route(c2).unwrap();
+    p.events(0);
+    p.s[0]
+        .agent
+        .connect(c2, ConnParam::new(Qpn::new(0x21)), p.now)
+        .unwrap();
+    p.pump();
+    for _ in 0..3 {
+        assert!(p.events(0).is_empty());
+        assert!(p.tick());
+    }
+    assert_eq!(
+        p.events(0),
+        vec![(
+            c2,
+            EventKind::Rejected {
+                reason: reason::INVALID_SERVICE_ID
+            }
+        )]
+    );
+}
+
+#[test]
 fn dead_peer_is_unreachable_after_retries() {
     let mut p = Pair::new();
     let c = p.s[0].agent.create_id(PortSpace::Tcp);
