@@ -178,6 +178,11 @@ impl CmAgent {
         self.events.push_back(CmEvent { id, kind, conn, ud });
     }
 
+    /// Change [`AgentConfig::no_listener_retries`] for later connects.
+    pub fn set_no_listener_retries(&mut self, retries: u8) {
+        self.config.no_listener_retries = retries;
+    }
+
     /// IDs alive (for leak checks).
     pub fn id_count(&self) -> usize {
         self.ids.len()
