@@ -220,6 +220,16 @@ fn modify_for(cmd: QpCommand) -> (Qpn, ModifyQp) {
     }
 }
 
+impl crate::Context {
+    /// Have this device's CM send a REQ that found no listener again, `retries` times
+    /// ([`softrdma_cm::NO_LISTENER_RETRY_DELAY`] apart), before reporting REJECTED
+    /// ([`softrdma_cm::AgentConfig::no_listener_retries`]; the default, 0, is the kernel's
+    /// behaviour).
+    pub fn set_cm_no_listener_retries(&self, retries: u8) {
+        self.handle().dev.lock().cm.agent.set_no_listener_retries(retries);
+    }
+}
+
 /// A communication identifier (`struct rdma_cm_id`) on a device.
 pub struct CmId {
     h: Arc<DeviceHandle>,
