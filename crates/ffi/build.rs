@@ -184,7 +184,10 @@ fn build_rdmacm(dir: &Path, versions: &[(String, String)], out: &Path, lib_dir: 
     let stub_map = stub_dir.join("private.map");
     fs::write(
         &stub_map,
-        format!("SOFTRDMA_PRIVATE_1 {{ global: {}; local: *; }};\n", private.join("; ")),
+        format!(
+            "SOFTRDMA_PRIVATE_1 {{ global: {}; local: *; }};\n",
+            private.join("; ")
+        ),
     )
     .expect("write private.map");
     println!("cargo:rerun-if-changed=stubs/rdmacm.c");
@@ -217,7 +220,10 @@ fn build_rdmacm(dir: &Path, versions: &[(String, String)], out: &Path, lib_dir: 
         Command::new(&cc)
             .args(common)
             .arg("-Wl,-soname,librdmacm.so.1")
-            .arg(format!("-Wl,--version-script={}", dir.join("rdmacm.map").display()))
+            .arg(format!(
+                "-Wl,--version-script={}",
+                dir.join("rdmacm.map").display()
+            ))
             .arg("-Wl,--no-undefined")
             .arg("-o")
             .arg(lib_dir.join("librdmacm.so.1"))

@@ -135,10 +135,20 @@ pub unsafe extern "C" fn softrdma_rdma_getaddrinfo(
             if a.ai_flags & libc::AI_PASSIVE != 0 {
                 r.ai_flags = RAI_PASSIVE;
                 r.ai_src_canonname = canon;
-                copy_addr(&mut r.ai_src_addr, &mut r.ai_src_len, a.ai_addr, a.ai_addrlen)
+                copy_addr(
+                    &mut r.ai_src_addr,
+                    &mut r.ai_src_len,
+                    a.ai_addr,
+                    a.ai_addrlen,
+                )
             } else {
                 r.ai_dst_canonname = canon;
-                copy_addr(&mut r.ai_dst_addr, &mut r.ai_dst_len, a.ai_addr, a.ai_addrlen)
+                copy_addr(
+                    &mut r.ai_dst_addr,
+                    &mut r.ai_dst_len,
+                    a.ai_addr,
+                    a.ai_addrlen,
+                )
             }
         };
         // SAFETY: getaddrinfo's list.
@@ -151,14 +161,24 @@ pub unsafe extern "C" fn softrdma_rdma_getaddrinfo(
         if h.ai_dst_len > 0 && !h.ai_dst_addr.is_null() {
             // SAFETY: the hints' address, `ai_dst_len` bytes.
             ok = unsafe {
-                copy_addr(&mut r.ai_dst_addr, &mut r.ai_dst_len, h.ai_dst_addr, h.ai_dst_len)
+                copy_addr(
+                    &mut r.ai_dst_addr,
+                    &mut r.ai_dst_len,
+                    h.ai_dst_addr,
+                    h.ai_dst_len,
+                )
             };
         }
     }
     if ok && r.ai_src_len == 0 && h.ai_src_len > 0 && !h.ai_src_addr.is_null() {
         // SAFETY: the hints' address, `ai_src_len` bytes.
         ok = unsafe {
-            copy_addr(&mut r.ai_src_addr, &mut r.ai_src_len, h.ai_src_addr, h.ai_src_len)
+            copy_addr(
+                &mut r.ai_src_addr,
+                &mut r.ai_src_len,
+                h.ai_src_addr,
+                h.ai_src_len,
+            )
         };
     }
     if !ok {

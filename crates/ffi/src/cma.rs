@@ -52,6 +52,12 @@
 //!   `rdma_establish` has nothing left to do.
 //! * `rdma_resolve_addr` resolves at once (a loopback route needs no neighbour discovery); an
 //!   unreachable peer shows as UNREACHABLE after the CM's retries.
+//! * A connect that finds no listener is reported REJECTED (reason 8, invalid service ID) after
+//!   about 200 ms rather than at once: the REQ is sent again 10 times, 20 ms apart
+//!   ([`softrdma_cm::AgentConfig::no_listener_retries`]). Servers often start listening just
+//!   after telling their client to connect (perftest's `-R` does, over its first connection);
+//!   the kernel's asynchronous address and route resolution usually gives them that moment,
+//!   ours takes none.
 //! * Multicast is refused (`EOPNOTSUPP`), options are accepted and ignored (the ToS, the ACK
 //!   timeout), ECE values are kept locally and never sent.
 //! * `rdma_destroy_id` does not wait for the ID's events to be acknowledged; it frees the ID when
@@ -135,6 +141,9 @@ impl CmaDevice {
     }
 }
 
+/// REQs that found no listener are sent again this many times, 20 ms apart (module docs).
+const NO_LISTENER_RETRIES: u8 = 10;
+
 /// The devices the CM has opened, by first use; never closed (librdmacm keeps its contexts too).
 static DEVICES: Mutex<Vec<Arc<CmaDevice>>> = Mutex::new(Vec::new());
 
@@ -160,7 +169,14 @@ fn open_device(name: &str) -> Result<Arc<CmaDevice>, c_int> {
     let pd = unsafe { objects::ibv_alloc_pd(ctx) };
     // SAFETY: as above.
     let verbs = &unsafe { soft(ctx) }.verbs;
-    let addrs = verbs.info().gids.iter().map(|(_, e)| e.gid.to_ip()).collect();
+    let addrs = verbs
+        .info()
+        .gids
+        .iter()
+        .map(|(_, e)| e.gid.to_ip())
+        .collect();
+    // Give a server that is about to listen a moment (module docs).
+    verbs.set_cm_no_listener_retries(NO_LISTENER_RETRIES);
     let attr = verbs.query_device();
     let d = Arc::new(CmaDevice {
         ctx,
@@ -277,11 +293,7 @@ impl Channel {
     }
 
     /// The sub-channel for `dev`, made on first use. Runs `f` on it under the lock.
-    fn with_sub<R>(
-        &self,
-        dev: &Arc<CmaDevice>,
-        f: impl FnOnce(&mut Sub) -> R,
-    ) -> Result<R, c_int> {
+    fn with_sub<R>(&self, dev: &Arc<CmaDevice>, f: impl FnOnce(&mut Sub) -> R) -> Result<R, c_int> {
         let mut subs = lock(&self.subs);
         let i = match subs.iter().position(|s| Arc::ptr_eq(&s.dev, dev)) {
             Some(i) => i,
@@ -743,7 +755,13 @@ unsafe fn translate(
             } else {
                 c.ibv.channel as *mut Channel
             };
-            let nid = new_id(channel, c.ibv.context, c.ibv.ps, c.ibv.qp_type, listener_sync);
+            let nid = new_id(
+                channel,
+                c.ibv.context,
+                c.ibv.ps,
+                c.ibv.qp_type,
+                listener_sync,
+            );
             // SAFETY: the channel is live (ours or the listener's).
             let ch = unsafe { &*channel };
             let handle = cm.handle();
@@ -905,7 +923,11 @@ unsafe fn create_id2(
         return err(WHAT, libc::EINVAL, "NULL id");
     }
     if ps_of(ps).is_none() {
-        return err(WHAT, libc::EINVAL, "port space must be RDMA_PS_TCP, UDP or IB");
+        return err(
+            WHAT,
+            libc::EINVAL,
+            "port space must be RDMA_PS_TCP, UDP or IB",
+        );
     }
     let (ch, sync) = if channel.is_null() {
         match Channel::new() {
@@ -1005,7 +1027,11 @@ pub unsafe extern "C" fn softrdma_rdma_resolve_addr(
 ) -> c_int {
     const WHAT: &str = "rdma_resolve_addr";
     let Some(dst) = sockaddr_in(dst_addr) else {
-        return err(WHAT, libc::EINVAL, "destination is not an IPv4 or IPv6 address");
+        return err(
+            WHAT,
+            libc::EINVAL,
+            "destination is not an IPv4 or IPv6 address",
+        );
     };
     let src = sockaddr_in(src_addr);
     if (!src_addr.is_null() && src.is_none()) || id.is_null() {
@@ -1047,7 +1073,10 @@ pub unsafe extern "C" fn softrdma_rdma_resolve_addr(
 
 /// `rdma_resolve_route`: ROUTE_RESOLVED follows at once.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_resolve_route(id: *mut RdmaCmId, _timeout_ms: c_int) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_resolve_route(
+    id: *mut RdmaCmId,
+    _timeout_ms: c_int,
+) -> c_int {
     const WHAT: &str = "rdma_resolve_route";
     if id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL id");
@@ -1077,7 +1106,10 @@ pub unsafe extern "C" fn softrdma_rdma_listen(id: *mut RdmaCmId, backlog: c_int)
         let mut any: libc::sockaddr_storage =
             // SAFETY: all-zero is valid.
             unsafe { std::mem::zeroed() };
-        store(&mut any, SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
+        store(
+            &mut any,
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+        );
         // SAFETY: forwarded.
         let r = unsafe { softrdma_rdma_bind_addr(id, &mut any as *mut _ as *mut libc::sockaddr) };
         if r != 0 {
@@ -1112,7 +1144,10 @@ pub unsafe extern "C" fn softrdma_rdma_get_request(
     let (sync, qp_init) = {
         let st = lock(&l.st);
         // SAFETY: a plain copy of the attributes (pointers and integers).
-        (st.sync, st.qp_init.as_ref().map(|a| unsafe { ptr::read(a) }))
+        (
+            st.sync,
+            st.qp_init.as_ref().map(|a| unsafe { ptr::read(a) }),
+        )
     };
     if !sync {
         return err(WHAT, libc::EINVAL, "the listener has an event channel");
@@ -1477,7 +1512,11 @@ pub unsafe extern "C" fn softrdma_rdma_create_qp_ex(
         return err(WHAT, libc::EINVAL, "the ID has a QP");
     }
     if c.ibv.verbs.is_null() {
-        return err(WHAT, libc::EINVAL, "the ID has no device yet (bind or resolve first)");
+        return err(
+            WHAT,
+            libc::EINVAL,
+            "the ID has no device yet (bind or resolve first)",
+        );
     }
     if a.comp_mask & IBV_QP_INIT_ATTR_PD == 0 || a.pd.is_null() {
         a.comp_mask |= IBV_QP_INIT_ATTR_PD;
@@ -1606,7 +1645,11 @@ pub unsafe extern "C" fn softrdma_rdma_create_qp(
     };
     ex.comp_mask = IBV_QP_INIT_ATTR_PD;
     // SAFETY: a live ID.
-    ex.pd = if pd.is_null() { unsafe { (*id).pd } } else { pd };
+    ex.pd = if pd.is_null() {
+        unsafe { (*id).pd }
+    } else {
+        pd
+    };
     // SAFETY: forwarded.
     let r = unsafe { softrdma_rdma_create_qp_ex(id, &mut ex) };
     // SAFETY: as above, back.
@@ -1796,7 +1839,9 @@ pub unsafe extern "C" fn softrdma_rdma_get_dst_port(id: *mut RdmaCmId) -> u16 {
 
 /// `rdma_get_devices`: a context on every registry device that opens, NULL-terminated.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_get_devices(num_devices: *mut c_int) -> *mut *mut IbvContext {
+pub unsafe extern "C" fn softrdma_rdma_get_devices(
+    num_devices: *mut c_int,
+) -> *mut *mut IbvContext {
     let mut list: Vec<*mut IbvContext> = registry()
         .into_iter()
         .filter_map(|(n, _)| open_device(&n).ok().map(|d| d.ctx))
@@ -1949,8 +1994,17 @@ pub unsafe extern "C" fn softrdma_rdma_leave_multicast(
 pub unsafe extern "C" fn softrdma_rdma_set_local_ece(id: *mut RdmaCmId, ece: *mut IbvEce) -> c_int {
     // SAFETY: NULL-checked pointers of the caller.
     unsafe {
-        if id.is_null() || !(*id).qp.is_null() || ece.is_null() || (*ece).vendor_id == 0 || (*ece).comp_mask != 0 {
-            return err("rdma_set_local_ece", libc::EINVAL, "bad ECE or the ID has a QP");
+        if id.is_null()
+            || !(*id).qp.is_null()
+            || ece.is_null()
+            || (*ece).vendor_id == 0
+            || (*ece).comp_mask != 0
+        {
+            return err(
+                "rdma_set_local_ece",
+                libc::EINVAL,
+                "bad ECE or the ID has a QP",
+            );
         }
         lock(&cma(id).st).local_ece = Some(((*ece).vendor_id, (*ece).options));
     }
@@ -1959,11 +2013,18 @@ pub unsafe extern "C" fn softrdma_rdma_set_local_ece(id: *mut RdmaCmId, ece: *mu
 
 /// `rdma_get_remote_ece`: the peer's ECE is never received here: zeros.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_get_remote_ece(id: *mut RdmaCmId, ece: *mut IbvEce) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_get_remote_ece(
+    id: *mut RdmaCmId,
+    ece: *mut IbvEce,
+) -> c_int {
     // SAFETY: NULL-checked pointers of the caller.
     unsafe {
         if id.is_null() || !(*id).qp.is_null() || ece.is_null() {
-            return err("rdma_get_remote_ece", libc::EINVAL, "NULL argument or the ID has a QP");
+            return err(
+                "rdma_get_remote_ece",
+                libc::EINVAL,
+                "NULL argument or the ID has a QP",
+            );
         }
         (*ece).vendor_id = 0;
         (*ece).options = 0;
