@@ -331,3 +331,57 @@ fn ib_write_bw_over_rdma_cm() {
 fn ib_send_lat_over_rdma_cm() {
     perftest_cm("ib_send_lat", &["-n", "2000"], "2       2000");
 }
+
+/// `tests/abi_rdmacm.c` against rdma-core's headers, linked to our two libraries (skipped
+/// without `librdmacm-dev` or a C compiler).
+#[test]
+fn c_abi_program() {
+    if !Path::new("/usr/include/rdma/rdma_cma.h").exists() {
+        eprintln!("SKIP: /usr/include/rdma/rdma_cma.h missing (apt-get install librdmacm-dev)");
+        return;
+    }
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let lib = common::lib_dir();
+    let dir = std::env::temp_dir().join(format!("softrdma-ffi-rdmacm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let exe = dir.join("abi_rdmacm");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/abi_rdmacm.c");
+    let built = match std::process::Command::new(&cc)
+        .args(["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-L{}", lib.display()))
+        .args(["-l:librdmacm.so.1", "-l:libibverbs.so.1"])
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("SKIP: no C compiler ({cc}: {e})");
+            return;
+        }
+    };
+    assert!(
+        built.status.success(),
+        "compiling abi_rdmacm.c failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let conf = dir.join("devices.conf");
+    std::fs::write(
+        &conf,
+        "abi0 netdev lo addr 127.0.0.9\nabi1 netdev lo addr 127.0.0.10\n",
+    )
+    .expect("write devices.conf");
+    let _g = serial();
+    let child = std::process::Command::new(&exe)
+        .env("LD_LIBRARY_PATH", lib)
+        .env("SOFTRDMA_CONFIG", &conf)
+        .env("SOFTRDMA_UDP_PORT", free_udp_port().to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run abi_rdmacm");
+    let (out, killed) = wait_limit(child, Duration::from_secs(30));
+    let t = text(&out);
+    assert!(!killed && out.status.success(), "abi_rdmacm failed:\n{t}");
+    assert!(t.contains(", 0 failed"), "{t}");
+}
