@@ -28,11 +28,18 @@
 //! cargo build --release -p softrdma-ffi
 //! mkdir -p lib
 //! cp target/release/libibverbs.so lib/libibverbs.so.1
-//! cp target/release/build/softrdma-ffi-*/out/softrdma-lib/*.so.1 lib/   # libmlx5, libefa stubs
+//! cp target/release/build/softrdma-ffi-*/out/softrdma-lib/*.so.1 lib/   # librdmacm, libmlx5, libefa
 //! printf 'sr0 netdev lo addr 127.0.0.2\nsr1 netdev lo addr 127.0.0.3\n' > devices.conf
 //! SOFTRDMA_CONFIG=$PWD/devices.conf LD_LIBRARY_PATH=$PWD/lib ibv_rc_pingpong -d sr0 -g 1 &
 //! SOFTRDMA_CONFIG=$PWD/devices.conf LD_LIBRARY_PATH=$PWD/lib ibv_rc_pingpong -d sr1 -g 1 127.0.0.1
+//! SOFTRDMA_CONFIG=$PWD/devices.conf LD_LIBRARY_PATH=$PWD/lib rping -s -a 127.0.0.2 -v -C 10 &
+//! SOFTRDMA_CONFIG=$PWD/devices.conf LD_LIBRARY_PATH=$PWD/lib rping -c -a 127.0.0.2 -v -C 10
 //! ```
+//!
+//! `librdmacm.so.1` is the RDMA connection manager's drop-in: a thin C library with rdma-core 44's
+//! `RDMACM_1.x` symbols that forwards to the connection manager implemented here (`src/cma.rs`
+//! explains the split, how an address picks its device, and where it differs from librdmacm
+//! over the kernel). rsockets are not provided.
 //!
 //! Each process opens its own embedded device, so a server and a client use two devices (two
 //! loopback addresses); `-g 1` selects the IPv4 GID, as with the kernel's rxe (RoCE needs a GRH).
