@@ -329,7 +329,7 @@ fn ib_write_bw_over_rdma_cm() {
 
 #[test]
 fn ib_send_lat_over_rdma_cm() {
-    perftest_cm("ib_send_lat", &["-n", "2000"], "2       2000");
+    perftest_cm("ib_send_lat", &["-n", "500"], "2       500");
 }
 
 /// `tests/abi_rdmacm.c` against rdma-core's headers, linked to our two libraries (skipped
