@@ -59,7 +59,10 @@
 //!   the kernel's asynchronous address and route resolution usually gives them that moment,
 //!   ours takes none.
 //! * Multicast is refused (`EOPNOTSUPP`), options are accepted and ignored (the ToS, the ACK
-//!   timeout), ECE values are kept locally and never sent.
+//!   timeout), ECE values are kept locally and never sent. `RDMA_PS_IPOIB` is refused
+//!   (`EINVAL`); TCP, UDP and IB port spaces are supported.
+//! * `rdma_get_devices` opens every registry device it can; with embedded devices that claims
+//!   their addresses for this process (another process can no longer open them).
 //! * `rdma_destroy_id` does not wait for the ID's events to be acknowledged; it frees the ID when
 //!   the last of them is.
 
