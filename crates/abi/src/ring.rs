@@ -178,7 +178,7 @@ impl Producer {
         let cons = self.ring.word(CONSUMER).load(Ordering::Acquire);
         let used = self.next.wrapping_sub(cons);
         // A consumer index that is not within `capacity` behind ours gives 0.
-        self.ring.capacity.checked_sub(used).unwrap_or(0)
+        self.ring.capacity.saturating_sub(used)
     }
 
     /// Entries published and not yet consumed.
