@@ -975,6 +975,8 @@ pub fn encode_event(ev: &AsyncEvent) -> Option<[u8; 8]> {
         AsyncEvent::QpFatal(q) => (6, q.value()),
         AsyncEvent::SrqLimitReached(s) => (7, s.0),
         AsyncEvent::CqError(c) => (8, c.0),
+        AsyncEvent::PortActive(p) => (9, u32::from(p)),
+        AsyncEvent::PortError(p) => (10, u32::from(p)),
         #[allow(unreachable_patterns)]
         _ => return None,
     };
@@ -1000,6 +1002,8 @@ pub fn decode_event(b: &[u8]) -> Option<AsyncEvent> {
         6 => AsyncEvent::QpFatal(Qpn::new(id)),
         7 => AsyncEvent::SrqLimitReached(SrqId(id)),
         8 => AsyncEvent::CqError(CqId(id)),
+        9 => AsyncEvent::PortActive(id as u8),
+        10 => AsyncEvent::PortError(id as u8),
         _ => return None,
     })
 }

@@ -36,6 +36,9 @@ pub(crate) struct State {
     /// Datagrams the socket refused.
     pub tx_errors: u64,
     pub next_pd: u32,
+    /// Per-QP traffic (packets sent, bytes sent, packets received, bytes received), kept only when
+    /// the device runs in the daemon (`None` in embedded mode costs nothing).
+    pub qp_traffic: Option<HashMap<softrdma_wire::Qpn, [u64; 4]>>,
     tx_buf: Vec<u8>,
     rx_buf: Vec<u8>,
 }
@@ -140,6 +143,7 @@ impl Device {
             verify: VerifyStats::default(),
             tx_errors: 0,
             next_pd: 1,
+            qp_traffic: None,
             tx_buf: vec![0; 4096 + 512],
             rx_buf: vec![0; 65536],
         };
@@ -188,6 +192,9 @@ impl Device {
             let pkt = &mut st.tx_buf[..t.len];
             if seal_udp_payload(src, dst, pkt).is_err() || self.port.send_to(pkt, dst).is_err() {
                 st.tx_errors += 1;
+            } else if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn)) {
+                c[0] += 1;
+                c[1] += t.len as u64;
             }
         }
         while let Some(cq) = st.hca.poll_cq_event() {
@@ -229,6 +236,13 @@ impl Device {
             }
             Ok((_, verdict)) => {
                 st.verify.record(verdict);
+                if let (Some(m), Some(b)) = (st.qp_traffic.as_mut(), payload.get(5..8)) {
+                    let qpn = softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]]));
+                    if let Some(c) = m.get_mut(&qpn) {
+                        c[2] += 1;
+                        c[3] += payload.len() as u64;
+                    }
+                }
                 let rx = RxInfo { grh: grh_area(src, local, payload.len()) };
                 st.hca.handle_packet(now, payload, &rx, &mut st.mem);
             }
@@ -287,8 +301,20 @@ impl Device {
         }
     }
 
-    fn wake(&self) -> io::Result<()> {
+    /// Wake the thread sleeping on [`Device::wake_fd`].
+    pub(crate) fn wake(&self) -> io::Result<()> {
         self.wake_tx.send(&[1]).map(|_| ())
+    }
+
+    /// The descriptor a wake-up makes readable (the daemon's device loop polls it).
+    pub(crate) fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.wake_rx.as_raw_fd()
+    }
+
+    /// Consume pending wake-ups.
+    pub(crate) fn drain_wake(&self) {
+        let mut buf = [0u8; 64];
+        while self.wake_rx.recv(&mut buf).is_ok() {}
     }
 }
 
