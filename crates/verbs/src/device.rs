@@ -66,7 +66,7 @@ impl DeviceBuilder {
 
 /// The addresses the device's sockets bind: the bound address, or the interface's first IPv4 and
 /// first non-link-local IPv6 address (link-local needs a scope the GID does not carry).
-fn bind_addrs(info: &DeviceInfo) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
+pub(crate) fn bind_addrs(info: &DeviceInfo) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
     match info.bind {
         Some(IpAddr::V4(a)) => (Some(a), None),
         Some(IpAddr::V6(a)) => (None, Some(a)),
