@@ -11,12 +11,11 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use softrdma_transport::{Access, AtomicOp, KeyKind, MemError, MemoryAccess, PdId, Sge};
 
 use crate::error::{Error, Result};
-use crate::runtime::DeviceHandle;
+use crate::verbs::Dev;
 
 const PAGE: usize = 4096;
 
@@ -260,8 +259,13 @@ impl MemoryAccess for MrTable {
 /// A registered memory region: a pinned buffer it owns ([`crate::ProtectionDomain::reg_mr`]), or
 /// memory of the caller's registered through the unsafe [`crate::ProtectionDomain::reg_mr_raw`] (the
 /// C ABI's `ibv_reg_mr`).
+///
+/// In daemon mode the buffer lives in this process as usual; softrdmad reaches it with
+/// `process_vm_readv`/`process_vm_writev` (as a NIC would by DMA), and the region's own
+/// [`read`](MemoryRegion::read)/[`write`](MemoryRegion::write) copy without a lock: ordering them
+/// against the device's accesses is the application's job, through completions, as with hardware.
 pub struct MemoryRegion {
-    dev: Arc<DeviceHandle>,
+    dev: Dev,
     key: u32,
     access: Access,
     ptr: *mut u8,
@@ -270,7 +274,8 @@ pub struct MemoryRegion {
 }
 
 // SAFETY: the pointer is to memory owned by this region or promised live by the caller of
-// `reg_mr_raw`; every access through it takes the device lock.
+// `reg_mr_raw`; every access through it takes the device lock (embedded mode), or races only with
+// the daemon's DMA-like copies, which the application orders through completions (daemon mode).
 unsafe impl Send for MemoryRegion {}
 // SAFETY: as above.
 unsafe impl Sync for MemoryRegion {}
@@ -286,12 +291,29 @@ impl MemoryRegion {
         Ok(())
     }
 
-    pub(crate) fn register(dev: Arc<DeviceHandle>, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
+    /// Enter `[ptr, ptr+len)` in the device's region table (embedded) or register it at the daemon.
+    fn enter(dev: &Dev, pd: PdId, ptr: *mut u8, len: usize, access: Access) -> Result<u32> {
+        match dev {
+            Dev::Embedded(h) => Ok(h.dev.lock().mem.insert(pd, ptr, len, access)),
+            Dev::Daemon(s) => {
+                let req = softrdma_abi::msg::Request::RegMr { pd: pd.0, addr: ptr as u64, len: len as u64, access: access.bits() };
+                s.call_id(&req)
+            }
+        }
+    }
+
+    pub(crate) fn register(dev: Dev, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
         Self::check_access(access)?;
         let buf = AlignedBuf::new(len)?;
         pin(buf.ptr, len)?;
         let (ptr, len) = (buf.ptr, buf.len);
-        let key = dev.dev.lock().mem.insert(pd, ptr, len, access);
+        let key = match Self::enter(&dev, pd, ptr, len, access) {
+            Ok(k) => k,
+            Err(e) => {
+                unpin(ptr, len);
+                return Err(e);
+            }
+        };
         Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Some(buf) })
     }
 
@@ -303,7 +325,7 @@ impl MemoryRegion {
     /// exists, as a NIC does by DMA; accesses by the caller that race with those are the caller's
     /// to order (through completions), exactly as with a hardware device.
     pub(crate) unsafe fn register_raw(
-        dev: Arc<DeviceHandle>,
+        dev: Dev,
         pd: PdId,
         ptr: *mut u8,
         len: usize,
@@ -314,7 +336,13 @@ impl MemoryRegion {
             return Err(Error::InvalidArgument("null address".into()));
         }
         pin(ptr, len)?;
-        let key = dev.dev.lock().mem.insert(pd, ptr, len, access);
+        let key = match Self::enter(&dev, pd, ptr, len, access) {
+            Ok(k) => k,
+            Err(e) => {
+                unpin(ptr, len);
+                return Err(e);
+            }
+        };
         Ok(MemoryRegion { dev, key, access, ptr, len, _owned: None })
     }
 
@@ -359,10 +387,19 @@ impl MemoryRegion {
         }
     }
 
+    /// The embedded device's lock, which excludes the engine's accesses; in daemon mode there is
+    /// none to take (see the type's docs).
+    fn guard(&self) -> Option<std::sync::MutexGuard<'_, crate::runtime::State>> {
+        match &self.dev {
+            Dev::Embedded(h) => Some(h.dev.lock()),
+            Dev::Daemon(_) => None,
+        }
+    }
+
     /// Copy `data` into the region at `offset`.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         self.check(offset, data.len())?;
-        let _guard = self.dev.dev.lock();
+        let _guard = self.guard();
         // SAFETY: bounds checked above; the device lock excludes the engine's accesses.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
         Ok(())
@@ -371,7 +408,7 @@ impl MemoryRegion {
     /// Copy bytes of the region at `offset` into `out`.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         self.check(offset, out.len())?;
-        let _guard = self.dev.dev.lock();
+        let _guard = self.guard();
         // SAFETY: as in `write`.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
         Ok(())
@@ -386,7 +423,7 @@ impl MemoryRegion {
 
     /// Fill the whole region with `byte`.
     pub fn fill(&self, byte: u8) {
-        let _guard = self.dev.dev.lock();
+        let _guard = self.guard();
         // SAFETY: the whole buffer, under the device lock.
         unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) };
     }
@@ -394,7 +431,10 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        self.dev.dev.lock().mem.remove(self.key);
+        match &self.dev {
+            Dev::Embedded(h) => h.dev.lock().mem.remove(self.key),
+            Dev::Daemon(s) => s.call_quiet(&softrdma_abi::msg::Request::DeregMr { key: self.key }),
+        }
         unpin(self.ptr, self.len);
     }
 }

@@ -32,6 +32,36 @@ pub(crate) fn refusal(r: softrdma_abi::msg::Refusal) -> Error {
     }
 }
 
+/// Engine counters from the daemon's named list.
+pub(crate) fn counters_from(list: &[(String, u64)]) -> softrdma_transport::Counters {
+    let get = |k: &str| list.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
+    softrdma_transport::Counters {
+        rcvd_pkts: get("rcvd_pkts"),
+        sent_pkts: get("sent_pkts"),
+        rcvd_bytes: get("rcvd_bytes"),
+        sent_bytes: get("sent_bytes"),
+        drop_malformed: get("drop_malformed"),
+        drop_unknown_qp: get("drop_unknown_qp"),
+        drop_bad_state: get("drop_bad_state"),
+        drop_pkey: get("drop_pkey"),
+        drop_qkey: get("drop_qkey"),
+        drop_no_recv: get("drop_no_recv"),
+        drop_uc_msg: get("drop_uc_msg"),
+        drop_stray_resp: get("drop_stray_resp"),
+        duplicate_request: get("duplicate_request"),
+        out_of_seq_request: get("out_of_seq_request"),
+        rcvd_seq_err: get("rcvd_seq_err"),
+        send_rnr_nak: get("send_rnr_nak"),
+        rcvd_rnr_err: get("rcvd_rnr_err"),
+        send_err_nak: get("send_err_nak"),
+        rcvd_err_nak: get("rcvd_err_nak"),
+        retry_rounds: get("retry_rounds"),
+        retransmits: get("retransmits"),
+        ack_timeouts: get("ack_timeouts"),
+        cq_overflow: get("cq_overflow"),
+    }
+}
+
 /// A control connection, without a device (management, listings).
 pub(crate) struct Control {
     conn: Mutex<Conn>,
