@@ -300,6 +300,14 @@ impl Cq {
             out.push(slot::decode_cqe(&slot).map_err(|e| Error::Daemon(e.to_string()))?);
             n += 1;
         }
+        if n == 0 && max > 0 {
+            // A busy poller of an empty CQ gives its core away for a moment: the daemon's device
+            // loop, which produces the completion, may be waiting for exactly this core (on a
+            // machine with fewer cores than busy threads, pure spinning costs a scheduler time
+            // slice, milliseconds, per round trip; see docs/ARCHITECTURE.md).
+            drop(ring);
+            std::thread::yield_now();
+        }
         Ok(n)
     }
 

@@ -531,7 +531,9 @@ impl SvcDevice {
                 continue;
             }
             if last_work.elapsed() < spin {
-                std::hint::spin_loop();
+                // Spin politely: on a machine with fewer cores than busy threads the clients
+                // (which poll their CQ rings) need the core as much as we do.
+                std::thread::yield_now();
                 continue;
             }
             self.sleep();
