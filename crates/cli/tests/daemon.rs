@@ -43,6 +43,20 @@ impl Daemon {
     }
 
     fn start(dir: &Path, port: u16, metrics: Option<u16>) -> Daemon {
+        let child = Daemon::spawn(dir, port, metrics);
+        let d = Daemon { child, dir: dir.to_owned(), port, metrics };
+        d.wait_up();
+        d
+    }
+
+    /// Stop and start again on the same directory.
+    fn restart(&mut self) {
+        self.stop();
+        self.child = Daemon::spawn(&self.dir, self.port, self.metrics);
+        self.wait_up();
+    }
+
+    fn spawn(dir: &Path, port: u16, metrics: Option<u16>) -> Child {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("log")).unwrap();
         let mut cmd = softrdma();
         cmd.args(["daemon", "--udp-port", &port.to_string()])
@@ -53,14 +67,15 @@ impl Daemon {
         if let Some(m) = metrics {
             cmd.args(["--metrics", &format!("127.0.0.1:{m}")]);
         }
-        let child = cmd.spawn().expect("start softrdmad");
-        let d = Daemon { child, dir: dir.to_owned(), port, metrics };
+        cmd.spawn().expect("start softrdmad")
+    }
+
+    fn wait_up(&self) {
         let t = Instant::now();
-        while Admin::connect_to(&d.socket()).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(10), "softrdmad did not come up:\n{}", d.log());
+        while Admin::connect_to(&self.socket()).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(10), "softrdmad did not come up:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
-        d
     }
 
     fn socket(&self) -> PathBuf {
@@ -118,8 +133,7 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
-        let _ = (self.metrics, self.port);
-        if !std::thread::panicking() {
+                if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
@@ -443,6 +457,32 @@ fn selftest_role(ctx: &Context) {
     a.post_send(send(3, SendOp::Send, &other, 0, 16)).unwrap();
     let wcs = wait_wcs(&cq, 1, 30);
     assert_eq!(wcs[0].status, WcStatus::LocProtErr, "{wcs:?}");
+
+    // A completion channel and an SRQ: a UD QP receiving through an SRQ, its CQ armed; the
+    // channel's descriptor becomes readable and names the CQ.
+    let ch = ctx.create_comp_channel().unwrap();
+    let ecq = ctx.create_cq(16, Some(&ch)).unwrap();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 32 };
+    let ud = pd
+        .create_qp(&QpInitAttr { qp_type: QpType::Ud, send_cq: &cq, recv_cq: &ecq, srq: Some(&srq), cap, sq_sig_all: false })
+        .unwrap();
+    ud.bring_up_ud(9, Psn::new(0)).unwrap();
+    srq.post_recv(RecvWr { wr_id: 77, sgl: vec![dst.sge(0, 1024).unwrap()] }).unwrap();
+    ecq.req_notify(false).unwrap();
+    let ah = pd.create_ah(&AhAttr::new(gid, 1)).unwrap();
+    let wr = SendWr {
+        wr_id: 5,
+        op: SendOp::SendWithImm(0xabcd),
+        payload: Payload::Inline(b"through the channel".to_vec()),
+        flags: SendFlags::INLINE,
+        ud: Some(ah.ud(ud.qpn(), 9)),
+    };
+    ud.post_send(wr).unwrap();
+    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(ecq.handle()));
+    let wcs = wait_wcs(&ecq, 1, 10);
+    assert_eq!((wcs[0].wr_id, wcs[0].imm, wcs[0].status), (77, 0xabcd, WcStatus::Success));
+    assert_eq!(dst.to_vec(40, 19).unwrap(), b"through the channel");
     // SAFETY: geteuid cannot fail.
     out(&format!("OK uid {}", unsafe { libc_geteuid() }));
 }
@@ -622,8 +662,7 @@ fn link_management_survives_restart() {
     );
     assert!(d.cli(&["dev", "set", "rxe1", "name", "rxe7"]).0);
     assert!(d.cli(&["roce-mode", "rxe7", "1", "v1"]).0);
-    d.stop();
-    d = Daemon::start(&dir, 18965, None);
+    d.restart();
     let (_, show, _) = d.cli(&["link", "show", "rxe7"]);
     assert_eq!(show, "link rxe7/1 state ACTIVE physical_state LINK_UP netdev lo \n");
     assert_eq!(d.cli(&["roce-mode", "rxe7", "1"]).1, "IB/RoCE v1\n");
@@ -632,8 +671,7 @@ fn link_management_survives_restart() {
     let (_, stat, _) = d.cli(&["stat", "rxe7"]);
     assert!(stat.starts_with("CA 'rxe7'\n") && stat.contains("\t\tState: Active\n"), "{stat}");
     assert!(d.cli(&["link", "delete", "rxe7"]).0);
-    d.stop();
-    d = Daemon::start(&dir, 18965, None);
+    d.restart();
     let (_, show, _) = d.cli(&["link", "show"]);
     assert_eq!(show, "link rxe0/1 state ACTIVE physical_state LINK_UP netdev lo \n");
     let (ok, _, err) = d.cli(&["link", "show", "rxe7"]);
