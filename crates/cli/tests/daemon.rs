@@ -587,6 +587,12 @@ fn sigkill_mid_transfer() {
     assert_eq!(victim.line(), "RUNNING");
     assert_eq!(survivor.line(), "RUNNING");
     let pid = victim.pid();
+    // Per-QP counters name the owner and count its traffic.
+    let (ok, text, _) = d.cli(&["stat", "--counters", "rxe0"]);
+    let line = text.lines().find(|l| l.contains(&format!(" pid {pid} "))).unwrap_or_else(|| panic!("{text}"));
+    assert!(ok && line.starts_with("qp rxe0/1 lqpn ") && line.contains(" retransmits "), "{line}");
+    let sent: u64 = line.split(" sent_pkts ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(sent > 0, "{line}");
     // SAFETY: kill(2) on our own child.
     unsafe { kill(pid as i32, 9) };
     let _ = victim.child.wait();

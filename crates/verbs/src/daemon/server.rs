@@ -819,11 +819,28 @@ impl SvcDevice {
                 let t = st.qp_traffic.as_ref().and_then(|m| m.get(qpn)).copied().unwrap_or_default();
                 let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
                 let k = &q.counters;
+                let e = &t.engine;
                 let list = [
-                    ("sent_pkts", t[0]),
-                    ("sent_bytes", t[1]),
-                    ("rcvd_pkts", t[2]),
-                    ("rcvd_bytes", t[3]),
+                    ("sent_pkts", t.pkts[0]),
+                    ("sent_bytes", t.pkts[1]),
+                    ("rcvd_pkts", t.pkts[2]),
+                    ("rcvd_bytes", t.pkts[3]),
+                    ("retransmits", e.retransmits),
+                    ("retry_rounds", e.retry_rounds),
+                    ("rcvd_seq_err", e.rcvd_seq_err),
+                    ("out_of_seq_request", e.out_of_seq_request),
+                    ("duplicate_request", e.duplicate_request),
+                    ("send_err_nak", e.send_err_nak),
+                    ("rcvd_err_nak", e.rcvd_err_nak),
+                    ("send_rnr_nak", e.send_rnr_nak),
+                    ("rcvd_rnr_err", e.rcvd_rnr_err),
+                    ("drop_bad_state", e.drop_bad_state),
+                    ("drop_pkey", e.drop_pkey),
+                    ("drop_qkey", e.drop_qkey),
+                    ("drop_no_recv", e.drop_no_recv),
+                    ("drop_uc_msg", e.drop_uc_msg),
+                    ("drop_stray_resp", e.drop_stray_resp),
+                    ("cq_overflow", e.cq_overflow),
                     ("send_wrs", k.send_wrs),
                     ("recv_wrs", k.recv_wrs),
                     ("completions", k.completions),
@@ -1225,7 +1242,7 @@ impl Session {
                     let mut st = dev.dev.lock();
                     let qpn = st.hca.create_qp(init).map_err(Refusal::Verbs)?;
                     if let Some(m) = st.qp_traffic.as_mut() {
-                        m.insert(qpn, [0; 4]);
+                        m.insert(qpn, Default::default());
                     }
                     qpn
                 };
