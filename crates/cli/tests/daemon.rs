@@ -151,13 +151,18 @@ struct Client {
 impl Client {
     fn spawn(d: &Daemon, role: &str, as_nobody: bool) -> Client {
         let exe = std::env::current_exe().unwrap();
-        let mut cmd = if as_nobody {
+        let cmd = if as_nobody {
             let mut c = Command::new("setpriv");
             c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]).arg(exe);
             c
         } else {
             Command::new(exe)
         };
+        Client::spawn_with(d, role, cmd, &[])
+    }
+
+    fn spawn_with(d: &Daemon, role: &str, mut cmd: Command, env: &[(&str, &str)]) -> Client {
+        cmd.envs(env.iter().copied());
         cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
             .env("SOFTRDMA_ROLE", role)
             .env("SOFTRDMA_SOCKET", d.socket())
@@ -527,11 +532,27 @@ fn nopoll_role(ctx: &Context) {
     std::process::exit(1);
 }
 
+/// Wait for the port to go down and come back.
+fn portwatch_role(ctx: &Context) {
+    out("READY");
+    for want in [AsyncEvent::PortError(1), AsyncEvent::PortActive(1)] {
+        let t = Instant::now();
+        loop {
+            match ctx.get_async_event(Duration::from_millis(100)) {
+                Some(e) if e == want => break,
+                _ => assert!(t.elapsed() < Duration::from_secs(20), "no {want:?}"),
+            }
+        }
+        out(&format!("{want:?}"));
+    }
+}
+
 /// The entry point of client processes (a no-op in a normal test run).
 #[test]
 fn child() {
     let Ok(role) = std::env::var("SOFTRDMA_ROLE") else { return };
-    let ctx = open_device("rxe0").unwrap();
+    let name = std::env::var("SOFTRDMA_DEV").unwrap_or_else(|_| "rxe0".into());
+    let ctx = open_device(&name).unwrap();
     assert!(ctx.is_daemon(), "rxe0 should resolve to the daemon's device");
     match role.as_str() {
         "rc" => rc_role(&ctx),
@@ -539,6 +560,7 @@ fn child() {
         "stream" => stream_role(&ctx),
         "selftest" => selftest_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
+        "portwatch" => portwatch_role(&ctx),
         r => panic!("unknown role {r}"),
     }
 }
@@ -650,6 +672,56 @@ fn misbehaving_clients_are_survived() {
     assert!(body.contains("# TYPE softrdma_sent_pkts counter"), "{body}");
     let (ok, text, _) = d.cli(&["stat", "--counters"]);
     assert!(ok && text.starts_with("link rxe0/1 sent_pkts "), "{text}");
+}
+
+/// The port follows its netdev: link down is PORT_DOWN and an async event to clients, link up
+/// again is ACTIVE. The daemon runs in a network namespace of its own with a veth pair;
+/// clients reach it through its socket, from the host's namespace.
+#[test]
+fn port_state_follows_the_netdev() {
+    if Command::new("unshare").args(["-n", "true"]).status().map_or(true, |s| !s.success()) {
+        eprintln!("skipped: cannot create a network namespace here");
+        return;
+    }
+    let dir = Daemon::dir("port", "rxd netdev d0\n");
+    let log = std::fs::File::create(dir.join("log")).unwrap();
+    let script = format!(
+        "mount -t sysfs sysfs /sys && ip link set lo up && ip link add d0 type veth peer name d1 && ip link set d1 up && ip addr add 10.99.0.1/24 dev d0 && ip link set d0 up && \
+         exec {} daemon --udp-port 18966",
+        env!("CARGO_BIN_EXE_softrdma")
+    );
+    let child = Command::new("unshare")
+        .args(["-n", "-m", "sh", "-c", &script])
+        .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
+        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let d = Daemon { child, dir: dir.clone(), port: 18966, metrics: None };
+    d.wait_up();
+    let ip = |args: &str| {
+        let pid = d.child.id().to_string();
+        let st = Command::new("nsenter").args(["-t", &pid, "-n", "ip"]).args(args.split(' ')).status().unwrap();
+        assert!(st.success(), "ip {args}");
+    };
+    // The veth's carrier comes up a moment after the daemon starts.
+    let t = Instant::now();
+    while d.cli(&["link", "show"]).1 != "link rxd/1 state ACTIVE physical_state LINK_UP netdev d0 \n" {
+        assert!(t.elapsed() < Duration::from_secs(10), "{}", d.cli(&["link", "show"]).1);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut c = Client::spawn_with(&d, "portwatch", Command::new(exe), &[("SOFTRDMA_DEV", "rxd")]);
+    assert_eq!(c.line(), "READY");
+    ip("link set d0 down");
+    assert_eq!(c.line(), "PortError(1)");
+    let (_, show, _) = d.cli(&["link", "show", "rxd"]);
+    assert_eq!(show, "link rxd/1 state DOWN physical_state DISABLED netdev d0 \n");
+    let (_, stat, _) = d.cli(&["stat", "rxd"]);
+    assert!(stat.contains("\t\tState: Down\n"), "{stat}");
+    ip("link set d0 up");
+    assert_eq!(c.finish(), "PortActive(1)");
+    assert!(d.log().contains("netdev d0 link down, port 1 DOWN"), "{}", d.log());
 }
 
 /// link add/show/rename/roce-mode/delete round trips survive a daemon restart.
