@@ -111,7 +111,10 @@ impl Shm {
     /// declared (and so dropped) first.
     pub fn ring(&self, offset: usize, capacity: u32, slot_size: u32) -> io::Result<Ring> {
         let end = offset.checked_add(ring_bytes(capacity, slot_size));
-        if !capacity.is_power_of_two() || !offset.is_multiple_of(64) || end.is_none_or(|e| e > self.len) {
+        if !capacity.is_power_of_two()
+            || !offset.is_multiple_of(64)
+            || end.is_none_or(|e| e > self.len)
+        {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "ring does not fit the shared memory",

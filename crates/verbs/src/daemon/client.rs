@@ -16,7 +16,9 @@ use softrdma_abi::sock::{self, Conn};
 use softrdma_device::DeviceInfo;
 use softrdma_transport::hca::QueuePairInfo;
 use softrdma_transport::wr::Payload;
-use softrdma_transport::{AsyncEvent, ModifyQp, QpCap, QpState, QpType, RecvWr, SendOp, SendWr, VerbsError, WorkCompletion};
+use softrdma_transport::{
+    AsyncEvent, ModifyQp, QpCap, QpState, QpType, RecvWr, SendOp, SendWr, VerbsError, WorkCompletion,
+};
 use softrdma_wire::Qpn;
 
 use crate::error::{Error, Result};
@@ -410,7 +412,8 @@ pub(crate) struct Qp {
     _shm: Shm,
 }
 
-const STATES: [QpState; 7] = [QpState::Reset, QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqd, QpState::Sqe, QpState::Err];
+const STATES: [QpState; 7] =
+    [QpState::Reset, QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqd, QpState::Sqe, QpState::Err];
 
 impl Qp {
     #[allow(clippy::too_many_arguments)]
@@ -438,7 +441,8 @@ impl Qp {
         };
         let shm = Shm::open(fd, len).map_err(|e| Error::io("mapping QP rings", e))?;
         let sq = map_work_ring(&shm, 0, sq_capacity, sq_slot)?;
-        let rq = if srq.is_some() { None } else { Some(Mutex::new(map_work_ring(&shm, rq_offset, rq_capacity, rq_slot)?)) };
+        let rq =
+            if srq.is_some() { None } else { Some(Mutex::new(map_work_ring(&shm, rq_offset, rq_capacity, rq_slot)?)) };
         Ok(Qp {
             s: Arc::clone(s),
             qpn: Qpn::new(qpn),
@@ -488,7 +492,9 @@ impl Qp {
         }
         let bad = |m| Err(Error::Verbs(VerbsError::InvalidWorkRequest(m)));
         match &wr.payload {
-            Payload::Sgl(sgl) if sgl.len() > self.cap.max_send_sge as usize => return bad("more SGEs than max_send_sge"),
+            Payload::Sgl(sgl) if sgl.len() > self.cap.max_send_sge as usize => {
+                return bad("more SGEs than max_send_sge")
+            }
             Payload::Inline(d) if d.len() > self.cap.max_inline_data as usize => {
                 return bad("inline data longer than max_inline_data")
             }

@@ -217,7 +217,8 @@ impl Daemon {
                 return;
             }
         };
-        let mut s = Session { d: Arc::clone(&self), id: self.next_conn.fetch_add(1, Ordering::Relaxed), cred, dev: None };
+        let mut s =
+            Session { d: Arc::clone(&self), id: self.next_conn.fetch_add(1, Ordering::Relaxed), cred, dev: None };
         let mut garbage = 0;
         loop {
             let (buf, fds) = match conn.recv() {
@@ -260,7 +261,10 @@ impl Daemon {
         if cred.uid == 0 || cred.uid == self.uid {
             Ok(())
         } else {
-            Err(Refusal::PermissionDenied(format!("uid {} may not manage softrdmad's devices (root or uid {} may)", cred.uid, self.uid)))
+            Err(Refusal::PermissionDenied(format!(
+                "uid {} may not manage softrdmad's devices (root or uid {} may)",
+                cred.uid, self.uid
+            )))
         }
     }
 
@@ -359,7 +363,11 @@ impl Daemon {
                 let up = netdev::by_name(&nd).is_ok_and(|n| n.is_link_up());
                 if d.port_up.swap(up, Ordering::Relaxed) != up {
                     let name = d.name.lock().expect("name").clone();
-                    log!("device {name}: netdev {nd} link {}, port 1 {}", if up { "up" } else { "down" }, if up { "ACTIVE" } else { "DOWN" });
+                    log!(
+                        "device {name}: netdev {nd} link {}, port 1 {}",
+                        if up { "up" } else { "down" },
+                        if up { "ACTIVE" } else { "DOWN" }
+                    );
                     let ev = if up { AsyncEvent::PortActive(1) } else { AsyncEvent::PortError(1) };
                     d.broadcast(ev);
                 }
@@ -408,7 +416,8 @@ pub fn prometheus(stats: &[DeviceStats]) -> String {
     }
     let mut s = String::new();
     for (name, samples) in by_name {
-        let kind = if name.starts_with("softrdma_objects_") || name == "softrdma_port_active" { "gauge" } else { "counter" };
+        let kind =
+            if name.starts_with("softrdma_objects_") || name == "softrdma_port_active" { "gauge" } else { "counter" };
         let _ = writeln!(s, "# TYPE {name} {kind}");
         for x in samples {
             let _ = writeln!(s, "{name}{x}");
@@ -573,7 +582,8 @@ impl SvcDevice {
             Some(at) => at.saturating_since(self.dev.now()).min(Duration::from_millis(200)),
             None => Duration::from_millis(200),
         };
-        let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+        let ts =
+            libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
         // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
         unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
         // Drain the doorbells (non-blocking eventfds; a read resets the count).
@@ -620,7 +630,12 @@ impl SvcDevice {
                         q.counters.bad_wqes += 1;
                         svc.bad_wqes += 1;
                         log!("client pid {pid}: QP {qpn}: {e}; QP to ERR");
-                        let _ = st.hca.modify_qp(*qpn, &ModifyQp { state: Some(QpState::Err), ..Default::default() }, now, &mut st.mem);
+                        let _ = st.hca.modify_qp(
+                            *qpn,
+                            &ModifyQp { state: Some(QpState::Err), ..Default::default() },
+                            now,
+                            &mut st.mem,
+                        );
                         work = true;
                         continue;
                     }
@@ -725,7 +740,10 @@ impl SvcDevice {
             fence(Ordering::SeqCst);
             let flags = c.ring.ring().flags();
             let armed = flags.load(Ordering::Relaxed);
-            if armed != 0 && (armed == ARMED_ANY || notify) && flags.compare_exchange(armed, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            if armed != 0
+                && (armed == ARMED_ANY || notify)
+                && flags.compare_exchange(armed, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+            {
                 if let Some((_, sock)) = c.channel.and_then(|ch| svc.channels.get(&ch)) {
                     let _ = sock.send(&id.0.to_le_bytes());
                 }
@@ -1142,7 +1160,10 @@ impl Session {
                 ring.init();
                 let id = dev.dev.lock().hca.create_cq(cqe);
                 let fd = shm.fd().try_clone().map_err(io("CQ ring"))?;
-                svc.cqs.insert(id, CqEntry { client: me, ring: Producer::new(ring), channel, overflow_logged: false, _shm: shm });
+                svc.cqs.insert(
+                    id,
+                    CqEntry { client: me, ring: Producer::new(ring), channel, overflow_logged: false, _shm: shm },
+                );
                 count(svc, 1);
                 Ok((Response::Cq { id: id.0, capacity }, vec![fd]))
             }
@@ -1173,7 +1194,8 @@ impl Session {
                 ring.init();
                 let id = dev.dev.lock().hca.create_srq(max_wr, max_sge);
                 let fd = shm.fd().try_clone().map_err(io("SRQ ring"))?;
-                svc.srqs.insert(id, SrqEntry { client: me, max_sge, ring: Consumer::new(ring), broken: false, _shm: shm });
+                svc.srqs
+                    .insert(id, SrqEntry { client: me, max_sge, ring: Consumer::new(ring), broken: false, _shm: shm });
                 count(svc, 1);
                 Ok((Response::Srq { id: id.0, capacity, slot_size }, vec![fd]))
             }
@@ -1249,10 +1271,25 @@ impl Session {
                 let fd = shm.fd().try_clone().map_err(io("QP rings"))?;
                 svc.qps.insert(
                     qpn,
-                    QpEntry { client: me, cap, sq: Consumer::new(sq), rq, counters: QpCounters::default(), broken: false, _shm: shm },
+                    QpEntry {
+                        client: me,
+                        cap,
+                        sq: Consumer::new(sq),
+                        rq,
+                        counters: QpCounters::default(),
+                        broken: false,
+                        _shm: shm,
+                    },
                 );
                 count(svc, 1);
-                let resp = Response::Qp { qpn: qpn.value(), sq_capacity, sq_slot, rq_capacity, rq_slot, rq_offset: rq_offset as u64 };
+                let resp = Response::Qp {
+                    qpn: qpn.value(),
+                    sq_capacity,
+                    sq_slot,
+                    rq_capacity,
+                    rq_slot,
+                    rq_offset: rq_offset as u64,
+                };
                 Ok((resp, vec![fd]))
             }
             Request::ModifyQp { qpn, attr: m } => {
@@ -1261,7 +1298,10 @@ impl Session {
                     return Err(nso());
                 }
                 if let Some(av) = &m.av {
-                    dev.dev.info.gid(1, usize::from(av.sgid_index)).map_err(|e| Refusal::InvalidArgument(e.to_string()))?;
+                    dev.dev
+                        .info
+                        .gid(1, usize::from(av.sgid_index))
+                        .map_err(|e| Refusal::InvalidArgument(e.to_string()))?;
                 }
                 dev.dev
                     .run(|st, now| {
