@@ -242,12 +242,46 @@ impl Client {
     }
 }
 
-/// Exchange the INFO lines of two clients.
-fn pair(a: &mut Client, b: &mut Client) {
+/// Exchange the INFO lines of two clients; returns them.
+fn pair(a: &mut Client, b: &mut Client) -> (String, String) {
     let ia = a.line();
     let ib = b.line();
     a.send(&ib);
     b.send(&ia);
+    (ia, ib)
+}
+
+fn is_root() -> bool {
+    softrdma_abi::sock::geteuid() == 0
+}
+
+/// Another session names a client's QP and memory keys: every request is refused as if the
+/// objects did not exist.
+fn try_foreign_handles(d: &Daemon, qpn: u32, keys: &[u32]) {
+    use softrdma_abi::msg::{Refusal, Request, Response};
+    use softrdma_transport::VerbsError;
+    let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
+    let call = |r: Request| {
+        conn.send(&r.encode(), &[]).unwrap();
+        Response::decode(&conn.recv().unwrap().unwrap().0).unwrap()
+    };
+    assert!(matches!(
+        call(Request::OpenDevice {
+            name: "rxe0".into()
+        }),
+        Response::Opened(_)
+    ));
+    let refused = Response::Error(Refusal::Verbs(VerbsError::NoSuchObject));
+    assert_eq!(call(Request::QueryQp { qpn }), refused);
+    assert_eq!(call(Request::DestroyQp { qpn }), refused);
+    let attr = softrdma_verbs::ModifyQp {
+        state: Some(softrdma_verbs::QpState::Err),
+        ..Default::default()
+    };
+    assert_eq!(call(Request::ModifyQp { qpn, attr }), refused);
+    for &key in keys {
+        assert_eq!(call(Request::DeregMr { key }), refused);
+    }
 }
 
 // ---- what the clients run -----------------------------------------------------------------------
@@ -832,7 +866,9 @@ fn many_processes_share_one_device() {
     let mut rc: Vec<Client> = (0..4).map(|_| Client::spawn(&d, "rc", false)).collect();
     let mut ud: Vec<Client> = (0..2).map(|_| Client::spawn(&d, "ud", false)).collect();
     let (a, b) = rc.split_at_mut(1);
-    pair(&mut a[0], &mut b[0]);
+    let (info, _) = pair(&mut a[0], &mut b[0]);
+    let w: Vec<u64> = info.split(' ').map(|x| x.parse().unwrap()).collect();
+    try_foreign_handles(&d, w[0] as u32, &[w[2] as u32, w[4] as u32]);
     let (c, e) = rc.split_at_mut(3);
     pair(&mut c[2], &mut e[0]);
     let (u, v) = ud.split_at_mut(1);
@@ -911,6 +947,10 @@ extern "C" {
 /// A user other than root (nobody) uses the root daemon's device.
 #[test]
 fn non_root_user_uses_the_device() {
+    if !is_root() {
+        eprintln!("skipped: switching to nobody needs root");
+        return;
+    }
     let dir = Daemon::dir("nobody", "rxe0 netdev lo addr 127.0.0.1\n");
     let d = Daemon::start(&dir, 18963, None);
     let c = Client::spawn(&d, "selftest", true);
@@ -963,10 +1003,11 @@ fn misbehaving_clients_are_survived() {
 /// clients reach it through its socket, from the host's namespace.
 #[test]
 fn port_state_follows_the_netdev() {
-    if Command::new("unshare")
-        .args(["-n", "true"])
-        .status()
-        .map_or(true, |s| !s.success())
+    if !is_root()
+        || Command::new("unshare")
+            .args(["-n", "true"])
+            .status()
+            .map_or(true, |s| !s.success())
     {
         eprintln!("skipped: cannot create a network namespace here");
         return;
