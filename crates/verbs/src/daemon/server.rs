@@ -461,6 +461,10 @@ struct QpEntry {
     rq: Option<Consumer>,
     counters: QpCounters,
     broken: bool,
+    /// The engine's queue was full at the last pass: entries wait in the ring until a packet or a
+    /// timer frees room, both of which wake the loop, so the loop may sleep meanwhile.
+    sq_blocked: bool,
+    rq_blocked: bool,
     _shm: Shm,
 }
 
@@ -469,6 +473,7 @@ struct SrqEntry {
     max_sge: u32,
     ring: Consumer,
     broken: bool,
+    blocked: bool,
     _shm: Shm,
 }
 
@@ -558,13 +563,13 @@ impl SvcDevice {
             let svc = self.lock_svc();
             let mut empty = true;
             for q in svc.qps.values() {
-                empty &= q.sq.request_doorbell();
+                empty &= q.sq.request_doorbell() || q.sq_blocked || q.broken;
                 if let Some(rq) = &q.rq {
-                    empty &= rq.request_doorbell();
+                    empty &= rq.request_doorbell() || q.rq_blocked || q.broken;
                 }
             }
             for s in svc.srqs.values() {
-                empty &= s.ring.request_doorbell();
+                empty &= s.ring.request_doorbell() || s.blocked || s.broken;
             }
             if !empty {
                 return;
@@ -612,6 +617,8 @@ impl SvcDevice {
                 continue;
             }
             let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
+            q.sq_blocked = false;
+            q.rq_blocked = false;
             loop {
                 sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
                 match q.sq.peek(&mut sc.buf) {
@@ -642,7 +649,10 @@ impl SvcDevice {
                 };
                 match st.hca.post_send(*qpn, wr, now, &mut st.mem) {
                     Ok(()) => q.counters.send_wrs += 1,
-                    Err(VerbsError::QueueFull) => break,
+                    Err(VerbsError::QueueFull) => {
+                        q.sq_blocked = true;
+                        break;
+                    }
                     Err(e) => {
                         q.counters.rejected_wrs += 1;
                         if q.counters.rejected_wrs == 1 {
@@ -668,7 +678,10 @@ impl SvcDevice {
                 match slot::decode_recv(&sc.buf, q.cap.max_recv_sge) {
                     Ok(wr) => match st.hca.post_recv(*qpn, wr, now, &mut st.mem) {
                         Ok(()) => q.counters.recv_wrs += 1,
-                        Err(VerbsError::QueueFull) => break,
+                        Err(VerbsError::QueueFull) => {
+                            q.rq_blocked = true;
+                            break;
+                        }
                         Err(_) => q.counters.rejected_wrs += 1,
                     },
                     Err(e) => {
@@ -685,6 +698,7 @@ impl SvcDevice {
             if s.broken {
                 continue;
             }
+            s.blocked = false;
             loop {
                 sc.buf.resize(s.ring.ring().slot_size() as usize, 0);
                 match s.ring.peek(&mut sc.buf) {
@@ -698,7 +712,10 @@ impl SvcDevice {
                 match slot::decode_recv(&sc.buf, s.max_sge) {
                     Ok(wr) => match st.hca.post_srq_recv(*id, wr) {
                         Ok(()) => {}
-                        Err(VerbsError::QueueFull) => break,
+                        Err(VerbsError::QueueFull) => {
+                            s.blocked = true;
+                            break;
+                        }
                         Err(_) => {}
                     },
                     Err(_) => svc.bad_wqes += 1,
@@ -1194,8 +1211,17 @@ impl Session {
                 ring.init();
                 let id = dev.dev.lock().hca.create_srq(max_wr, max_sge);
                 let fd = shm.fd().try_clone().map_err(io("SRQ ring"))?;
-                svc.srqs
-                    .insert(id, SrqEntry { client: me, max_sge, ring: Consumer::new(ring), broken: false, _shm: shm });
+                svc.srqs.insert(
+                    id,
+                    SrqEntry {
+                        client: me,
+                        max_sge,
+                        ring: Consumer::new(ring),
+                        broken: false,
+                        blocked: false,
+                        _shm: shm,
+                    },
+                );
                 count(svc, 1);
                 Ok((Response::Srq { id: id.0, capacity, slot_size }, vec![fd]))
             }
@@ -1278,6 +1304,8 @@ impl Session {
                         rq,
                         counters: QpCounters::default(),
                         broken: false,
+                        sq_blocked: false,
+                        rq_blocked: false,
                         _shm: shm,
                     },
                 );
