@@ -8,7 +8,8 @@
 //!
 //! where `packets` counts every record, `roce` the frames classified as RoCE (UDP port 4791, or
 //! EtherType 0x8915), `icrc-ok`/`icrc-bad` the RoCE packets that parse and whose ICRC does or does
-//! not match, and `malformed` the RoCE frames that do not parse (plus a record cut off by the end of
+//! not match, and `malformed` the RoCE frames that do not parse — headers, and for datagrams to QP0/QP1
+//! the MAD, and a CM MAD's message (plus a record cut off by the end of
 //! the file). Frames that are not RoCE count only in `packets`. Details of each bad or malformed
 //! packet go to stderr, as does the reason a file cannot be read at all (that file gets no counts
 //! line). The exit status is non-zero if any file cannot be read or has a bad or malformed packet.
@@ -18,7 +19,10 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 use softrdma_wire::capture::{classify, Classified, PcapReader};
+use softrdma_wire::cm::CmMessage;
+use softrdma_wire::mad::{MadHeader, MadPacket, CLASS_CM};
 use softrdma_wire::roce::{RoceV1Packet, RoceV2Packet};
+use softrdma_wire::IbPacket;
 
 /// Subcommands of `softrdma pcap`.
 #[derive(Subcommand)]
@@ -97,12 +101,14 @@ fn check_file(path: &Path) -> bool {
         };
         let verdict = match classify(link, frame.data) {
             Classified::NotRoce => continue,
-            Classified::RoceV2(ip) => {
-                RoceV2Packet::parse(ip).map(|p| (p.icrc_ok(), p.ib().icrc(), p.computed_icrc()))
-            }
-            Classified::RoceV1(grh) => {
-                RoceV1Packet::parse(grh).map(|p| (p.icrc_ok(), p.ib().icrc(), p.computed_icrc()))
-            }
+            Classified::RoceV2(ip) => RoceV2Packet::parse(ip).and_then(|p| {
+                check_mad(p.ib())?;
+                Ok((p.icrc_ok(), p.ib().icrc(), p.computed_icrc()))
+            }),
+            Classified::RoceV1(grh) => RoceV1Packet::parse(grh).and_then(|p| {
+                check_mad(p.ib())?;
+                Ok((p.icrc_ok(), p.ib().icrc(), p.computed_icrc()))
+            }),
         };
         c.roce += 1;
         match verdict {
@@ -122,4 +128,17 @@ fn check_file(path: &Path) -> bool {
         c.packets, c.roce, c.icrc_ok, c.icrc_bad, c.malformed
     );
     c.icrc_bad == 0 && c.malformed == 0
+}
+
+/// A datagram to QP0/QP1 carries a MAD; a CM MAD must decode as its CM message.
+fn check_mad(ib: &IbPacket<&[u8]>) -> Result<(), softrdma_wire::Error> {
+    if ib.deth().is_none() || ib.bth().dest_qp().value() > 1 {
+        return Ok(());
+    }
+    let mad = ib.payload();
+    let header = MadHeader::parse(&MadPacket::new_checked(mad)?)?;
+    if header.mgmt_class == CLASS_CM {
+        CmMessage::parse(mad)?;
+    }
+    Ok(())
 }

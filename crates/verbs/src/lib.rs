@@ -23,6 +23,7 @@
 //! devices on two loopback addresses.
 
 pub mod daemon;
+pub mod cm;
 pub mod device;
 pub mod error;
 pub mod io;
@@ -30,7 +31,9 @@ pub mod memory;
 mod runtime;
 pub mod verbs;
 
+pub use cm::{CmEvent, CmEventChannel, CmId};
 pub use device::{devices, open_device, DeviceBuilder};
+pub use softrdma_cm::{ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace};
 pub use error::Error;
 pub use memory::MemoryRegion;
 pub use softrdma_device::{DeviceAttr, DeviceInfo, Gid, PortAttr};

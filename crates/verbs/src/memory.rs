@@ -224,7 +224,7 @@ impl MemoryAccess for MrTable {
     }
 
     fn atomic(&mut self, pd: PdId, rkey: u32, addr: u64, op: AtomicOp) -> core::result::Result<u64, MemError> {
-        if addr % 8 != 0 {
+        if !addr.is_multiple_of(8) {
             return Err(MemError::Misaligned);
         }
         let p = match self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)? {

@@ -3,8 +3,11 @@
 //! produces.
 //!
 //! Verbs calls run on the caller's thread: they take the lock, act on the engine, and send any
-//! packets it produced right away (no wake-up of the I/O thread on the send path). The I/O thread
-//! sleeps in `ppoll` on the sockets and a wake-up socket until a packet or the next timer.
+//! packets it produced right away (no hand-over to the I/O thread on the send path). The I/O thread
+//! sleeps in `ppoll` on the sockets and a wake-up socket until a packet or the next timer; a call
+//! that arms a timer earlier than the one the I/O thread sleeps towards (the first request after
+//! an idle period, an RNR wait) wakes it once, so the timer fires on time even if the application
+//! then blocks instead of polling.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
@@ -20,6 +23,7 @@ use softrdma_device::DeviceInfo;
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, UdpVerdict, VerifyStats};
 
+use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::UdpPort;
 use crate::memory::MrTable;
@@ -62,12 +66,25 @@ pub(crate) struct State {
     pub verify: VerifyStats,
     /// Datagrams the socket refused.
     pub tx_errors: u64,
+    /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
+    /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
+    /// than this must wake it, or the timer would fire up to an idle wait late.
+    pub(crate) io_wake_at: Option<Instant>,
     pub next_pd: u32,
     /// Per-QP traffic (packets sent, bytes sent, packets received, bytes received), kept only when
     /// the device runs in the daemon (`None` in embedded mode costs nothing).
     pub qp_traffic: Option<HashMap<softrdma_wire::Qpn, QpTraffic>>,
+    /// The connection manager of the device (QP1).
+    pub cm: CmState,
     tx_buf: Vec<u8>,
     rx_buf: Vec<u8>,
+}
+
+impl State {
+    /// The earliest timer of the engine and the CM agent.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        [self.hca.poll_timeout(), self.cm.agent.poll_timeout()].into_iter().flatten().min()
+    }
 }
 
 /// A completion channel's shared part: a queue of CQs with events, a condition variable for
@@ -101,6 +118,10 @@ pub(crate) struct Device {
     state: Mutex<State>,
     pub port: UdpPort,
     async_cv: Condvar,
+    /// One byte per queued async event: the read end is readable while events are pending
+    /// (`ibv_context.async_fd`).
+    async_tx: UnixDatagram,
+    async_rx: UnixDatagram,
     wake_tx: UnixDatagram,
     wake_rx: UnixDatagram,
     stop: AtomicBool,
@@ -152,16 +173,36 @@ fn grh_area(src: SocketAddr, dst: SocketAddr, udp_payload: usize) -> [u8; 40] {
     g
 }
 
+/// The CM agent of a device: its GUID, the addresses its sockets are bound to with their GID
+/// indices, its MTU, and a seed that differs per process and run.
+fn cm_agent(info: &DeviceInfo, port: &UdpPort) -> softrdma_cm::CmAgent {
+    let addrs = port
+        .sockets()
+        .filter_map(|(_, a)| {
+            let index = info.gids.iter().find(|(_, e)| e.gid.to_ip() == a.ip()).map(|(i, _)| i)?;
+            Some((a.ip(), u8::try_from(index).ok()?))
+        })
+        .collect();
+    let mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let seed = t.as_nanos() as u64 ^ (u64::from(std::process::id()) << 40);
+    softrdma_cm::CmAgent::new(softrdma_cm::AgentConfig::new(info.node_guid().0, addrs, mtu, seed))
+}
+
 impl Device {
     /// Bind the UDP endpoint and build the engine for `info`.
     pub fn new(info: DeviceInfo, v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>, udp_port: u16) -> Result<Device> {
         let port = UdpPort::bind(v4, v6, udp_port)?;
+        let cm = CmState::new(cm_agent(&info, &port));
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         let config = Config { port_mtu, max_rd_atomic, ..Config::default() };
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
         wake_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         wake_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
+        let (async_tx, async_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the async event socket", e))?;
+        async_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
+        async_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         let state = State {
             hca: Hca::new(config),
             mem: MrTable::default(),
@@ -169,8 +210,10 @@ impl Device {
             async_events: VecDeque::new(),
             verify: VerifyStats::default(),
             tx_errors: 0,
+            io_wake_at: None,
             next_pd: 1,
             qp_traffic: None,
+            cm,
             tx_buf: vec![0; 4096 + 512],
             rx_buf: vec![0; 65536],
         };
@@ -179,6 +222,8 @@ impl Device {
             state: Mutex::new(state),
             port,
             async_cv: Condvar::new(),
+            async_tx,
+            async_rx,
             wake_tx,
             wake_rx,
             stop: AtomicBool::new(false),
@@ -210,6 +255,15 @@ impl Device {
     /// Send every packet the engine has, and hand out completion and async events.
     fn flush(&self, st: &mut State, now: Instant) {
         let st = &mut *st;
+        st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
+            let dst = SocketAddr::new(gid_ip(&dgid), self.port.port());
+            let sent = self.port.local_for(&dst).is_some_and(|src| {
+                seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok()
+            });
+            if !sent {
+                st.tx_errors += 1;
+            }
+        });
         loop {
             let before = *st.hca.counters();
             let Some(t) = st.hca.poll_transmit(now, &mut st.mem, &mut st.tx_buf) else { break };
@@ -234,9 +288,18 @@ impl Device {
                 ch.notify(cq);
             }
         }
+        if let Some(t) = st.next_deadline() {
+            if st.io_wake_at.is_none_or(|w| t < w) {
+                // Recorded so that one earlier deadline costs one wake-up, however many calls
+                // see it before the I/O thread runs.
+                st.io_wake_at = Some(t);
+                let _ = self.wake();
+            }
+        }
         let mut any = false;
         while let Some(ev) = st.hca.poll_event() {
             st.async_events.push_back(ev);
+            let _ = self.async_tx.send(&[1]);
             any = true;
         }
         if any {
@@ -251,7 +314,17 @@ impl Device {
             .async_cv
             .wait_timeout_while(st, timeout, |s| s.async_events.is_empty())
             .expect("device lock poisoned");
-        st.async_events.pop_front()
+        let ev = st.async_events.pop_front();
+        if ev.is_some() {
+            let mut b = [0u8; 1];
+            let _ = self.async_rx.recv(&mut b);
+        }
+        ev
+    }
+
+    /// A file descriptor readable while async events are pending.
+    pub fn async_event_fd(&self) -> std::os::fd::RawFd {
+        self.async_rx.as_raw_fd()
     }
 
     /// One received datagram.
@@ -266,8 +339,11 @@ impl Device {
                 counters.rcvd_pkts += 1;
                 st.verify.record(UdpVerdict::Bad);
             }
-            Ok((_, verdict)) => {
+            Ok((ib, verdict)) => {
                 st.verify.record(verdict);
+                if st.cm.handle_packet(now, src.ip(), &ib) {
+                    return;
+                }
                 let rx = RxInfo { grh: grh_area(src, local, payload.len()) };
                 let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
                 match (st.qp_traffic.is_some(), qpn) {
@@ -309,6 +385,9 @@ impl Device {
         if st.hca.poll_timeout().is_some_and(|t| t <= now) {
             st.hca.handle_timeout(now, &mut st.mem);
         }
+        if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
+            st.cm.agent.handle_timeout(now);
+        }
         self.flush(st, now);
     }
 
@@ -323,10 +402,13 @@ impl Device {
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
         while !self.stop.load(Ordering::Acquire) {
-            let deadline = self.lock().hca.poll_timeout();
-            let wait = match deadline {
-                Some(at) => at.saturating_since(self.now()).min(Duration::from_millis(200)),
-                None => Duration::from_millis(200),
+            let wait = {
+                let mut st = self.lock();
+                let now = self.now();
+                let idle = now + IDLE_WAIT;
+                let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
+                st.io_wake_at = Some(wake_at);
+                wake_at.saturating_since(now)
             };
             let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
             // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
@@ -355,6 +437,9 @@ impl Device {
         while self.wake_rx.recv(&mut buf).is_ok() {}
     }
 }
+
+/// The longest the I/O thread sleeps without a deadline (it also rechecks `stop` this often).
+const IDLE_WAIT: Duration = Duration::from_millis(200);
 
 /// Owner of a running device: stops and joins the I/O thread when the last verbs object is gone.
 pub(crate) struct DeviceHandle {

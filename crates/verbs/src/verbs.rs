@@ -188,6 +188,16 @@ impl Context {
         }
     }
 
+    /// A file descriptor that is readable while asynchronous events are pending (what
+    /// `ibv_context.async_fd` is in libibverbs): poll it, then call [`Context::get_async_event`].
+    /// It stays open as long as the device runs.
+    pub fn async_event_fd(&self) -> RawFd {
+        match &self.h {
+            Dev::Embedded(h) => h.dev.async_event_fd(),
+            Dev::Daemon(s) => s.async_event_fd(),
+        }
+    }
+
     fn daemon_counters(s: &client::Session) -> Vec<(String, u64)> {
         let req = softrdma_abi::msg::Request::Stats { device: Some(s.info.name.clone()) };
         match s.call(&req, &[]) {
@@ -214,6 +224,26 @@ impl Context {
                 VerifyStats { verified: get("icrc_verified"), recovered: get("icrc_recovered_id"), bad: get("icrc_errors") }
             }
         }
+    }
+
+    /// The running embedded device (for the CM's IDs).
+    ///
+    /// # Panics
+    /// On a softrdmad device: the daemon's CM agent is not exposed to clients yet.
+    pub(crate) fn handle(&self) -> &Arc<DeviceHandle> {
+        match &self.h {
+            Dev::Embedded(h) => h,
+            Dev::Daemon(_) => panic!("the RDMA CM is not available on softrdmad devices yet (embedded devices only)"),
+        }
+    }
+
+    /// Create an RDMA CM ID on this device (`rdma_create_id`), reporting to `channel`.
+    ///
+    /// # Panics
+    /// On a softrdmad device ([`Context::is_daemon`]): the CM runs on embedded devices only, for
+    /// now.
+    pub fn create_cm_id(&self, channel: &crate::cm::CmEventChannel, ps: softrdma_cm::PortSpace) -> crate::cm::CmId {
+        crate::cm::CmId::create(Arc::clone(self.handle()), channel, ps)
     }
 
     /// Memory regions currently registered (in daemon mode: on the device, all clients together).
@@ -523,6 +553,11 @@ pub struct SharedReceiveQueue {
 }
 
 impl SharedReceiveQueue {
+    /// This SRQ's handle, as [`AsyncEvent::SrqLimitReached`] reports it.
+    pub fn handle(&self) -> u32 {
+        self.inner.id().0
+    }
+
     /// Post a receive.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         match &*self.inner {

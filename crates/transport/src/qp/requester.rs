@@ -387,7 +387,7 @@ impl Qp {
         let window_full = self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32
             >= ctx.config.max_inflight_packets;
         let ack_req = qp_type == QpType::Rc
-            && (message_end || self.sq.noack + 1 >= ctx.config.ack_req_every || window_full);
+            && (message_end || self.sq.noack > ctx.config.ack_req_every || window_full);
         let dest_qp = match (&w.wr.ud, qp_type) {
             (Some(ud), QpType::Ud) => ud.remote_qpn,
             _ => self.attr.dest_qpn,

@@ -181,6 +181,11 @@ impl Session {
         unsafe { libc::write(self.doorbell.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
     }
 
+    /// The descriptor readable while asynchronous events are pending.
+    pub fn async_event_fd(&self) -> RawFd {
+        self.events.as_raw_fd()
+    }
+
     /// Wait up to `timeout` for an asynchronous event.
     pub fn async_event(&self, timeout: Duration) -> Option<AsyncEvent> {
         let mut b = [0u8; 16];

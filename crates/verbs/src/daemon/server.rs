@@ -582,10 +582,15 @@ impl SvcDevice {
             fds.push(libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         }
         fds.push(libc::pollfd { fd: self.dev.wake_fd(), events: libc::POLLIN, revents: 0 });
-        let deadline = self.dev.lock().hca.poll_timeout();
-        let wait = match deadline {
-            Some(at) => at.saturating_since(self.dev.now()).min(Duration::from_millis(200)),
-            None => Duration::from_millis(200),
+        // As the embedded I/O thread does: record when we will wake on our own, so that a deadline
+        // armed meanwhile by a control call (a modify) that is earlier wakes us.
+        let wait = {
+            let mut st = self.dev.lock();
+            let now = self.dev.now();
+            let idle = now + Duration::from_millis(200);
+            let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
+            st.io_wake_at = Some(wake_at);
+            wake_at.saturating_since(now)
         };
         let ts =
             libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };

@@ -1,0 +1,455 @@
+//! Two agents talking through a test network in virtual time.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use softrdma_transport::{Instant, Mtu};
+use softrdma_wire::cm::{reason, CmMessage};
+use softrdma_wire::Qpn;
+
+use crate::{AgentConfig, CmAgent, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand};
+
+struct Side {
+    agent: CmAgent,
+    gid: [u8; 16],
+    qp: Vec<QpCommand>,
+}
+
+struct Pair {
+    now: Instant,
+    s: [Side; 2],
+    /// Drop the next n MADs from side i.
+    drop: [usize; 2],
+    sent: Vec<(usize, &'static str)>,
+}
+
+fn ip(i: u8) -> IpAddr {
+    IpAddr::from([10, 9, 0, i])
+}
+
+fn side(i: u8) -> Side {
+    let cfg = AgentConfig {
+        response_timeout: 14,
+        max_retries: 3,
+        ..AgentConfig::new(
+            0x1000 + u64::from(i),
+            vec![(ip(i), 1)],
+            Mtu::M1024,
+            u64::from(i),
+        )
+    };
+    let gid = match ip(i) {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    };
+    Side {
+        agent: CmAgent::new(cfg),
+        gid,
+        qp: Vec::new(),
+    }
+}
+
+impl Pair {
+    fn new() -> Pair {
+        Pair {
+            now: Instant::ZERO,
+            s: [side(1), side(2)],
+            drop: [0, 0],
+            sent: Vec::new(),
+        }
+    }
+
+    /// Deliver everything in flight (and what it provokes) until quiet.
+    fn pump(&mut self) {
+        loop {
+            let mut moved = false;
+            for i in 0..2 {
+                while let Some(o) = self.s[i].agent.poll_output() {
+                    moved = true;
+                    match o {
+                        Output::Qp(c) => self.s[i].qp.push(c),
+                        Output::Mad { dgid, mad } => {
+                            let (_, m) = CmMessage::parse(&mad[..]).unwrap();
+                            self.sent.push((i, m.name()));
+                            if self.drop[i] > 0 {
+                                self.drop[i] -= 1;
+                                continue;
+                            }
+                            let to = 1 - i;
+                            assert_eq!(dgid, self.s[to].gid);
+                            let src = self.s[i].gid;
+                            self.s[to].agent.handle_mad(self.now, src, &mad[..]);
+                        }
+                    }
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    /// Advance to the next timer of either side and fire it.
+    fn tick(&mut self) -> bool {
+        let next = self.s.iter().filter_map(|s| s.agent.poll_timeout()).min();
+        let Some(t) = next else { return false };
+        self.now = t;
+        for s in &mut self.s {
+            s.agent.handle_timeout(self.now);
+        }
+        self.pump();
+        true
+    }
+
+    fn events(&mut self, i: usize) -> Vec<(IdHandle, EventKind)> {
+        std::iter::from_fn(|| self.s[i].agent.poll_event())
+            .map(|e| (e.id, e.kind))
+            .collect()
+    }
+}
+
+fn addr(i: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(i), port)
+}
+
+/// Server (side 1) listens on port 7174; client (side 0) resolves and connects.
+fn connect(p: &mut Pair, private: &[u8]) -> (IdHandle, IdHandle, IdHandle) {
+    let l = p.s[1].agent.create_id(PortSpace::Tcp);
+    p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
+    p.s[1].agent.listen(l, 4).unwrap();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    assert_eq!(
+        p.events(0),
+        vec![(c, EventKind::AddrResolved), (c, EventKind::RouteResolved)]
+    );
+    let mut param = ConnParam::new(Qpn::new(0x20));
+    param.private_data = private.to_vec();
+    p.s[0].agent.connect(c, param, p.now).unwrap();
+    p.pump();
+    let ev: Vec<_> = std::iter::from_fn(|| p.s[1].agent.poll_event()).collect();
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0].kind, EventKind::ConnectRequest { listener: l });
+    assert_eq!(&ev[0].conn.private_data[..private.len()], private);
+    assert_eq!(ev[0].conn.remote_qpn, Qpn::new(0x20));
+    assert_eq!(ev[0].conn.remote_addr.map(|a| a.ip()), Some(ip(1)));
+    (c, l, ev[0].id)
+}
+
+#[test]
+fn connect_accept_establish_disconnect() {
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"hello");
+    let mut acc = ConnParam::new(Qpn::new(0x30));
+    acc.private_data = b"welcome".to_vec();
+    p.s[1].agent.accept(s, acc, p.now).unwrap();
+    p.pump();
+    assert_eq!(
+        p.sent.iter().map(|s| s.1).collect::<Vec<_>>(),
+        vec!["REQ", "REP", "RTU"]
+    );
+    let ce: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
+    assert_eq!(ce.len(), 1);
+    assert_eq!(ce[0].kind, EventKind::Established);
+    assert_eq!(&ce[0].conn.private_data[..7], b"welcome");
+    assert_eq!(p.events(1), vec![(s, EventKind::Established)]);
+    // Both QPs went RTR then RTS with each other's QPN and PSN.
+    let (rtr0, rts0) = (p.s[0].qp[0], p.s[0].qp[1]);
+    let (rtr1, rts1) = (p.s[1].qp[0], p.s[1].qp[1]);
+    let QpCommand::Rtr {
+        dest_qpn: d0,
+        rq_psn: r0,
+        ..
+    } = rtr0
+    else {
+        panic!("{rtr0:?}")
+    };
+    let QpCommand::Rts { sq_psn: s0, .. } = rts0 else {
+        panic!("{rts0:?}")
+    };
+    let QpCommand::Rtr {
+        dest_qpn: d1,
+        rq_psn: r1,
+        ..
+    } = rtr1
+    else {
+        panic!("{rtr1:?}")
+    };
+    let QpCommand::Rts { sq_psn: s1, .. } = rts1 else {
+        panic!("{rts1:?}")
+    };
+    assert_eq!((d0, d1), (Qpn::new(0x30), Qpn::new(0x20)));
+    assert_eq!((r0, r1), (s1, s0));
+    // Disconnect from the passive side.
+    p.s[1].agent.disconnect(s, p.now).unwrap();
+    p.pump();
+    assert_eq!(p.events(0), vec![(c, EventKind::Disconnected)]);
+    assert_eq!(p.events(1), vec![(s, EventKind::Disconnected)]);
+    assert!(p.s[0].qp.contains(&QpCommand::Err {
+        qpn: Qpn::new(0x20)
+    }));
+    assert!(p.s[1].qp.contains(&QpCommand::Err {
+        qpn: Qpn::new(0x30)
+    }));
+    while p.tick() {}
+    assert_eq!(p.events(0), vec![(c, EventKind::TimewaitExit)]);
+    assert_eq!(p.events(1), vec![(s, EventKind::TimewaitExit)]);
+    assert_eq!(&p.sent[3..], &[(1, "DREQ"), (0, "DREP")]);
+}
+
+#[test]
+fn reject_with_private_data() {
+    let mut p = Pair::new();
+    let (c, _, s) = connect(&mut p, b"");
+    p.s[1].agent.reject(s, b"go away").unwrap();
+    p.pump();
+    let ev: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
+    assert_eq!(
+        ev[0].kind,
+        EventKind::Rejected {
+            reason: reason::CONSUMER_REJECT
+        }
+    );
+    assert_eq!(&ev[0].conn.private_data[..7], b"go away");
+    assert_eq!(ev[0].id, c);
+    p.s[1].agent.destroy_id(s, p.now).unwrap();
+    assert_eq!(p.s[1].agent.id_count(), 1, "only the listener is left");
+}
+
+#[test]
+fn no_listener_is_rejected_at_once() {
+    let mut p = Pair::new();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 9999)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    p.events(0);
+    p.s[0]
+        .agent
+        .connect(c, ConnParam::new(Qpn::new(0x20)), p.now)
+        .unwrap();
+    p.pump();
+    assert_eq!(
+        p.events(0),
+        vec![(
+            c,
+            EventKind::Rejected {
+                reason: reason::INVALID_SERVICE_ID
+            }
+        )]
+    );
+}
+
+#[test]
+fn dead_peer_is_unreachable_after_retries() {
+    let mut p = Pair::new();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    p.events(0);
+    p.drop[0] = usize::MAX;
+    p.s[0]
+        .agent
+        .connect(c, ConnParam::new(Qpn::new(0x20)), p.now)
+        .unwrap();
+    p.pump();
+    while p.tick() {}
+    assert_eq!(p.events(0), vec![(c, EventKind::Unreachable)]);
+    // One REQ and max_retries (3) retransmissions, one response timeout (4.096 us << 14) apart.
+    assert_eq!(p.sent.iter().filter(|s| s.1 == "REQ").count(), 4);
+    assert_eq!(
+        p.now,
+        Instant::ZERO + Duration::from_nanos(4 * (4096 << 14))
+    );
+}
+
+#[test]
+fn lost_rep_and_rtu_are_recovered() {
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"");
+    // The REP is lost: the client retransmits the REQ, the server answers it with the same REP.
+    p.drop[1] = 1;
+    p.s[1]
+        .agent
+        .accept(s, ConnParam::new(Qpn::new(0x30)), p.now)
+        .unwrap();
+    p.pump();
+    assert!(p.events(0).is_empty());
+    p.tick();
+    assert_eq!(p.events(0), vec![(c, EventKind::Established)]);
+    // The RTU was the client's answer; lose it too and the server's REP retransmission gets it again.
+    let (c2, _, s2) = {
+        let mut q = Pair::new();
+        let r = connect(&mut q, b"");
+        p = q;
+        r
+    };
+    p.s[1]
+        .agent
+        .accept(s2, ConnParam::new(Qpn::new(0x30)), p.now)
+        .unwrap();
+    p.drop[0] = 1;
+    p.pump();
+    assert_eq!(p.events(0), vec![(c2, EventKind::Established)]);
+    assert!(p.events(1).is_empty());
+    p.tick();
+    assert_eq!(p.events(1), vec![(s2, EventKind::Established)]);
+    let reps = p.sent.iter().filter(|x| x.1 == "REP").count();
+    let rtus = p.sent.iter().filter(|x| x.1 == "RTU").count();
+    assert_eq!((reps, rtus), (2, 2));
+}
+
+#[test]
+fn duplicate_req_does_not_create_a_second_connection() {
+    let mut p = Pair::new();
+    connect(&mut p, b"");
+    // Fire the client's REQ retransmission before anyone accepts.
+    p.tick();
+    assert!(
+        p.events(1).is_empty(),
+        "a duplicate REQ raised another CONNECT_REQUEST"
+    );
+    assert_eq!(p.s[1].agent.id_count(), 2, "listener and one connection");
+}
+
+#[test]
+fn stale_connection_is_rejected() {
+    let mut p = Pair::new();
+    let (_c, _l, s) = connect(&mut p, b"");
+    p.s[1]
+        .agent
+        .accept(s, ConnParam::new(Qpn::new(0x30)), p.now)
+        .unwrap();
+    p.pump();
+    p.events(0);
+    p.events(1);
+    // The client "restarts" and connects again from the same QP while the old one is established.
+    let c2 = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c2, None, addr(2, 7174)).unwrap();
+    p.s[0].agent.resolve_route(c2).unwrap();
+    p.events(0);
+    p.s[0]
+        .agent
+        .connect(c2, ConnParam::new(Qpn::new(0x20)), p.now)
+        .unwrap();
+    p.pump();
+    assert_eq!(
+        p.events(0),
+        vec![(
+            c2,
+            EventKind::Rejected {
+                reason: reason::STALE_CONN
+            }
+        )]
+    );
+}
+
+#[test]
+fn ud_sidr_resolves_qpn_and_qkey() {
+    let mut p = Pair::new();
+    let l = p.s[1].agent.create_id(PortSpace::Udp);
+    p.s[1].agent.bind(l, addr(2, 5000)).unwrap();
+    p.s[1].agent.listen(l, 1).unwrap();
+    let c = p.s[0].agent.create_id(PortSpace::Udp);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 5000)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    p.events(0);
+    p.s[0]
+        .agent
+        .connect(c, ConnParam::new(Qpn::new(0x21)), p.now)
+        .unwrap();
+    p.pump();
+    let ev = p.events(1);
+    assert_eq!(ev[0].1, EventKind::ConnectRequest { listener: l });
+    p.s[1]
+        .agent
+        .accept(ev[0].0, ConnParam::new(Qpn::new(0x44)), p.now)
+        .unwrap();
+    p.pump();
+    let e: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
+    assert_eq!(e[0].kind, EventKind::Established);
+    let ud = e[0].ud.unwrap();
+    assert_eq!(
+        (ud.remote_qpn, ud.qkey, ud.dgid),
+        (Qpn::new(0x44), crate::types::RDMA_UDP_QKEY, p.s[1].gid)
+    );
+    assert_eq!(
+        p.sent.iter().map(|s| s.1).collect::<Vec<_>>(),
+        vec!["SIDR_REQ", "SIDR_REP"]
+    );
+}
+
+#[test]
+fn api_misuse_is_an_error() {
+    let mut p = Pair::new();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    assert!(p.s[0]
+        .agent
+        .connect(c, ConnParam::new(Qpn::new(1)), p.now)
+        .is_err());
+    assert!(p.s[0].agent.resolve_route(c).is_err());
+    assert!(
+        p.s[0].agent.listen(c, 1).is_err(),
+        "listen on an unbound id"
+    );
+    assert!(
+        p.s[0].agent.bind(c, addr(9, 1)).is_err(),
+        "address not ours"
+    );
+    let d = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.bind(c, addr(1, 4000)).unwrap();
+    assert_eq!(
+        p.s[0].agent.bind(d, addr(1, 4000)),
+        Err(crate::CmError::AddrInUse)
+    );
+    assert!(p.s[0].agent.destroy_id(IdHandle(999), p.now).is_err());
+}
+
+#[test]
+fn many_connections_and_no_leak() {
+    let mut p = Pair::new();
+    let l = p.s[1].agent.create_id(PortSpace::Tcp);
+    p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
+    p.s[1].agent.listen(l, 1000).unwrap();
+    let mut clients = Vec::new();
+    for k in 0..1000u32 {
+        let c = p.s[0].agent.create_id(PortSpace::Tcp);
+        p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+        p.s[0].agent.resolve_route(c).unwrap();
+        p.s[0]
+            .agent
+            .connect(c, ConnParam::new(Qpn::new(0x100 + k)), p.now)
+            .unwrap();
+        clients.push(c);
+    }
+    p.pump();
+    let reqs: Vec<_> = p.events(1);
+    assert_eq!(reqs.len(), 1000);
+    for (k, (id, _)) in reqs.iter().enumerate() {
+        p.s[1]
+            .agent
+            .accept(*id, ConnParam::new(Qpn::new(0x2000 + k as u32)), p.now)
+            .unwrap();
+    }
+    p.pump();
+    let est = p
+        .events(0)
+        .into_iter()
+        .filter(|e| e.1 == EventKind::Established)
+        .count();
+    assert_eq!(est, 1000);
+    for c in &clients {
+        p.s[0].agent.disconnect(*c, p.now).unwrap();
+    }
+    p.pump();
+    while p.tick() {}
+    for c in clients {
+        p.s[0].agent.destroy_id(c, p.now).unwrap();
+    }
+    for (id, _) in reqs {
+        p.s[1].agent.destroy_id(id, p.now).unwrap();
+    }
+    assert_eq!(p.s[0].agent.id_count(), 0);
+    assert_eq!(p.s[1].agent.id_count(), 1, "only the listener");
+    assert!(p.s[0].agent.poll_timeout().is_none() && p.s[1].agent.poll_timeout().is_none());
+}

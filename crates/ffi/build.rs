@@ -1,0 +1,167 @@
+//! Build script: the symbol versions of libibverbs.so.1, and the vendor stub libraries.
+//!
+//! * `symbols.txt` is the one table of exported symbols and their versions. From it we write the
+//!   linker version script (`$OUT_DIR/libibverbs.map`, the version nodes IBVERBS_1.0 ... chained as
+//!   rdma-core chains them) and, per module, `$OUT_DIR/symver_<module>.rs`: `.symver` directives
+//!   binding each `#[no_mangle]` function the module defines to its node (a directive must be in
+//!   the object file that defines the symbol). rustc passes its own anonymous version script
+//!   listing the exported functions and GNU ld honours the first script for them; the `.symver`
+//!   directives are what versions them. A function exported but not listed, or listed but not
+//!   defined, fails the build.
+//! * The SONAME is `libibverbs.so.1`, whatever the file is called.
+//! * `stubs/mlx5.c` and `stubs/efa.c` become `$OUT_DIR/softrdma-lib/libmlx5.so.1` and
+//!   `libefa.so.1` (perftest links them directly). They are C so that they need nothing from this
+//!   crate; a missing C compiler only skips them, with a warning.
+
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
+    println!("cargo:rerun-if-changed=symbols.txt");
+    println!("cargo:rerun-if-changed=stubs");
+    println!("cargo:rerun-if-changed=src");
+
+    let table = fs::read_to_string(manifest.join("symbols.txt")).expect("read symbols.txt");
+    let mut nodes: Vec<String> = Vec::new();
+    let mut versions: Vec<(String, String)> = Vec::new();
+    for line in table
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let mut it = line.split_whitespace();
+        let (Some(version), Some(symbol), None) = (it.next(), it.next(), it.next()) else {
+            panic!("symbols.txt: bad line {line:?}");
+        };
+        if !nodes.iter().any(|n| n == version) {
+            nodes.push(version.to_owned());
+        }
+        versions.push((symbol.to_owned(), version.to_owned()));
+    }
+    // `.symver` must sit in the object file that defines the symbol, so each module gets the
+    // directives for the `#[no_mangle]` functions it defines (`include!`d at its end).
+    let mut defined = Vec::new();
+    let mut modules: Vec<_> = fs::read_dir(manifest.join("src"))
+        .expect("read src")
+        .map(|e| e.unwrap().path())
+        .collect();
+    modules.sort();
+    for path in modules
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+    {
+        let src = fs::read_to_string(path).expect("read module");
+        let lines: Vec<&str> = src.lines().collect();
+        let mut symver = String::from("core::arch::global_asm!(\n");
+        let mut any = false;
+        for (i, l) in lines.iter().enumerate() {
+            if l.trim() != "#[no_mangle]" {
+                continue;
+            }
+            let decl = lines[i + 1..]
+                .iter()
+                .find(|l| l.contains("extern \"C\" fn "))
+                .expect("fn after #[no_mangle]");
+            let name = decl
+                .split("fn ")
+                .nth(1)
+                .and_then(|r| r.split('(').next())
+                .expect("fn name")
+                .trim();
+            let Some((_, version)) = versions.iter().find(|(s, _)| s == name) else {
+                panic!(
+                    "{} exports {name}, which symbols.txt does not list",
+                    path.display()
+                );
+            };
+            writeln!(symver, "    \".symver {name}, {name}@@{version}\",").unwrap();
+            defined.push(name.to_owned());
+            any = true;
+        }
+        symver.push_str(");\n");
+        let stem = path.file_stem().unwrap().to_string_lossy();
+        fs::write(
+            out.join(format!("symver_{stem}.rs")),
+            if any { symver } else { String::new() },
+        )
+        .expect("write symver");
+    }
+    for (s, _) in &versions {
+        assert!(
+            defined.contains(s),
+            "symbols.txt lists {s}, which no module defines"
+        );
+    }
+    // rdma-core 44 defines these nodes even where we export nothing from them.
+    for n in [
+        "IBVERBS_1.0",
+        "IBVERBS_1.1",
+        "IBVERBS_1.5",
+        "IBVERBS_1.6",
+        "IBVERBS_1.7",
+        "IBVERBS_1.8",
+        "IBVERBS_1.9",
+        "IBVERBS_1.10",
+        "IBVERBS_1.11",
+        "IBVERBS_1.12",
+        "IBVERBS_1.13",
+        "IBVERBS_1.14",
+        "IBVERBS_PRIVATE_34",
+    ] {
+        if !nodes.iter().any(|x| x == n) {
+            nodes.push(n.to_owned());
+        }
+    }
+    let mut map = String::from("/* Generated by build.rs from symbols.txt. */\n");
+    let mut prev: Option<&str> = None;
+    for n in &nodes {
+        let local = if prev.is_none() { " local: *;" } else { "" };
+        match (n.starts_with("IBVERBS_PRIVATE"), prev) {
+            (false, Some(p)) => writeln!(map, "{n} {{{local} }} {p};").unwrap(),
+            _ => writeln!(map, "{n} {{{local} }};").unwrap(),
+        }
+        if !n.starts_with("IBVERBS_PRIVATE") {
+            prev = Some(n);
+        }
+    }
+    fs::write(out.join("libibverbs.map"), map).expect("write map");
+
+    println!(
+        "cargo:rustc-cdylib-link-arg=-Wl,--version-script={}",
+        out.join("libibverbs.map").display()
+    );
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libibverbs.so.1");
+
+    let lib_dir = out.join("softrdma-lib");
+    fs::create_dir_all(&lib_dir).expect("create softrdma-lib");
+    for (src, map, soname) in [
+        ("mlx5.c", "mlx5.map", "libmlx5.so.1"),
+        ("efa.c", "efa.map", "libefa.so.1"),
+    ] {
+        build_stub(&manifest.join("stubs"), src, map, soname, &lib_dir);
+    }
+}
+
+fn build_stub(dir: &Path, src: &str, map: &str, soname: &str, lib_dir: &Path) {
+    let cc = env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+    let status = Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror"])
+        .arg(format!("-Wl,-soname,{soname}"))
+        .arg(format!("-Wl,--version-script={}", dir.join(map).display()))
+        .arg("-o")
+        .arg(lib_dir.join(soname))
+        .arg(dir.join(src))
+        .status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => panic!("{cc} failed on stubs/{src}: {s}"),
+        Err(e) => println!(
+            "cargo:warning=no C compiler ({cc}: {e}): {soname} not built; perftest needs it"
+        ),
+    }
+}
