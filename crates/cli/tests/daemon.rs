@@ -1080,6 +1080,94 @@ fn port_state_follows_the_netdev() {
     );
 }
 
+/// A client that writes garbage into its own rings (a malformed WQE; a producer index far beyond
+/// the ring) gets its QP moved to ERR or its ring ignored, logged; the daemon and its other clients
+/// go on, and everything of the hostile client is freed when it goes.
+#[test]
+fn hostile_rings_are_contained() {
+    use softrdma_abi::msg::{Request, Response};
+    use std::os::unix::fs::FileExt;
+    let dir = Daemon::dir("rings", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18967, None);
+    let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
+    let call = |r: Request| {
+        conn.send(&r.encode(), &[]).unwrap();
+        let (b, fds) = conn.recv().unwrap().unwrap();
+        (Response::decode(&b).unwrap(), fds)
+    };
+    assert!(matches!(
+        call(Request::OpenDevice {
+            name: "rxe0".into()
+        })
+        .0,
+        Response::Opened(_)
+    ));
+    let Response::Id(pd) = call(Request::AllocPd).0 else {
+        panic!()
+    };
+    let Response::Cq { id: cq, .. } = call(Request::CreateCq {
+        cqe: 16,
+        channel: None,
+    })
+    .0
+    else {
+        panic!()
+    };
+    let cap = QpCap {
+        max_send_wr: 8,
+        max_recv_wr: 8,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let mut qps = Vec::new();
+    for _ in 0..2 {
+        let req = Request::CreateQp {
+            pd,
+            qp_type: QpType::Rc,
+            send_cq: cq,
+            recv_cq: cq,
+            srq: None,
+            cap,
+            sq_sig_all: false,
+        };
+        let (Response::Qp { qpn, sq_slot, .. }, mut fds) = call(req) else {
+            panic!()
+        };
+        qps.push((qpn, sq_slot, std::fs::File::from(fds.pop().unwrap())));
+    }
+    // QP 1: a slot of garbage (opcode 0xee), published properly.
+    let (qpn1, slot, f) = &qps[0];
+    let garbage = vec![0xeeu8; *slot as usize];
+    f.write_all_at(&garbage, softrdma_abi::ring::HEADER_LEN as u64)
+        .unwrap();
+    f.write_all_at(&1u32.to_le_bytes(), 64).unwrap();
+    // QP 2: a producer index a million slots ahead.
+    let (qpn2, _, f2) = &qps[1];
+    f2.write_all_at(&1_000_000u32.to_le_bytes(), 64).unwrap();
+    let t = Instant::now();
+    while !(d.log().contains("malformed ring slot") && d.log().contains("ignoring the ring")) {
+        assert!(t.elapsed() < Duration::from_secs(10), "{}", d.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let Response::QpInfo(info) = call(Request::QueryQp { qpn: *qpn1 }).0 else {
+        panic!()
+    };
+    assert_eq!(info.state, softrdma_verbs::QpState::Err);
+    assert!(matches!(
+        call(Request::QueryQp { qpn: *qpn2 }).0,
+        Response::QpInfo(_)
+    ));
+    assert!(d.counter("bad_wqes") >= 1);
+    // Others are served meanwhile.
+    assert!(Client::spawn(&d, "selftest", false)
+        .finish()
+        .starts_with("OK"));
+    drop(conn);
+    d.wait_idle();
+    assert!(d.log().contains("gone: freed 2 QPs, 1 CQs"), "{}", d.log());
+}
+
 /// link add/show/rename/roce-mode/delete round trips survive a daemon restart.
 #[test]
 fn link_management_survives_restart() {
