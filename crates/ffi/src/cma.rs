@@ -178,8 +178,9 @@ fn open_device(name: &str) -> Result<Arc<CmaDevice>, c_int> {
         .iter()
         .map(|(_, e)| e.gid.to_ip())
         .collect();
-    // Give a server that is about to listen a moment (module docs).
-    verbs.set_cm_no_listener_retries(NO_LISTENER_RETRIES);
+    // Give a server that is about to listen a moment (module docs). On a softrdmad device there is
+    // no CM yet: creating an ID on it fails later with the reason.
+    let _ = verbs.set_cm_no_listener_retries(NO_LISTENER_RETRIES);
     let attr = verbs.query_device();
     let d = Arc::new(CmaDevice {
         ctx,
@@ -494,10 +495,10 @@ unsafe fn attach(id: *mut CmaId, dev: Arc<CmaDevice>) -> Result<Arc<CmaDevice>, 
     // SAFETY: the ID's channel is live.
     let ch = unsafe { channel_of(&c.ibv) };
     let cm = ch.with_sub(&dev, |s| {
-        let cm = dev.verbs().create_cm_id(&s.ch, ps);
+        let cm = dev.verbs().create_cm_id(&s.ch, ps).map_err(|e| errno::of(&e))?;
         s.ids.insert(cm.handle(), id as usize);
-        cm
-    })?;
+        Ok::<_, c_int>(cm)
+    })??;
     let mut st = lock(&c.st);
     st.dev = Some(Arc::clone(&dev));
     st.cm = Some(cm);

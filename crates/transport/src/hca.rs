@@ -48,6 +48,11 @@ pub enum AsyncEvent {
     SrqLimitReached(SrqId),
     /// A CQ overflowed (`IBV_EVENT_CQ_ERR`).
     CqError(CqId),
+    /// The port became active (`IBV_EVENT_PORT_ACTIVE`; reported by the device layer, never by the
+    /// engine).
+    PortActive(u8),
+    /// The port went down (`IBV_EVENT_PORT_ERR`; reported by the device layer).
+    PortError(u8),
 }
 
 /// Where a received packet came from, as far as the engine needs: the 40 bytes a UD receive puts in

@@ -87,8 +87,13 @@ impl CmEventChannel {
         drop(q);
         let mut b = [0u8; 1];
         let _ = self.shared.rx.recv(&mut b);
-        let new_id = matches!(ev.kind, EventKind::ConnectRequest { .. })
-            .then(|| CmId { h: Arc::clone(ctx.handle()), id: ev.id, _channel: Arc::clone(&self.shared) });
+        // Only embedded devices have CM IDs, so a connection request comes with one.
+        let new_id = match (&ev.kind, ctx.embedded()) {
+            (EventKind::ConnectRequest { .. }, Ok(h)) => {
+                Some(CmId { h: Arc::clone(h), id: ev.id, _channel: Arc::clone(&self.shared) })
+            }
+            _ => None,
+        };
         Some(CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id })
     }
 }
@@ -225,8 +230,9 @@ impl crate::Context {
     /// ([`softrdma_cm::NO_LISTENER_RETRY_DELAY`] apart), before reporting REJECTED
     /// ([`softrdma_cm::AgentConfig::no_listener_retries`]; the default, 0, is the kernel's
     /// behaviour).
-    pub fn set_cm_no_listener_retries(&self, retries: u8) {
-        self.handle().dev.lock().cm.agent.set_no_listener_retries(retries);
+    pub fn set_cm_no_listener_retries(&self, retries: u8) -> Result<()> {
+        self.embedded()?.dev.lock().cm.agent.set_no_listener_retries(retries);
+        Ok(())
     }
 }
 

@@ -22,6 +22,7 @@
 //! port 4791 of the device's address (configurable for tests). Two processes on one host use two
 //! devices on two loopback addresses.
 
+pub mod daemon;
 pub mod cm;
 pub mod device;
 pub mod error;

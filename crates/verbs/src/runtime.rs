@@ -20,13 +20,40 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use softrdma_device::DeviceInfo;
-use softrdma_transport::{AsyncEvent, Config, CqId, Hca, Instant, Mtu, RxInfo};
+use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, UdpVerdict, VerifyStats};
 
 use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::UdpPort;
 use crate::memory::MrTable;
+
+/// One QP's share of the device's traffic and engine counters (daemon mode).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct QpTraffic {
+    /// Packets sent, bytes sent, packets received, bytes received (UDP payloads).
+    pub pkts: [u64; 4],
+    /// The engine counters' increments while handling this QP's packets (received, or produced
+    /// by `poll_transmit`). Timer work (`ack_timeouts`, retry rounds started by a timeout) is not
+    /// attributed to a QP.
+    pub engine: Counters,
+}
+
+macro_rules! add_delta {
+    ($acc:expr, $a:expr, $b:expr, $($f:ident),*) => {
+        $( $acc.$f += $b.$f.wrapping_sub($a.$f); )*
+    };
+}
+
+/// `acc += after - before`, field by field.
+fn add_delta(acc: &mut Counters, before: &Counters, after: &Counters) {
+    add_delta!(
+        acc, before, after, rcvd_pkts, sent_pkts, rcvd_bytes, sent_bytes, drop_malformed, drop_unknown_qp,
+        drop_bad_state, drop_pkey, drop_qkey, drop_no_recv, drop_uc_msg, drop_stray_resp, duplicate_request,
+        out_of_seq_request, rcvd_seq_err, send_rnr_nak, rcvd_rnr_err, send_err_nak, rcvd_err_nak, retry_rounds,
+        retransmits, ack_timeouts, cq_overflow
+    );
+}
 
 /// Everything behind the device lock.
 pub(crate) struct State {
@@ -42,8 +69,11 @@ pub(crate) struct State {
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
     /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
     /// than this must wake it, or the timer would fire up to an idle wait late.
-    io_wake_at: Option<Instant>,
+    pub(crate) io_wake_at: Option<Instant>,
     pub next_pd: u32,
+    /// Per-QP traffic (packets sent, bytes sent, packets received, bytes received), kept only when
+    /// the device runs in the daemon (`None` in embedded mode costs nothing).
+    pub qp_traffic: Option<HashMap<softrdma_wire::Qpn, QpTraffic>>,
     /// The connection manager of the device (QP1).
     pub cm: CmState,
     tx_buf: Vec<u8>,
@@ -52,7 +82,7 @@ pub(crate) struct State {
 
 impl State {
     /// The earliest timer of the engine and the CM agent.
-    fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
         [self.hca.poll_timeout(), self.cm.agent.poll_timeout()].into_iter().flatten().min()
     }
 }
@@ -182,6 +212,7 @@ impl Device {
             tx_errors: 0,
             io_wake_at: None,
             next_pd: 1,
+            qp_traffic: None,
             cm,
             tx_buf: vec![0; 4096 + 512],
             rx_buf: vec![0; 65536],
@@ -233,7 +264,12 @@ impl Device {
                 st.tx_errors += 1;
             }
         });
-        while let Some(t) = st.hca.poll_transmit(now, &mut st.mem, &mut st.tx_buf) {
+        loop {
+            let before = *st.hca.counters();
+            let Some(t) = st.hca.poll_transmit(now, &mut st.mem, &mut st.tx_buf) else { break };
+            if let Some(q) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn)) {
+                add_delta(&mut q.engine, &before, st.hca.counters());
+            }
             let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
             let Some(src) = self.port.local_for(&dst) else {
                 st.tx_errors += 1;
@@ -242,6 +278,9 @@ impl Device {
             let pkt = &mut st.tx_buf[..t.len];
             if seal_udp_payload(src, dst, pkt).is_err() || self.port.send_to(pkt, dst).is_err() {
                 st.tx_errors += 1;
+            } else if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn)) {
+                c.pkts[0] += 1;
+                c.pkts[1] += t.len as u64;
             }
         }
         while let Some(cq) = st.hca.poll_cq_event() {
@@ -306,7 +345,20 @@ impl Device {
                     return;
                 }
                 let rx = RxInfo { grh: grh_area(src, local, payload.len()) };
-                st.hca.handle_packet(now, payload, &rx, &mut st.mem);
+                let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
+                match (st.qp_traffic.is_some(), qpn) {
+                    (true, Some(qpn)) => {
+                        let before = *st.hca.counters();
+                        st.hca.handle_packet(now, payload, &rx, &mut st.mem);
+                        let after = *st.hca.counters();
+                        if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
+                            c.pkts[2] += 1;
+                            c.pkts[3] += payload.len() as u64;
+                            add_delta(&mut c.engine, &before, &after);
+                        }
+                    }
+                    _ => st.hca.handle_packet(now, payload, &rx, &mut st.mem),
+                }
             }
         }
     }
@@ -369,8 +421,20 @@ impl Device {
         }
     }
 
-    fn wake(&self) -> io::Result<()> {
+    /// Wake the thread sleeping on [`Device::wake_fd`].
+    pub(crate) fn wake(&self) -> io::Result<()> {
         self.wake_tx.send(&[1]).map(|_| ())
+    }
+
+    /// The descriptor a wake-up makes readable (the daemon's device loop polls it).
+    pub(crate) fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.wake_rx.as_raw_fd()
+    }
+
+    /// Consume pending wake-ups.
+    pub(crate) fn drain_wake(&self) {
+        let mut buf = [0u8; 64];
+        while self.wake_rx.recv(&mut buf).is_ok() {}
     }
 }
 

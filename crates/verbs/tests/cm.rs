@@ -63,10 +63,10 @@ fn establish(a: u8, b: u8, port: u16) -> Conn {
     let sctx = open(b, port);
     let cctx = open(a, port);
     let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
-    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp);
+    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
     listener.bind_addr(SocketAddr::new(ip(b), 7471)).unwrap();
     listener.listen(8).unwrap();
-    let cid = cctx.create_cm_id(&cch, PortSpace::Tcp);
+    let cid = cctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
     cid.resolve_addr(None, SocketAddr::new(ip(b), 7471)).unwrap();
     expect(&cch, &cctx, CmEventKind::AddrResolved);
     cid.resolve_route().unwrap();
@@ -132,14 +132,14 @@ fn reject_and_no_listener() {
     let sctx = open(6, 47913);
     let cctx = open(5, 47913);
     let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
-    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp);
+    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
     listener.bind_addr(SocketAddr::new(ip(6), 7471)).unwrap();
     listener.listen(1).unwrap();
     let ccq = cctx.create_cq(8, None).unwrap();
     let (_pd, cqp) = qp(&cctx, &ccq, QpType::Rc);
     cqp.init(Access::LOCAL_WRITE).unwrap();
     for (port, rejected_by_app) in [(7471u16, true), (7472, false)] {
-        let cid = cctx.create_cm_id(&cch, PortSpace::Tcp);
+        let cid = cctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
         cid.resolve_addr(None, SocketAddr::new(ip(6), port)).unwrap();
         expect(&cch, &cctx, CmEventKind::AddrResolved);
         cid.resolve_route().unwrap();
@@ -162,12 +162,12 @@ fn ud_resolution_with_sidr() {
     let sctx = open(8, 47914);
     let cctx = open(7, 47914);
     let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
-    let listener = sctx.create_cm_id(&sch, PortSpace::Udp);
+    let listener = sctx.create_cm_id(&sch, PortSpace::Udp).unwrap();
     listener.bind_addr(SocketAddr::new(ip(8), 7000)).unwrap();
     listener.listen(1).unwrap();
     let scq = sctx.create_cq(8, None).unwrap();
     let (_spd, sqp) = qp(&sctx, &scq, QpType::Ud);
-    let cid = cctx.create_cm_id(&cch, PortSpace::Udp);
+    let cid = cctx.create_cm_id(&cch, PortSpace::Udp).unwrap();
     cid.resolve_addr(None, SocketAddr::new(ip(8), 7000)).unwrap();
     expect(&cch, &cctx, CmEventKind::AddrResolved);
     cid.resolve_route().unwrap();
@@ -187,10 +187,10 @@ fn migrate_moves_later_events_to_another_channel() {
     let sctx = open(10, 47915);
     let cctx = open(9, 47915);
     let (sch, cch, other) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
-    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp);
+    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
     listener.bind_addr(SocketAddr::new(ip(10), 7471)).unwrap();
     listener.listen(1).unwrap();
-    let mut cid = cctx.create_cm_id(&cch, PortSpace::Tcp);
+    let mut cid = cctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
     cid.resolve_addr(None, SocketAddr::new(ip(10), 7471)).unwrap();
     expect(&cch, &cctx, CmEventKind::AddrResolved);
     cid.migrate(&other);
