@@ -1,0 +1,87 @@
+//! Unmodified rdma-core programs on ONE device shared through softrdmad: the daemon owns the device
+//! (127.0.0.9) and both the server and the client process open it through our `libibverbs.so.1`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use common::{free_tcp_port, free_udp_port, lib_dir, program, wait_limit};
+use softrdma_verbs::daemon::server::{run, DaemonOptions};
+
+struct Daemon {
+    dir: PathBuf,
+    config: PathBuf,
+    socket: PathBuf,
+    udp: u16,
+}
+
+fn start_daemon(tag: &str) -> Daemon {
+    let dir = std::env::temp_dir().join(format!("softrdma-ffi-daemon-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("devices.conf");
+    std::fs::write(&config, "sd0 netdev lo addr 127.0.0.9\n").unwrap();
+    let socket = dir.join("softrdmad.sock");
+    let udp = free_udp_port();
+    let opts = DaemonOptions { socket: socket.clone(), config: config.clone(), udp_port: udp, metrics: None };
+    std::thread::spawn(move || run(opts));
+    let start = Instant::now();
+    while !socket.exists() {
+        assert!(start.elapsed() < Duration::from_secs(10), "daemon did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Daemon { dir, config, socket, udp }
+}
+
+fn run_shared(d: &Daemon, prog: &str, args: &[&str], port_flag: &str) -> (Output, Output) {
+    let prog = program(prog).unwrap();
+    let tcp = free_tcp_port().to_string();
+    let cmd = |extra: &[&str]| {
+        let mut c = std::process::Command::new(&prog);
+        c.env("LD_LIBRARY_PATH", lib_dir())
+            .env("SOFTRDMA_CONFIG", &d.config)
+            .env("SOFTRDMA_SOCKET", &d.socket)
+            .env("SOFTRDMA_UDP_PORT", d.udp.to_string())
+            .args(["-d", "sd0"])
+            .args(args)
+            .args([port_flag, &tcp])
+            .args(extra)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c
+    };
+    let server = cmd(&[]).spawn().expect("server");
+    std::thread::sleep(Duration::from_millis(500));
+    let client = cmd(&["127.0.0.1"]).spawn().expect("client");
+    let (c, ck) = wait_limit(client, Duration::from_secs(60));
+    let (s, sk) = wait_limit(server, Duration::from_secs(if ck { 1 } else { 60 }));
+    let text = |o: &Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!ck && !sk && c.status.success() && s.status.success(), "server:\n{}\nclient:\n{}", text(&s), text(&c));
+    (s, c)
+}
+
+#[test]
+fn rc_pingpong_and_write_bw_share_one_daemon_device() {
+    if program("ibv_rc_pingpong").is_none() || program("ib_write_bw").is_none() {
+        eprintln!("SKIP: ibv_rc_pingpong / ib_write_bw not installed (apt-get install ibverbs-utils perftest)");
+        return;
+    }
+    let d = start_daemon("shared");
+    let (s, c) = run_shared(&d, "ibv_rc_pingpong", &["-g", "1", "-n", "200", "-s", "4096"], "-p");
+    for o in [&s, &c] {
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains("1638400 bytes in"), "{out}");
+        assert!(out.contains("200 iters in"), "{out}");
+        // Both QPs live on the same device: their GIDs are the daemon device's.
+        assert_eq!(out.matches("GID ::ffff:127.0.0.9").count(), 2, "{out}");
+    }
+    let (_, c) = run_shared(&d, "ib_write_bw", &["-x", "1", "-F", "-n", "200"], "-p");
+    let out = String::from_utf8_lossy(&c.stdout);
+    assert!(out.contains("#bytes"), "{out}");
+    let row = out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no result row:\n{out}"));
+    assert_eq!(row.split_whitespace().nth(1), Some("200"), "{row}");
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
