@@ -226,6 +226,11 @@ fn modify_for(cmd: QpCommand) -> (Qpn, ModifyQp) {
 }
 
 impl crate::Context {
+    /// RDMA CM IDs alive on this device (listeners, connections, IDs in time-wait): for leak checks.
+    pub fn cm_id_count(&self) -> Result<usize> {
+        Ok(self.embedded()?.dev.lock().cm.agent.id_count())
+    }
+
     /// Have this device's CM send a REQ that found no listener again, `retries` times
     /// ([`softrdma_cm::NO_LISTENER_RETRY_DELAY`] apart), before reporting REJECTED
     /// ([`softrdma_cm::AgentConfig::no_listener_retries`]; the default, 0, is the kernel's

@@ -198,3 +198,53 @@ fn migrate_moves_later_events_to_another_channel() {
     expect(&other, &cctx, CmEventKind::RouteResolved);
     assert!(cch.get_event(&cctx, Some(Duration::from_millis(50))).is_none());
 }
+
+/// A thousand connections to one listener over real sockets, all established, all torn down, and no
+/// CM ID left behind on either device.
+#[test]
+fn a_thousand_connections_and_no_leak() {
+    const N: usize = 1000;
+    let sctx = open(10, 47916);
+    let cctx = open(9, 47916);
+    let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
+    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
+    listener.bind_addr(SocketAddr::new(ip(10), 7471)).unwrap();
+    listener.listen(N as u32).unwrap();
+    let mut clients = Vec::with_capacity(N);
+    for _ in 0..N {
+        let cid = cctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
+        cid.resolve_addr(None, SocketAddr::new(ip(10), 7471)).unwrap();
+        cid.resolve_route().unwrap();
+        clients.push(cid);
+    }
+    for _ in 0..2 * N {
+        let ev = cch.get_event(&cctx, WAIT).expect("resolution event");
+        assert!(matches!(ev.kind, CmEventKind::AddrResolved | CmEventKind::RouteResolved), "{ev:?}");
+    }
+    // QPN-less connections: the CM's QP changes find no QP and are skipped; the protocol runs.
+    for (k, cid) in clients.iter().enumerate() {
+        cid.connect(CmConnParam::new(softrdma_verbs::Qpn::new(0x1000 + k as u32))).unwrap();
+    }
+    let mut servers = Vec::with_capacity(N);
+    for k in 0..N {
+        let req = sch.get_event(&sctx, WAIT).unwrap_or_else(|| panic!("connect request {k}"));
+        let sid = req.new_id.expect("new id");
+        sid.accept(CmConnParam::new(softrdma_verbs::Qpn::new(0x5000 + k as u32))).unwrap();
+        servers.push(sid);
+    }
+    for _ in 0..N {
+        expect(&cch, &cctx, CmEventKind::Established);
+        expect(&sch, &sctx, CmEventKind::Established);
+    }
+    assert_eq!((cctx.cm_id_count().unwrap(), sctx.cm_id_count().unwrap()), (N, N + 1));
+    for cid in &clients {
+        cid.disconnect().unwrap();
+    }
+    for _ in 0..N {
+        expect(&cch, &cctx, CmEventKind::Disconnected);
+        expect(&sch, &sctx, CmEventKind::Disconnected);
+    }
+    drop(clients);
+    drop(servers);
+    assert_eq!((cctx.cm_id_count().unwrap(), sctx.cm_id_count().unwrap()), (0, 1), "only the listener is left");
+}
