@@ -6,6 +6,7 @@ use std::process::ExitCode;
 mod demo;
 mod devinfo;
 mod pcap;
+mod perf;
 mod pingpong;
 
 #[derive(Parser)]
@@ -29,6 +30,8 @@ enum Command {
     Devinfo(devinfo::DevinfoArgs),
     /// RC ping-pong between two hosts (like `ibv_rc_pingpong`; server without a host name).
     Pingpong(pingpong::PingpongArgs),
+    /// Bandwidth and latency tests with perftest's flags and output (ib_write_bw, ib_send_lat, ...).
+    Perf(perf::PerfArgs),
     /// Work with packet captures.
     Pcap {
         #[command(subcommand)]
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
         Command::Devices => devinfo::run_devices(),
         Command::Devinfo(args) => devinfo::run_devinfo(args),
         Command::Pcap { command } => pcap::run(command),
+        Command::Perf(args) => perf::run(args),
         Command::Pingpong(args) => pingpong::run(args),
     }
 }
