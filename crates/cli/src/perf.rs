@@ -175,6 +175,9 @@ pub struct PerfArgs {
     /// exchange is used instead.
     #[arg(short = 'R', long = "rdma_cm")]
     rdma_cm: bool,
+    /// Post a list of N work requests at a time (one lock and batched sends per list).
+    #[arg(short = 'l', long = "post_list", default_value_t = 1)]
+    post_list: u32,
     /// Do not print the CPU frequency warning (accepted for compatibility; no effect).
     #[arg(short = 'F', long = "CPU-freq")]
     cpu_freq: bool,
@@ -209,6 +212,7 @@ struct Plan {
     tx_depth: u32,
     rx_depth: u32,
     cq_mod: u32,
+    post_list: u32,
     outs: u8,
     cas: bool,
     gbits: bool,
@@ -309,6 +313,7 @@ impl Plan {
             tx_depth,
             rx_depth: a.rx_depth.max(1),
             cq_mod,
+            post_list: a.post_list.clamp(1, 1024),
             outs: a.outs.unwrap_or(128).clamp(1, 128) as u8,
             cas,
             gbits: a.report_gbits,
@@ -905,24 +910,36 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
     let t0 = Instant::now();
     let deadline = plan.duration.map(|d| t0 + d);
     let mut wcs = Vec::with_capacity(64);
+    let mut list = Vec::with_capacity(plan.post_list as usize);
     loop {
         let past = deadline.is_some_and(|d| Instant::now() >= d);
         for q in 0..nqp {
             while !stopped[q] && posted[q] - done[q] < u64::from(plan.tx_depth) {
-                let seq = posted[q];
-                let last = if timed { seq + 1 == iters } else { past };
-                let signaled = (seq + 1) % cq_mod == 0 || last;
-                let wr = side.send_wr(plan, q, size, ((q as u64) << 48) | seq, signaled)?;
-                if timed {
-                    tposted[q * iters as usize + seq as usize] = ns(t0);
+                // Up to post_list WRs go in one post (perftest's -l).
+                list.clear();
+                while list.len() < plan.post_list as usize
+                    && !stopped[q]
+                    && posted[q] + (list.len() as u64) - done[q] < u64::from(plan.tx_depth)
+                {
+                    let seq = posted[q] + list.len() as u64;
+                    let last = if timed { seq + 1 == iters } else { past };
+                    let signaled = (seq + 1) % cq_mod == 0 || last;
+                    list.push(side.send_wr(plan, q, size, ((q as u64) << 48) | seq, signaled)?);
+                    if timed {
+                        tposted[q * iters as usize + seq as usize] = ns(t0);
+                    }
+                    if last {
+                        stopped[q] = true;
+                    }
                 }
-                side.qps[q]
-                    .post_send(wr)
-                    .map_err(|e| format!("Couldn't post send: qp {q} scnt={seq}: {e}"))?;
-                posted[q] += 1;
-                if last {
-                    stopped[q] = true;
-                }
+                let n = list.len() as u64;
+                let r = if n == 1 {
+                    side.qps[q].post_send(list.pop().expect("one WR"))
+                } else {
+                    side.qps[q].post_send_list(list.drain(..))
+                };
+                r.map_err(|e| format!("Couldn't post send: qp {q} scnt={}: {e}", posted[q]))?;
+                posted[q] += n;
             }
         }
         wcs.clear();
@@ -1308,7 +1325,11 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
         (Verb::Atomic, false) => "FETCH_AND_ADD ",
         _ => "",
     };
-    let kind = if plan.bw { "BW " } else { "Latency " };
+    let kind = match (plan.bw, plan.post_list > 1) {
+        (true, true) => "Post List BW ",
+        (true, false) => "BW ",
+        (false, _) => "Latency ",
+    };
     out.line(&format!("                    {verb} {atomic}{kind}Test"));
     out.line(&format!(
         " Dual-port       : OFF\t\tDevice         : {}",
@@ -1330,6 +1351,9 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
     out.line(" ibv_wr* API     : OFF");
     if role == Role::Client {
         out.line(&format!(" TX depth        : {}", plan.tx_depth));
+    }
+    if plan.post_list > 1 && role == Role::Client {
+        out.line(&format!(" Post List       : {}", plan.post_list));
     }
     if plan.verb == Verb::Send && role == Role::Server {
         out.line(&format!(" RX depth        : {}", plan.rx_depth));
@@ -1780,6 +1804,7 @@ mod tests {
             no_peak: false,
             report_gbits: false,
             rdma_cm: false,
+            post_list: 1,
             cpu_freq: false,
             port: 18515,
             loopback: false,

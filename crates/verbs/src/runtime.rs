@@ -11,7 +11,7 @@ use std::io::{self, ErrorKind};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -21,8 +21,14 @@ use softrdma_transport::{AsyncEvent, Config, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, UdpVerdict, VerifyStats};
 
 use crate::error::{Error, Result};
-use crate::io::UdpPort;
+use crate::io::{self as udp, UdpPort};
 use crate::memory::MrTable;
+
+/// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
+const TX_SLOT: usize = 4096 + 512;
+/// Bytes per receive slot: any IB packet with a 4096-byte MTU (and jumbo frames); larger datagrams
+/// are truncated by the kernel and dropped as malformed.
+const RX_SLOT: usize = 9216;
 
 /// Everything behind the device lock.
 pub(crate) struct State {
@@ -75,7 +81,14 @@ pub(crate) struct Device {
     wake_rx: UnixDatagram,
     stop: AtomicBool,
     epoch: std::time::Instant,
+    /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
+    app_progress: AtomicU64,
 }
+
+/// An application thread that polled within this window is busy polling (see `io_loop`).
+const BUSY_WINDOW: Duration = Duration::from_micros(200);
+/// How long the I/O thread sleeps before checking again while an application thread busy-polls.
+const BUSY_SLEEP: Duration = Duration::from_micros(500);
 
 /// The IP address a GID stands for (IPv4-mapped GIDs are IPv4).
 pub(crate) fn gid_ip(gid: &[u8; 16]) -> IpAddr {
@@ -140,8 +153,8 @@ impl Device {
             verify: VerifyStats::default(),
             tx_errors: 0,
             next_pd: 1,
-            tx_buf: vec![0; 4096 + 512],
-            rx_buf: vec![0; 65536],
+            tx_buf: vec![0; udp::BATCH * TX_SLOT],
+            rx_buf: vec![0; udp::BATCH * RX_SLOT],
         };
         Ok(Device {
             info,
@@ -152,6 +165,7 @@ impl Device {
             wake_rx,
             stop: AtomicBool::new(false),
             epoch: std::time::Instant::now(),
+            app_progress: AtomicU64::new(0),
         })
     }
 
@@ -178,16 +192,37 @@ impl Device {
 
     /// Send every packet the engine has, and hand out completion and async events.
     fn flush(&self, st: &mut State, now: Instant) {
-        let st = &mut *st;
-        while let Some(t) = st.hca.poll_transmit(now, &mut st.mem, &mut st.tx_buf) {
-            let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
-            let Some(src) = self.port.local_for(&dst) else {
-                st.tx_errors += 1;
-                continue;
-            };
-            let pkt = &mut st.tx_buf[..t.len];
-            if seal_udp_payload(src, dst, pkt).is_err() || self.port.send_to(pkt, dst).is_err() {
-                st.tx_errors += 1;
+        // Packets go out in batches of up to udp::BATCH per sendmmsg, each built in its own slot of
+        // the transmit buffer.
+        let State { hca, mem, tx_buf, tx_errors, .. } = &mut *st;
+        loop {
+            let mut meta = [(0usize, None::<SocketAddr>); udp::BATCH];
+            let mut n = 0;
+            for (slot, m) in tx_buf.chunks_exact_mut(TX_SLOT).zip(meta.iter_mut()) {
+                let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
+                n += 1;
+                let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
+                let Some(src) = self.port.local_for(&dst) else {
+                    *tx_errors += 1;
+                    continue;
+                };
+                if seal_udp_payload(src, dst, &mut slot[..t.len]).is_err() {
+                    *tx_errors += 1;
+                    continue;
+                }
+                *m = (t.len, Some(dst));
+            }
+            let mut pkts: [(&[u8], SocketAddr); udp::BATCH] = [(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            let mut k = 0;
+            for (slot, (len, dst)) in tx_buf.chunks_exact(TX_SLOT).zip(meta.iter()).take(n) {
+                if let Some(dst) = dst {
+                    pkts[k] = (&slot[..*len], *dst);
+                    k += 1;
+                }
+            }
+            *tx_errors += self.port.send_batch(&pkts[..k]) as u64;
+            if n < udp::BATCH {
+                break;
             }
         }
         while let Some(cq) = st.hca.poll_cq_event() {
@@ -236,15 +271,36 @@ impl Device {
     }
 
     /// Receive what is waiting on the sockets, fire due timers, send what that produced. Called by
-    /// the I/O thread after a wake-up, and by a thread polling an empty CQ (busy polling then makes
-    /// progress itself instead of waiting for the I/O thread to be scheduled).
+    /// a thread polling an empty CQ (busy polling then makes progress itself instead of waiting for
+    /// the I/O thread to be scheduled); the I/O thread then stays out of its way (see `io_loop`).
     pub fn progress(&self, st: &mut State) {
         let now = self.now();
+        self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
+        self.progress_at(st, now);
+    }
+
+    fn progress_at(&self, st: &mut State, now: Instant) {
         let mut buf = std::mem::take(&mut st.rx_buf);
+        let mut meta = [None; udp::BATCH];
         for (sock, local) in self.port.sockets() {
-            for _ in 0..256 {
-                match sock.recv_from(&mut buf) {
-                    Ok((n, src)) => self.receive(st, now, &buf[..n], src, *local),
+            // Up to 256 datagrams per socket and call, udp::BATCH per recvmmsg.
+            for _ in 0..256 / udp::BATCH {
+                match udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) {
+                    Ok(k) => {
+                        for (i, m) in meta.iter().take(k).enumerate() {
+                            match m {
+                                Some((n, src)) => self.receive(st, now, &buf[i * RX_SLOT..i * RX_SLOT + n], *src, *local),
+                                None => {
+                                    let c = st.hca.counters_mut();
+                                    c.rcvd_pkts += 1;
+                                    c.drop_malformed += 1;
+                                }
+                            }
+                        }
+                        if k < udp::BATCH {
+                            break;
+                        }
+                    }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     // ICMP errors (peer port closed) surface here; the transport's timers handle
@@ -270,7 +326,21 @@ impl Device {
             .chain(std::iter::once(self.wake_rx.as_raw_fd()))
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
+        let nsock = fds.len() - 1;
         while !self.stop.load(Ordering::Acquire) {
+            // While an application thread busy-polls a CQ it drives the device itself; this thread
+            // then sleeps (waking for its wake-up socket or every BUSY_SLEEP) instead of waking for
+            // every datagram and competing for the cores and the lock. On a machine with as many
+            // busy threads as cores that competition costs milliseconds of preemption.
+            if self.app_polling() {
+                let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
+                // SAFETY: one live pollfd (the wake-up socket, the last entry); `ts` outlives the call.
+                unsafe { libc::ppoll(fds[nsock..].as_mut_ptr(), 1, &ts, std::ptr::null()) };
+                while self.wake_rx.recv(&mut buf).is_ok() {}
+                if self.app_polling() {
+                    continue;
+                }
+            }
             let deadline = self.lock().hca.poll_timeout();
             let wait = match deadline {
                 Some(at) => at.saturating_since(self.now()).min(Duration::from_millis(200)),
@@ -280,11 +350,19 @@ impl Device {
             // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
             unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
             while self.wake_rx.recv(&mut buf).is_ok() {}
-            self.progress(&mut self.lock());
+            let mut st = self.lock();
+            let now = self.now();
+            self.progress_at(&mut st, now);
             for f in fds.iter_mut() {
                 f.revents = 0;
             }
         }
+    }
+
+    /// An application thread made progress within the last BUSY_WINDOW.
+    fn app_polling(&self) -> bool {
+        let last = self.app_progress.load(Ordering::Relaxed);
+        last != 0 && self.now().as_nanos().saturating_sub(last) < BUSY_WINDOW.as_nanos() as u64
     }
 
     fn wake(&self) -> io::Result<()> {
