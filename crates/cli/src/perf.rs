@@ -1609,6 +1609,13 @@ fn run_side(
     if !passive_lat {
         print_extras(out, &cpu);
     }
+    if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
+        let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
+        eprintln!(
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {}; ICRC verified {} recovered-id {} bad {}",
+            side.dev_name, c.sent_pkts, c.rcvd_pkts, c.retransmits, c.rcvd_seq_err, c.ack_timeouts, v.verified, v.recovered, v.bad
+        );
+    }
     Ok(())
 }
 

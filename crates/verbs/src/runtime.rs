@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use softrdma_device::DeviceInfo;
 use softrdma_transport::{AsyncEvent, Config, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, UdpVerdict, VerifyStats};
+use softrdma_wire::roce::{seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats};
 
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
@@ -26,9 +26,9 @@ use crate::memory::MrTable;
 
 /// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
 const TX_SLOT: usize = 4096 + 512;
-/// Bytes per receive slot: any IB packet with a 4096-byte MTU (and jumbo frames); larger datagrams
-/// are truncated by the kernel and dropped as malformed.
-const RX_SLOT: usize = 9216;
+/// Bytes per receive slot: a whole GRO batch (up to 64 KiB of coalesced datagrams); larger
+/// datagrams are truncated by the kernel and dropped as malformed.
+const RX_SLOT: usize = 65536;
 
 /// Everything behind the device lock.
 pub(crate) struct State {
@@ -193,12 +193,17 @@ impl Device {
     /// Send every packet the engine has, and hand out completion and async events.
     fn flush(&self, st: &mut State, now: Instant) {
         // Packets go out in batches of up to udp::BATCH per sendmmsg, each built in its own slot of
-        // the transmit buffer.
+        // the transmit buffer. Consecutive packets of one size to one peer go as one UDP GSO send
+        // (a multi-packet message's middle and last packets, for instance); the kernel numbers the
+        // IPv4 identifications of the segments 0, 1, 2, ..., so packet k of a group is sealed for
+        // identification k.
         let State { hca, mem, tx_buf, tx_errors, .. } = &mut *st;
+        let gso = self.port.gso();
         loop {
-            let mut meta = [(0usize, None::<SocketAddr>); udp::BATCH];
-            let mut n = 0;
-            for (slot, m) in tx_buf.chunks_exact_mut(TX_SLOT).zip(meta.iter_mut()) {
+            let mut meta = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            let mut slots = [0usize; udp::BATCH];
+            let (mut n, mut k) = (0, 0);
+            for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
                 let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
                 n += 1;
                 let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
@@ -206,21 +211,41 @@ impl Device {
                     *tx_errors += 1;
                     continue;
                 };
-                if seal_udp_payload(src, dst, &mut slot[..t.len]).is_err() {
-                    *tx_errors += 1;
-                    continue;
+                meta[k] = (t.len, dst, src);
+                slots[k] = i;
+                k += 1;
+            }
+            let mut groups = [(0usize, 0usize); udp::BATCH];
+            let ng = if gso {
+                let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+                for (l, m) in lens.iter_mut().zip(&meta[..k]) {
+                    *l = (m.0, m.1);
                 }
-                *m = (t.len, Some(dst));
+                udp::gso_groups(&lens[..k], &mut groups)
+            } else {
+                for (i, g) in groups.iter_mut().enumerate().take(k) {
+                    *g = (i, i + 1);
+                }
+                k
+            };
+            let mut ok = [true; udp::BATCH];
+            for &(a, b) in &groups[..ng] {
+                for j in a..b {
+                    let (len, dst, src) = meta[j];
+                    let pkt = &mut tx_buf[slots[j] * TX_SLOT..][..len];
+                    if seal_udp_payload_ident(src, dst, pkt, (j - a) as u16).is_err() {
+                        ok[j] = false;
+                    }
+                }
             }
             let mut pkts: [(&[u8], SocketAddr); udp::BATCH] = [(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
-            let mut k = 0;
-            for (slot, (len, dst)) in tx_buf.chunks_exact(TX_SLOT).zip(meta.iter()).take(n) {
-                if let Some(dst) = dst {
-                    pkts[k] = (&slot[..*len], *dst);
-                    k += 1;
-                }
+            for j in 0..k {
+                pkts[j] = (&tx_buf[slots[j] * TX_SLOT..][..meta[j].0], meta[j].1);
             }
-            *tx_errors += self.port.send_batch(&pkts[..k]) as u64;
+            // A packet that could not be sealed is sent anyway (the peer drops it, the transport
+            // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
+            *tx_errors += ok[..k].iter().filter(|o| !**o).count() as u64;
+            *tx_errors += self.port.send_batch(&pkts[..k], &groups[..ng]) as u64;
             if n < udp::BATCH {
                 break;
             }
@@ -251,9 +276,9 @@ impl Device {
     }
 
     /// One received datagram.
-    fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr) {
+    fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr, ident: u16) {
         let counters = st.hca.counters_mut();
-        match verify_udp_payload(src, local, payload) {
+        match verify_udp_payload_ident(src, local, payload, ident) {
             Err(_) => {
                 counters.rcvd_pkts += 1;
                 counters.drop_malformed += 1;
@@ -289,7 +314,15 @@ impl Device {
                     Ok(k) => {
                         for (i, m) in meta.iter().take(k).enumerate() {
                             match m {
-                                Some((n, src)) => self.receive(st, now, &buf[i * RX_SLOT..i * RX_SLOT + n], *src, *local),
+                                &Some((n, src, seg)) => {
+                                    // A GRO batch is several datagrams back to back, each `seg`
+                                    // bytes but the last: segment k of a GSO send (identification k).
+                                    let data = &buf[i * RX_SLOT..i * RX_SLOT + n];
+                                    let seg = seg.map_or(n, usize::from).max(1);
+                                    for (k, d) in data.chunks(seg).enumerate() {
+                                        self.receive(st, now, d, src, *local, k as u16);
+                                    }
+                                }
                                 None => {
                                     let c = st.hca.counters_mut();
                                     c.rcvd_pkts += 1;
