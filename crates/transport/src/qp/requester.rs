@@ -134,7 +134,9 @@ impl SendQueue {
     }
 
     /// Remove every WQE, returning `(wr_id, opcode)` in order, for flushing.
-    pub fn drain(&mut self) -> Vec<(u64, WcOpcode)> {
+    /// Empty the queue, oldest first, without collecting into a new vector (flushing a deep
+    /// queue allocates nothing).
+    pub fn drain(&mut self) -> impl Iterator<Item = (u64, WcOpcode)> + '_ {
         self.cur = 0;
         self.cur_pkt = 0;
         self.rd_atomic_inflight = 0;
@@ -142,7 +144,6 @@ impl SendQueue {
         self.wqes
             .drain(..)
             .map(|w| (w.wr.wr_id, send_wc_opcode(&w.wr.op)))
-            .collect()
     }
 
     /// Remove the head WQE after its completion.
