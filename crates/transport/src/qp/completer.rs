@@ -93,6 +93,8 @@ impl Qp {
     /// Forward progress to `una`: reset the retry budgets and the retransmit timer.
     fn progress(&mut self, una: Psn, ctx: &mut Ctx<'_>) {
         if una.after(self.sq.una) {
+            let k = una.diff(self.sq.una) as u32;
+            self.sq.on_acked(k, ctx.config);
             self.sq.una = una;
             self.sq.retrying_from = None;
         }
@@ -123,6 +125,7 @@ impl Qp {
             self.sq.retry_left -= 1;
         }
         ctx.stats.retry_rounds += 1;
+        self.sq.on_loss(ctx.config);
         let una = self.sq.una;
         self.sq.retrying_from = Some(una);
         self.sq.rewind(una);

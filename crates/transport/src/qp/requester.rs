@@ -75,6 +75,8 @@ pub(crate) struct SendQueue {
     /// A retry from this PSN is under way: further signs of the same loss are ignored until
     /// progress or a timeout (as rxe's `started_retry`), so one loss costs one retransmission round.
     pub retrying_from: Option<Psn>,
+    /// Adaptive window in packets (`Config::adaptive_window`); `u32::MAX` while no loss was seen.
+    pub cwnd: u32,
 }
 
 impl SendQueue {
@@ -93,11 +95,34 @@ impl SendQueue {
             noack: 0,
             rnr_paused: false,
             retrying_from: None,
+            cwnd: u32::MAX,
         }
     }
 
     pub fn len(&self) -> usize {
         self.wqes.len()
+    }
+
+    /// The window in packets: the configured one, or less after loss with an adaptive window.
+    pub fn window(&self, config: &crate::config::Config) -> u32 {
+        config.max_inflight_packets.min(self.cwnd)
+    }
+
+    /// A retransmission round started: halve the adaptive window.
+    pub fn on_loss(&mut self, config: &crate::config::Config) {
+        if config.adaptive_window {
+            self.cwnd = (self.window(config) / 2).max(crate::config::Config::MIN_WINDOW);
+        }
+    }
+
+    /// `k` packets were newly acknowledged: grow the adaptive window back.
+    pub fn on_acked(&mut self, k: u32, config: &crate::config::Config) {
+        if self.cwnd != u32::MAX {
+            self.cwnd = self.cwnd.saturating_add((k / 4).max(1));
+            if self.cwnd >= config.max_inflight_packets {
+                self.cwnd = u32::MAX;
+            }
+        }
     }
 
     pub fn reset_psn(&mut self, psn: Psn) {
@@ -260,7 +285,7 @@ impl Qp {
         self.sq.send_psn = w.first_psn.add(self.sq.cur_pkt);
         // Window: keep at most max_inflight_packets PSNs outstanding (a lone large read may exceed).
         let rc = self.init.qp_type == QpType::Rc;
-        let window = ctx.config.max_inflight_packets;
+        let window = self.sq.window(ctx.config);
         let inflight = self.sq.send_psn.diff(self.sq.una).max(0) as u32;
         if rc && inflight >= window {
             return None;
@@ -385,10 +410,21 @@ impl Qp {
                     | SendOp::SendWithInv(_)
                     | SendOp::WriteWithImm { .. }
             );
-        let window_full = self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32
-            >= ctx.config.max_inflight_packets;
-        let ack_req = qp_type == QpType::Rc
-            && (message_end || self.sq.noack + 1 >= ctx.config.ack_req_every || window_full);
+        let window_full =
+            self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32 >= self.sq.window(ctx.config);
+        // With an adaptive window, ask for an ACK at least twice per window: a lost last packet of a
+        // full window then costs a NAK round trip (the ACK of the middle opens the window, the
+        // packets that follow show the gap) instead of the local ACK timeout.
+        let every = if ctx.config.adaptive_window {
+            ctx.config
+                .ack_req_every
+                .min(self.sq.window(ctx.config) / 2)
+                .max(1)
+        } else {
+            ctx.config.ack_req_every
+        };
+        let ack_req =
+            qp_type == QpType::Rc && (message_end || self.sq.noack + 1 >= every || window_full);
         let dest_qp = match (&w.wr.ud, qp_type) {
             (Some(ud), QpType::Ud) => ud.remote_qpn,
             _ => self.attr.dest_qpn,
