@@ -77,6 +77,8 @@ pub(crate) struct SendQueue {
     pub retrying_from: Option<Psn>,
     /// Adaptive window in packets (`Config::adaptive_window`); `u32::MAX` while no loss was seen.
     pub cwnd: u32,
+    /// The retransmit timer is a short probe after a retry (see the completer's `start_retry`).
+    pub probe_armed: bool,
 }
 
 impl SendQueue {
@@ -96,6 +98,7 @@ impl SendQueue {
             rnr_paused: false,
             retrying_from: None,
             cwnd: u32::MAX,
+            probe_armed: false,
         }
     }
 
