@@ -255,12 +255,23 @@ fn render_port(s: &mut String, dev: &DeviceInfo, port: u32, verbose: bool) {
     s.push('\n');
 }
 
-/// Loads the registry, printing the error the way the tools do when it fails.
-fn load_registry() -> Result<Registry, ExitCode> {
-    Registry::load().map_err(|e| {
+/// The devices the tools show: softrdmad's when a daemon answers, otherwise the registry's;
+/// prints the error the way the tools do when the list cannot be had.
+pub(crate) fn load_registry() -> Result<Registry, ExitCode> {
+    let fail = |e: &dyn std::fmt::Display| {
         eprintln!("Failed to get IB devices list: {e}");
         ExitCode::from(255)
-    })
+    };
+    if let Some(admin) = softrdma_verbs::daemon::admin::Admin::connect() {
+        let mut reg = Registry::empty();
+        for e in admin.devices().map_err(|e| fail(&e))? {
+            if e.netdev.is_some() {
+                reg.add(e.config).map_err(|e| fail(&e))?;
+            }
+        }
+        return Ok(reg);
+    }
+    Registry::load().map_err(|e| fail(&e))
 }
 
 /// Opens every configured device; a device whose netdev is missing is reported and skipped.

@@ -8,6 +8,7 @@ mod devinfo;
 mod pcap;
 mod perf;
 mod pingpong;
+mod service;
 
 #[derive(Parser)]
 #[command(
@@ -37,9 +38,39 @@ enum Command {
         #[command(subcommand)]
         command: pcap::PcapCommand,
     },
+    /// Run softrdmad: own the devices and serve every process on this host.
+    Daemon(service::DaemonArgs),
+    /// Show, add and delete devices (like `rdma link`).
+    Link {
+        #[command(subcommand)]
+        command: Option<service::LinkCommand>,
+    },
+    /// Device settings (like `rdma dev set NAME name NEWNAME`).
+    Dev {
+        #[command(subcommand)]
+        command: service::DevCommand,
+    },
+    /// Show or set the default RoCE mode of a port (v1 or v2).
+    RoceMode(service::RoceModeArgs),
+    /// Port state (like `ibstat`), or with --counters the daemon's counters.
+    Stat(service::StatArgs),
 }
 
 fn main() -> ExitCode {
+    // Installed (or linked) as `softrdmad`, the binary is the daemon.
+    let argv0 = std::env::args_os().next().unwrap_or_default();
+    if std::path::Path::new(&argv0)
+        .file_name()
+        .is_some_and(|n| n == "softrdmad")
+    {
+        #[derive(Parser)]
+        #[command(name = "softrdmad", version, about = "softrdma's device daemon")]
+        struct Softrdmad {
+            #[command(flatten)]
+            args: service::DaemonArgs,
+        }
+        return service::run_daemon(Softrdmad::parse().args);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Demo(args) => demo::run(args),
@@ -48,5 +79,10 @@ fn main() -> ExitCode {
         Command::Pcap { command } => pcap::run(command),
         Command::Perf(args) => perf::run(args),
         Command::Pingpong(args) => pingpong::run(args),
+        Command::Daemon(args) => service::run_daemon(args),
+        Command::Link { command } => service::run_link(command),
+        Command::Dev { command } => service::run_dev(command),
+        Command::RoceMode(args) => service::run_roce_mode(args),
+        Command::Stat(args) => service::run_stat(args),
     }
 }

@@ -171,7 +171,7 @@ pub struct PerfArgs {
     /// Report max/average bandwidth in Gbit/s instead of MB/s.
     #[arg(long = "report_gbits")]
     report_gbits: bool,
-    /// Connect QPs with rdma_cm: not supported yet (no rdma_cm API in softrdma_verbs); the TCP
+    /// Connect QPs with rdma_cm: not supported yet by this tool (softrdma_verbs::cm is the API to use); the TCP
     /// exchange is used instead.
     #[arg(short = 'R', long = "rdma_cm")]
     rdma_cm: bool,
@@ -1644,7 +1644,9 @@ fn open_ctx(a: &PerfArgs, name: &str, ip: Option<IpAddr>) -> Result<Context, Str
 fn perf(a: &PerfArgs) -> Result<(), String> {
     let plan = Plan::from_args(a)?;
     if a.rdma_cm {
-        eprintln!(" rdma_cm (-R) is not supported yet: softrdma_verbs has no rdma_cm API; using the TCP exchange");
+        eprintln!(
+            " rdma_cm (-R) is not supported yet by softrdma perf (to be built on softrdma_verbs::cm); using the TCP exchange"
+        );
     }
     if a.loopback {
         return loopback(a, &plan);

@@ -11,6 +11,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use softrdma_device::registry::{RegistryError, Source};
+use softrdma_device::Registry;
 use softrdma_verbs::{
     devices, open_device, Access, CompletionQueue, ConnectParams, Context, Gid, Mtu, Payload, Psn, QpCap,
     QpInitAttr, QpType, Qpn, RecvWr, SendFlags, SendOp, SendWr, WcStatus, WorkCompletion,
@@ -104,6 +106,22 @@ impl Dest {
     }
 }
 
+/// Which devices there are, and where they come from, for an unknown `-d`.
+fn known_devices() -> String {
+    let Ok(reg) = Registry::load() else {
+        return "the device list cannot be read".into();
+    };
+    let names: Vec<&str> = reg.devices().iter().map(|d| d.name.as_str()).collect();
+    match reg.source() {
+        Source::File(path) => format!("devices in {}: {}", path.display(), names.join(", ")),
+        Source::Implicit(path) => {
+            let implicit: Vec<String> = reg.devices().iter().map(|d| format!("{} on {}", d.name, d.netdev)).collect();
+            format!("{} does not exist, so the only device is the implicit {}", path.display(), implicit.join(", "))
+        }
+        _ => format!("devices: {}", names.join(", ")),
+    }
+}
+
 fn random_psn() -> u32 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let x = (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32);
@@ -145,7 +163,11 @@ fn pingpong(args: &PingpongArgs) -> Result<(), String> {
     }
     let ctx: Context = match &args.ib_dev {
         Some(name) => open_device(name).map_err(|e| match e {
-            softrdma_verbs::Error::Registry(_) | softrdma_verbs::Error::Device(_) => format!("IB device {name} not found ({e})"),
+            softrdma_verbs::Error::Registry(RegistryError::UnknownDevice(_)) => {
+                format!("IB device {name} not found ({})", known_devices())
+            }
+            softrdma_verbs::Error::Registry(e) => format!("Failed to get IB devices list: {e}"),
+            // The device exists; its interface or address does not (or its port is taken).
             e => format!("Couldn't get context for {name}: {e}"),
         })?,
         None => {

@@ -55,12 +55,31 @@ pub struct AgentConfig {
     pub max_retries: u8,
     /// Seed of the generator for communication IDs, PSNs and ports.
     pub seed: u64,
+    /// How many times a REQ rejected with "invalid service ID" (nobody listens on the port) is
+    /// sent again, [`NO_LISTENER_RETRY_DELAY`] apart, before REJECTED is reported. The kernel
+    /// reports it at once (0, the default). On one host a server often calls `rdma_listen`
+    /// moments after telling its client to go ahead (perftest's `-R` does, over its first
+    /// connection); the kernel's asynchronous address and route resolution usually gives it that
+    /// moment, softrdma's resolves at once, so librdmacm users get a short grace period instead.
+    pub no_listener_retries: u8,
 }
+
+/// The wait before a REQ that found no listener is sent again (see
+/// [`AgentConfig::no_listener_retries`]).
+pub const NO_LISTENER_RETRY_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl AgentConfig {
     /// rdma_cm's timeouts with the given device facts.
     pub fn new(ca_guid: u64, addrs: Vec<(IpAddr, u8)>, mtu: Mtu, seed: u64) -> AgentConfig {
-        AgentConfig { ca_guid, addrs, mtu, response_timeout: 20, max_retries: 15, seed }
+        AgentConfig {
+            ca_guid,
+            addrs,
+            mtu,
+            response_timeout: 20,
+            max_retries: 15,
+            seed,
+            no_listener_retries: 0,
+        }
     }
 }
 

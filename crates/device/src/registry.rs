@@ -10,10 +10,14 @@
 //! One device per line, fields separated by blanks:
 //!
 //! ```text
-//! # NAME  netdev IFACE  [addr IP]
+//! # NAME  netdev IFACE  [addr IP]  [roce-mode v1|v2]
 //! rxe0    netdev eth0
 //! rxelo   netdev lo     addr 127.0.0.2
+//! rxev1   netdev eth1   roce-mode v1
 //! ```
+//!
+//! `roce-mode` is the default RoCE mode of port 1 (what rdma_cm's configfs `default_roce_mode`
+//! sets); v2 when absent.
 //!
 //! `#` starts a comment (to the end of the line); blank lines are ignored. Names are 1 to 63
 //! characters from `A-Z a-z 0-9 _ - .` (rdma-core's limit is 64 bytes with the NUL) and unique.
@@ -26,6 +30,7 @@
 //! everyone else. When the file does not exist there is one implicit device, `rxe0` on `lo`, so
 //! that everything works with zero setup. An existing but empty file means "no devices".
 
+use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::fmt;
 use std::fs;
@@ -173,6 +178,8 @@ pub fn check_name(name: &str) -> Result<(), RegistryError> {
 pub struct Registry {
     devices: Vec<DeviceConfig>,
     source: Source,
+    /// Devices whose default RoCE mode is v1.
+    roce_v1: BTreeSet<String>,
 }
 
 impl Registry {
@@ -181,6 +188,7 @@ impl Registry {
         Registry {
             devices: Vec::new(),
             source: Source::Memory,
+            roce_v1: BTreeSet::new(),
         }
     }
 
@@ -189,6 +197,7 @@ impl Registry {
         Registry {
             devices: vec![DeviceConfig::new(IMPLICIT_DEVICE, IMPLICIT_NETDEV)],
             source: Source::Memory,
+            roce_v1: BTreeSet::new(),
         }
     }
 
@@ -235,6 +244,7 @@ impl Registry {
             check_name(name).map_err(|e| err(e.to_string()))?;
             let mut netdev = None;
             let mut addr = None;
+            let mut roce = None;
             while let Some(key) = words.next() {
                 let value = words
                     .next()
@@ -252,7 +262,14 @@ impl Registry {
                             .map_err(|_| err(format!("invalid IP address {value:?}")))?;
                         addr = Some(ip);
                     }
-                    "netdev" | "addr" => return Err(err(format!("{key:?} given twice"))),
+                    "roce-mode" if roce.is_none() => match value {
+                        "v1" => roce = Some(true),
+                        "v2" => roce = Some(false),
+                        _ => return Err(err(format!("invalid RoCE mode {value:?} (v1 or v2)"))),
+                    },
+                    "netdev" | "addr" | "roce-mode" => {
+                        return Err(err(format!("{key:?} given twice")))
+                    }
                     other => {
                         return Err(err(format!(
                             "unknown keyword {other:?} (expected \"netdev\" or \"addr\")"
@@ -268,6 +285,9 @@ impl Registry {
                 addr,
             };
             reg.add(dev).map_err(|e| err(e.to_string()))?;
+            if roce == Some(true) {
+                reg.roce_v1.insert(name.to_owned());
+            }
         }
         Ok(reg)
     }
@@ -307,14 +327,52 @@ impl Registry {
             .iter()
             .position(|d| d.name == name)
             .ok_or_else(|| RegistryError::UnknownDevice(name.to_owned()))?;
+        self.roce_v1.remove(name);
         Ok(self.devices.remove(pos))
+    }
+
+    /// Renames a device, keeping its place and settings (`rdma dev set NAME name NEWNAME`).
+    pub fn rename(&mut self, name: &str, new_name: &str) -> Result<(), RegistryError> {
+        check_name(new_name)?;
+        if name != new_name && self.devices.iter().any(|d| d.name == new_name) {
+            return Err(RegistryError::Duplicate(new_name.to_owned()));
+        }
+        let dev = self
+            .devices
+            .iter_mut()
+            .find(|d| d.name == name)
+            .ok_or_else(|| RegistryError::UnknownDevice(name.to_owned()))?;
+        dev.name = new_name.to_owned();
+        if self.roce_v1.remove(name) {
+            self.roce_v1.insert(new_name.to_owned());
+        }
+        Ok(())
+    }
+
+    /// Whether the default RoCE mode of `name`'s port 1 is v1 (otherwise v2).
+    pub fn roce_v1(&self, name: &str) -> bool {
+        self.roce_v1.contains(name)
+    }
+
+    /// Sets the default RoCE mode of `name`'s port 1: v1 if `v1`, else v2.
+    pub fn set_roce_v1(&mut self, name: &str, v1: bool) -> Result<(), RegistryError> {
+        self.find(name)?;
+        if v1 {
+            self.roce_v1.insert(name.to_owned());
+        } else {
+            self.roce_v1.remove(name);
+        }
+        Ok(())
     }
 
     /// The file text for this registry.
     pub fn to_config_string(&self) -> String {
-        let mut s = String::from("# softrdma devices: NAME netdev IFACE [addr IP]\n");
+        let mut s = String::from("# softrdma devices: NAME netdev IFACE [addr IP] [roce-mode v1|v2]\n");
         for d in &self.devices {
             s.push_str(&d.to_line());
+            if self.roce_v1.contains(&d.name) {
+                s.push_str(" roce-mode v1");
+            }
             s.push('\n');
         }
         s
@@ -435,6 +493,21 @@ mod tests {
         assert_eq!(parse(&text).unwrap().devices(), r.devices());
         assert_eq!(r.remove("rxe0").unwrap().name, "rxe0");
         assert!(r.remove("rxe0").is_err());
+    }
+
+    #[test]
+    fn rename_and_roce_mode_round_trip() {
+        let mut r = parse("a netdev lo roce-mode v1\nb netdev lo roce-mode v2\n").unwrap();
+        assert!(r.roce_v1("a") && !r.roce_v1("b"));
+        r.rename("a", "c").unwrap();
+        assert!(r.roce_v1("c") && !r.roce_v1("a"));
+        assert!(matches!(r.rename("c", "b"), Err(RegistryError::Duplicate(_))));
+        assert!(matches!(r.rename("zz", "y"), Err(RegistryError::UnknownDevice(_))));
+        r.set_roce_v1("b", true).unwrap();
+        let back = parse(&r.to_config_string()).unwrap();
+        assert_eq!(back.devices()[0].name, "c");
+        assert!(back.roce_v1("c") && back.roce_v1("b"));
+        assert!(parse("a netdev lo roce-mode v3").is_err());
     }
 
     #[test]

@@ -55,6 +55,25 @@ impl SimMemory {
         (key, addr)
     }
 
+    /// Register `len` zero bytes at a chosen key (lkey = rkey) and virtual address, as a capture
+    /// shows them, e.g. to replay the kernel's RETH and AtomicETH unchanged. Panics if the key is
+    /// taken; keys handed out by [`SimMemory::register`] are multiples of 0x100, so pick others.
+    pub fn register_at(&mut self, pd: PdId, key: u32, addr: u64, len: usize, access: Access) {
+        assert!(
+            !self.regions.contains_key(&key),
+            "key {key:#x} is already registered"
+        );
+        self.regions.insert(
+            key,
+            Region {
+                pd,
+                addr,
+                access,
+                bytes: vec![0; len],
+            },
+        );
+    }
+
     /// Deregister.
     pub fn deregister(&mut self, key: u32) {
         self.regions.remove(&key);

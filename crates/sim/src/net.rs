@@ -1,19 +1,25 @@
 //! The simulated network: nodes, packets in flight ordered by delivery time, seeded impairments.
 //!
 //! Each node's address is the IPv4-mapped GID `::ffff:10.0.0.N` (N = index + 1); a packet goes to
-//! the node whose GID is the transmit's destination GID. Every frame carries an ICRC over the IB
-//! packet; a corrupted frame fails it and is counted and dropped, as a receiver must.
+//! the node whose GID is the transmit's destination GID. Frames in flight are IB packets whose ICRC
+//! is the real RoCEv2 one, computed over the IPv4/UDP header a node's UDP socket would send
+//! (10.0.0.N, source port 0xc000 + index, destination port 4791, identification 0, DF); a corrupted
+//! frame fails it and is counted and dropped, as a receiver must. Captures are written with those
+//! headers, so they decode and verify like any RoCEv2 capture (`softrdma pcap check`).
 
 use core::time::Duration;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::path::PathBuf;
 
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
 use softrdma_transport::{Config, Hca, Instant, RxInfo};
-use softrdma_wire::ICRC_LEN;
+use softrdma_wire::capture::{LinkType, PcapWriter};
+use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, RoceV2Repr, UdpVerdict};
+use softrdma_wire::Ipv4Repr;
 
 use crate::memory::SimMemory;
-use crate::pcap;
 use crate::rng::Rng;
 
 /// Index of a node.
@@ -157,13 +163,9 @@ pub struct Net {
     buf: Vec<u8>,
 }
 
-/// The ICRC the simulator puts on frames: CRC-32 over the IB packet with the variant BTH byte masked.
-fn frame_icrc(pkt: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&pkt[..4]);
-    h.update(&[0xff]);
-    h.update(&pkt[5..]);
-    h.finalize()
+/// UDP source port of node `n`'s frames.
+fn src_port(n: NodeId) -> u16 {
+    0xc000 | n as u16
 }
 
 impl Net {
@@ -216,12 +218,12 @@ impl Net {
                     break;
                 };
                 let mut frame = self.buf[..t.len].to_vec();
-                let n = frame.len();
-                let icrc = frame_icrc(&frame[..n - ICRC_LEN]);
-                frame[n - ICRC_LEN..].copy_from_slice(&icrc.to_le_bytes());
                 self.stats.sent += 1;
                 match self.nodes.iter().position(|nd| nd.gid == t.av.dgid) {
-                    Some(to) => self.launch(from, to, frame),
+                    Some(to) => {
+                        self.seal(from, to, &mut frame);
+                        self.launch(from, to, frame)
+                    }
                     None => self.stats.unroutable += 1,
                 }
             }
@@ -306,23 +308,37 @@ impl Net {
         }));
     }
 
-    /// Recompute the ICRC of a frame the test altered on purpose (so the receiver accepts it).
-    pub fn seal(frame: &mut [u8]) {
-        let n = frame.len();
-        let icrc = frame_icrc(&frame[..n - ICRC_LEN]);
-        frame[n - ICRC_LEN..].copy_from_slice(&icrc.to_le_bytes());
+    /// The (address, port) node `n` sends from, or receives at (`to`).
+    fn socket(&self, n: NodeId, to: bool) -> SocketAddr {
+        let ip = IpAddr::V4(ipv4_of(&self.nodes[n].gid));
+        SocketAddr::new(ip, if to { softrdma_wire::roce::ROCE_V2_PORT } else { src_port(n) })
     }
 
-    /// The capture ring as a classic pcap (raw IPv4, UDP port 4791).
+    /// Compute the ICRC of a frame from `from` to `to` (also for a frame a test altered on purpose,
+    /// so that the receiver accepts it).
+    pub fn seal(&self, from: NodeId, to: NodeId, frame: &mut [u8]) {
+        // Frames are whole IB packets from the engine or a test: never too short to hold an ICRC.
+        seal_udp_payload(self.socket(from, false), self.socket(to, true), frame).expect("IB packet with an ICRC slot");
+    }
+
+    /// The capture ring as a classic pcap (raw IP, RoCEv2 over IPv4).
     pub fn pcap_bytes(&self) -> Vec<u8> {
-        let gids: Vec<[u8; 16]> = self.nodes.iter().map(|n| n.gid).collect();
-        pcap::write(self.capture.iter().map(|c| pcap::Record {
-            at: c.at,
-            src: ipv4_of(&gids[c.from]),
-            dst: ipv4_of(&gids[c.to]),
-            src_port: 0xc000 | c.from as u16,
-            ib: &c.frame,
-        }))
+        let mut w = PcapWriter::new(Vec::new(), LinkType::Raw).expect("writing to memory");
+        let mut ip = Vec::new();
+        for c in &self.capture {
+            let (src, dst) = (self.socket(c.from, false), self.socket(c.to, true));
+            let roce = RoceV2Repr::new(src.ip(), dst.ip(), src.port());
+            ip.clear();
+            ip.resize(roce.header_len(), 0);
+            ip.extend_from_slice(&c.frame);
+            // A frame the filter cut below an IB packet's size is written as its bytes alone.
+            match roce.emit(&mut ip, c.frame.len()) {
+                Ok(n) => w.write_frame(Duration::from_nanos(c.at.as_nanos()), &ip[..n]),
+                Err(_) => w.write_frame(Duration::from_nanos(c.at.as_nanos()), &c.frame),
+            }
+            .expect("writing to memory");
+        }
+        w.into_inner().expect("writing to memory")
     }
 
     /// Write the capture ring to `path` (directories created).
@@ -339,24 +355,30 @@ impl Net {
     }
 
     fn deliver(&mut self, f: InFlight) {
-        let n = f.frame.len();
-        if n < ICRC_LEN + 12 {
-            self.stats.icrc_dropped += 1;
-            return;
-        }
-        let icrc = u32::from_le_bytes(f.frame[n - 4..].try_into().expect("4 bytes"));
-        if frame_icrc(&f.frame[..n - ICRC_LEN]) != icrc {
+        let (src, dst) = (self.socket(f.from, false), self.socket(f.to, true));
+        // Frames a test cut short are malformed: the engine counts those itself.
+        let verified = match verify_udp_payload(src, dst, &f.frame) {
+            Ok((_, verdict)) => verdict == UdpVerdict::Verified,
+            Err(_) => true,
+        };
+        if !verified {
             self.stats.icrc_dropped += 1;
             return;
         }
         self.stats.delivered += 1;
         // As rxe does for RoCEv2 over IPv4: the IPv4 header in the last 20 bytes of the GRH area.
         let mut grh = [0u8; 40];
-        let (src, dst) = (
-            ipv4_of(&self.nodes[f.from].gid),
-            ipv4_of(&self.nodes[f.to].gid),
-        );
-        grh[20..40].copy_from_slice(&pcap::ipv4_header(src, dst, 8 + n as u16));
+        let ip = Ipv4Repr {
+            src_addr: ipv4_of(&self.nodes[f.from].gid),
+            dst_addr: ipv4_of(&self.nodes[f.to].gid),
+            protocol: 17,
+            payload_len: 8 + f.frame.len(),
+            ttl: 64,
+            tos: 0,
+            ident: 0,
+            dont_frag: true,
+        };
+        ip.emit(&mut grh[20..40]).expect("20 bytes");
         let node = &mut self.nodes[f.to];
         node.hca
             .handle_packet(self.now, &f.frame, &RxInfo { grh }, &mut node.mem);
@@ -419,8 +441,8 @@ impl Net {
 }
 
 /// The IPv4 address of an IPv4-mapped GID.
-pub fn ipv4_of(gid: &[u8; 16]) -> [u8; 4] {
-    [gid[12], gid[13], gid[14], gid[15]]
+pub fn ipv4_of(gid: &[u8; 16]) -> Ipv4Addr {
+    Ipv4Addr::new(gid[12], gid[13], gid[14], gid[15])
 }
 
 impl Drop for Net {

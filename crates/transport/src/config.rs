@@ -7,10 +7,12 @@ use crate::attr::Mtu;
 pub struct Config {
     /// Largest `max_rd_atomic` / `max_dest_rd_atomic` accepted (rxe: 128).
     pub max_rd_atomic: u8,
-    /// The requester asks for an ACK at least every this many packets (rxe: 64).
+    /// The requester asks for an ACK on the first packet after more than this many in a row went
+    /// without one (rxe's `RXE_MAX_PKT_PER_ACK`, 64: the 66th packet).
     pub ack_req_every: u32,
-    /// At most this many request packets are unacknowledged at once (go-back-N window). The last
-    /// packet sent before the window fills asks for an ACK.
+    /// At most this many PSNs are unacknowledged at once (go-back-N window). rxe stops when more
+    /// than `RXE_MAX_UNACKED_PSNS` (128) are, so 129 behaves as rxe (the replay tests check it).
+    /// The last packet sent before the window fills asks for an ACK.
     pub max_inflight_packets: u32,
     /// Port MTU: the UD message limit.
     pub port_mtu: Mtu,
@@ -37,7 +39,7 @@ impl Default for Config {
         Config {
             max_rd_atomic: 128,
             ack_req_every: 64,
-            max_inflight_packets: 1024,
+            max_inflight_packets: 129,
             port_mtu: Mtu::M4096,
             max_msg_size: 1 << 31,
             burst: 16,

@@ -48,6 +48,11 @@ pub enum AsyncEvent {
     SrqLimitReached(SrqId),
     /// A CQ overflowed (`IBV_EVENT_CQ_ERR`).
     CqError(CqId),
+    /// The port became active (`IBV_EVENT_PORT_ACTIVE`; reported by the device layer, never by the
+    /// engine).
+    PortActive(u8),
+    /// The port went down (`IBV_EVENT_PORT_ERR`; reported by the device layer).
+    PortError(u8),
 }
 
 /// Where a received packet came from, as far as the engine needs: the 40 bytes a UD receive puts in
@@ -380,6 +385,31 @@ impl Hca {
         self.next_qpn = self.next_qpn.wrapping_add(1);
         self.qps.insert(qpn, Qp::new(qpn, init));
         Ok(qpn)
+    }
+
+    /// Create a QP in RESET with a QPN chosen by the caller instead of the next free one: for
+    /// replaying a capture, or restoring a QP whose number a peer already knows. The allocation
+    /// counter is left where it was. Refused for QP0, QP1 and the other reserved numbers below 0x11,
+    /// for the multicast QPN and for a number in use.
+    pub fn create_qp_with_qpn(&mut self, init: QpInit, qpn: Qpn) -> Result<Qpn, VerbsError> {
+        if qpn.value() < 0x11 || qpn == Qpn::MULTICAST {
+            return Err(VerbsError::InvalidAttribute("qpn reserved"));
+        }
+        if self.qps.contains_key(&qpn) {
+            return Err(VerbsError::InvalidAttribute("qpn in use"));
+        }
+        let saved = self.next_qpn;
+        self.next_qpn = qpn.value();
+        let created = self.create_qp(init);
+        self.next_qpn = saved;
+        match created {
+            Ok(got) if got != qpn => {
+                // create_qp no longer allocates from the counter: undo and refuse.
+                let _ = self.destroy_qp(got);
+                Err(VerbsError::InvalidAttribute("qpn"))
+            }
+            r => r,
+        }
     }
 
     /// Destroy a QP (no completions are generated for what it held).

@@ -5,20 +5,37 @@ use std::sync::Arc;
 
 use softrdma_device::{DeviceConfig, DeviceInfo, Registry};
 
+use crate::daemon::client::{Control, Session};
 use crate::error::Result;
 use crate::runtime::{Device, DeviceHandle};
 use crate::verbs::Context;
 use crate::ROCE_PORT;
 
-/// The devices of the registry (`devices.conf`, or the implicit `rxe0` on `lo`) whose interface
-/// exists, as `ibv_get_device_list` returns them.
+/// The devices, as `ibv_get_device_list` returns them: softrdmad's running devices when a daemon
+/// answers (see [`crate::daemon`]), otherwise those of the registry (`devices.conf`, or the
+/// implicit `rxe0` on `lo`) whose interface exists.
 pub fn devices() -> Result<Vec<DeviceInfo>> {
+    if let Some(ctl) = Control::connect() {
+        let list = ctl.devices()?;
+        return Ok(list
+            .into_iter()
+            .filter_map(|e| {
+                let nd = e.netdev?;
+                DeviceInfo::new(&e.config, nd).ok()
+            })
+            .collect());
+    }
     let reg = Registry::load()?;
     Ok(reg.devices().iter().filter_map(|c| DeviceInfo::open(c).ok()).collect())
 }
 
-/// Open a device of the registry by name, on the RoCEv2 port (or `$SOFTRDMA_UDP_PORT`).
+/// Open a device by name: softrdmad's device of that name if a daemon answers and has it (the
+/// application then shares it with every other process, see [`crate::daemon`]); otherwise the
+/// registry's device, embedded in this process, on the RoCEv2 port (or `$SOFTRDMA_UDP_PORT`).
 pub fn open_device(name: &str) -> Result<Context> {
+    if let Some(s) = Session::open(name)? {
+        return Ok(Context::daemon(s));
+    }
     let reg = Registry::load()?;
     let config = reg.find(name)?.clone();
     DeviceBuilder::from_config(config).open()
@@ -66,7 +83,7 @@ impl DeviceBuilder {
 
 /// The addresses the device's sockets bind: the bound address, or the interface's first IPv4 and
 /// first non-link-local IPv6 address (link-local needs a scope the GID does not carry).
-fn bind_addrs(info: &DeviceInfo) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
+pub(crate) fn bind_addrs(info: &DeviceInfo) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
     match info.bind {
         Some(IpAddr::V4(a)) => (Some(a), None),
         Some(IpAddr::V6(a)) => (None, Some(a)),

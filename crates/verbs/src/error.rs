@@ -35,6 +35,8 @@ pub enum Error {
     },
     /// An argument is invalid; the text says which and why.
     InvalidArgument(String),
+    /// softrdmad refused or failed; the text says why.
+    Daemon(String),
 }
 
 /// Result alias.
@@ -60,6 +62,7 @@ impl fmt::Display for Error {
                  @rdma soft memlock unlimited\n@rdma hard memlock unlimited"
             ),
             Error::InvalidArgument(s) => write!(f, "invalid argument: {s}"),
+            Error::Daemon(s) => write!(f, "softrdmad: {s}"),
         }
     }
 }

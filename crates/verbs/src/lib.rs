@@ -22,6 +22,8 @@
 //! port 4791 of the device's address (configurable for tests). Two processes on one host use two
 //! devices on two loopback addresses.
 
+pub mod daemon;
+pub mod cm;
 pub mod device;
 pub mod error;
 pub mod io;
@@ -29,7 +31,9 @@ pub mod memory;
 mod runtime;
 pub mod verbs;
 
+pub use cm::{CmEvent, CmEventChannel, CmId};
 pub use device::{devices, open_device, DeviceBuilder};
+pub use softrdma_cm::{ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace};
 pub use error::Error;
 pub use memory::MemoryRegion;
 pub use softrdma_device::{DeviceAttr, DeviceInfo, Gid, PortAttr};

@@ -11,12 +11,11 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use softrdma_transport::{Access, AtomicOp, KeyKind, MemError, MemoryAccess, PdId, Sge};
 
 use crate::error::{Error, Result};
-use crate::runtime::DeviceHandle;
+use crate::verbs::Dev;
 
 const PAGE: usize = 4096;
 
@@ -84,6 +83,41 @@ struct Entry {
     ptr: *mut u8,
     len: usize,
     access: Access,
+    /// `Some(pid)`: the region lives in another process (a daemon client); `ptr` is an address
+    /// there, reached only through `process_vm_readv`/`process_vm_writev`, never dereferenced.
+    pid: Option<u32>,
+}
+
+/// Where a resolved access goes.
+enum Loc {
+    Local(*mut u8),
+    Remote(u32, u64),
+}
+
+/// Copy between our buffer and another process's memory, as a NIC's DMA would (the daemon's
+/// path to its clients' registered memory). A short transfer (the client unmapped the range) is an
+/// access error, and nothing is assumed about the bytes.
+fn process_vm(pid: u32, addr: u64, local: *mut u8, len: usize, write: bool) -> core::result::Result<(), MemError> {
+    if len == 0 {
+        return Ok(());
+    }
+    let l = libc::iovec { iov_base: local as *mut libc::c_void, iov_len: len };
+    let r = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
+    // SAFETY: the local iovec covers a live Rust buffer of `len` bytes owned by the caller (read:
+    // written by the kernel; write: only read); the remote iovec is only interpreted by the kernel
+    // in the address space of `pid`, with that process's permissions checked.
+    let n = unsafe {
+        if write {
+            libc::process_vm_writev(pid as libc::pid_t, &l, 1, &r, 1, 0)
+        } else {
+            libc::process_vm_readv(pid as libc::pid_t, &l, 1, &r, 1, 0)
+        }
+    };
+    if n == len as isize {
+        Ok(())
+    } else {
+        Err(MemError::AccessDenied)
+    }
 }
 
 /// The device's region table: keys to buffers, with PD, bounds and rights.
@@ -98,19 +132,28 @@ pub(crate) struct MrTable {
 unsafe impl Send for MrTable {}
 
 impl MrTable {
+    /// Register `len` bytes at `addr` in process `pid` (the daemon registering a client's region).
+    pub(crate) fn insert_remote(&mut self, pd: PdId, pid: u32, addr: u64, len: usize, access: Access) -> u32 {
+        self.insert_entry(Entry { pd, ptr: addr as *mut u8, len, access, pid: Some(pid) })
+    }
+
     fn insert(&mut self, pd: PdId, ptr: *mut u8, len: usize, access: Access) -> u32 {
+        self.insert_entry(Entry { pd, ptr, len, access, pid: None })
+    }
+
+    fn insert_entry(&mut self, entry: Entry) -> u32 {
         // rxe-style keys: an index in the upper 24 bits and a rolling key byte in the lower 8.
         loop {
             self.next_index = self.next_index.wrapping_add(1);
             let key = ((self.next_index & 0xff_ffff) << 8) | (self.next_index.wrapping_mul(0x9d) & 0xff);
             if key != 0 && !self.entries.contains_key(&key) {
-                self.entries.insert(key, Entry { pd, ptr, len, access });
+                self.entries.insert(key, entry);
                 return key;
             }
         }
     }
 
-    fn remove(&mut self, key: u32) {
+    pub(crate) fn remove(&mut self, key: u32) {
         self.entries.remove(&key);
     }
 
@@ -119,7 +162,7 @@ impl MrTable {
         self.entries.len()
     }
 
-    fn resolve(&self, pd: PdId, key: u32, addr: u64, len: u64, need: Access) -> core::result::Result<*mut u8, MemError> {
+    fn resolve(&self, pd: PdId, key: u32, addr: u64, len: u64, need: Access) -> core::result::Result<Loc, MemError> {
         let e = self.entries.get(&key).ok_or(MemError::InvalidKey)?;
         if e.pd != pd {
             return Err(MemError::PdMismatch);
@@ -132,8 +175,11 @@ impl MrTable {
         if addr < start || end > start + e.len as u64 {
             return Err(MemError::OutOfBounds);
         }
+        if let Some(pid) = e.pid {
+            return Ok(Loc::Remote(pid, addr));
+        }
         // SAFETY: addr - start < e.len, so the offset stays inside the allocation.
-        Ok(unsafe { e.ptr.add((addr - start) as usize) })
+        Ok(Loc::Local(unsafe { e.ptr.add((addr - start) as usize) }))
     }
 }
 
@@ -157,7 +203,10 @@ impl MemoryAccess for MrTable {
     }
 
     fn read(&self, pd: PdId, key: u32, kind: KeyKind, addr: u64, out: &mut [u8]) -> core::result::Result<(), MemError> {
-        let p = self.resolve(pd, key, addr, out.len() as u64, read_right(kind))?;
+        let p = match self.resolve(pd, key, addr, out.len() as u64, read_right(kind))? {
+            Loc::Local(p) => p,
+            Loc::Remote(pid, a) => return process_vm(pid, a, out.as_mut_ptr(), out.len(), false),
+        };
         // SAFETY: `resolve` checked the range lies in a live registered buffer; the device lock is
         // held, so nothing else touches it; `out` is a distinct Rust buffer.
         unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
@@ -165,17 +214,32 @@ impl MemoryAccess for MrTable {
     }
 
     fn write(&mut self, pd: PdId, key: u32, kind: KeyKind, addr: u64, data: &[u8]) -> core::result::Result<(), MemError> {
-        let p = self.resolve(pd, key, addr, data.len() as u64, write_right(kind))?;
+        let p = match self.resolve(pd, key, addr, data.len() as u64, write_right(kind))? {
+            Loc::Local(p) => p,
+            Loc::Remote(pid, a) => return process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true),
+        };
         // SAFETY: as in `read`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Ok(())
     }
 
     fn atomic(&mut self, pd: PdId, rkey: u32, addr: u64, op: AtomicOp) -> core::result::Result<u64, MemError> {
-        if addr % 8 != 0 {
+        if !addr.is_multiple_of(8) {
             return Err(MemError::Misaligned);
         }
-        let p = self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)? as *mut u64;
+        let p = match self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)? {
+            Loc::Local(p) => p as *mut u64,
+            Loc::Remote(pid, a) => {
+                // Atomic with respect to every other RDMA access (all run under the device lock),
+                // as IBV_ATOMIC_HCA promises; not with respect to the client's own CPU accesses.
+                let mut w = [0u8; 8];
+                process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
+                let orig = u64::from_ne_bytes(w);
+                let new = op.apply(orig).to_ne_bytes();
+                process_vm(pid, a, new.as_ptr() as *mut u8, 8, true)?;
+                return Ok(orig);
+            }
+        };
         // SAFETY: in bounds and 8-byte aligned (the buffer is page aligned and addr % 8 == 0); the
         // device lock serialises every access to registered memory.
         unsafe {
@@ -195,8 +259,13 @@ impl MemoryAccess for MrTable {
 /// A registered memory region: a pinned buffer it owns ([`crate::ProtectionDomain::reg_mr`]), or
 /// memory of the caller's registered through the unsafe [`crate::ProtectionDomain::reg_mr_raw`] (the
 /// C ABI's `ibv_reg_mr`).
+///
+/// In daemon mode the buffer lives in this process as usual; softrdmad reaches it with
+/// `process_vm_readv`/`process_vm_writev` (as a NIC would by DMA), and the region's own
+/// [`read`](MemoryRegion::read)/[`write`](MemoryRegion::write) copy without a lock: ordering them
+/// against the device's accesses is the application's job, through completions, as with hardware.
 pub struct MemoryRegion {
-    dev: Arc<DeviceHandle>,
+    dev: Dev,
     key: u32,
     access: Access,
     ptr: *mut u8,
@@ -205,7 +274,8 @@ pub struct MemoryRegion {
 }
 
 // SAFETY: the pointer is to memory owned by this region or promised live by the caller of
-// `reg_mr_raw`; every access through it takes the device lock.
+// `reg_mr_raw`; every access through it takes the device lock (embedded mode), or races only with
+// the daemon's DMA-like copies, which the application orders through completions (daemon mode).
 unsafe impl Send for MemoryRegion {}
 // SAFETY: as above.
 unsafe impl Sync for MemoryRegion {}
@@ -221,12 +291,29 @@ impl MemoryRegion {
         Ok(())
     }
 
-    pub(crate) fn register(dev: Arc<DeviceHandle>, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
+    /// Enter `[ptr, ptr+len)` in the device's region table (embedded) or register it at the daemon.
+    fn enter(dev: &Dev, pd: PdId, ptr: *mut u8, len: usize, access: Access) -> Result<u32> {
+        match dev {
+            Dev::Embedded(h) => Ok(h.dev.lock().mem.insert(pd, ptr, len, access)),
+            Dev::Daemon(s) => {
+                let req = softrdma_abi::msg::Request::RegMr { pd: pd.0, addr: ptr as u64, len: len as u64, access: access.bits() };
+                s.call_id(&req)
+            }
+        }
+    }
+
+    pub(crate) fn register(dev: Dev, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
         Self::check_access(access)?;
         let buf = AlignedBuf::new(len)?;
         pin(buf.ptr, len)?;
         let (ptr, len) = (buf.ptr, buf.len);
-        let key = dev.dev.lock().mem.insert(pd, ptr, len, access);
+        let key = match Self::enter(&dev, pd, ptr, len, access) {
+            Ok(k) => k,
+            Err(e) => {
+                unpin(ptr, len);
+                return Err(e);
+            }
+        };
         Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Some(buf) })
     }
 
@@ -238,7 +325,7 @@ impl MemoryRegion {
     /// exists, as a NIC does by DMA; accesses by the caller that race with those are the caller's
     /// to order (through completions), exactly as with a hardware device.
     pub(crate) unsafe fn register_raw(
-        dev: Arc<DeviceHandle>,
+        dev: Dev,
         pd: PdId,
         ptr: *mut u8,
         len: usize,
@@ -249,7 +336,13 @@ impl MemoryRegion {
             return Err(Error::InvalidArgument("null address".into()));
         }
         pin(ptr, len)?;
-        let key = dev.dev.lock().mem.insert(pd, ptr, len, access);
+        let key = match Self::enter(&dev, pd, ptr, len, access) {
+            Ok(k) => k,
+            Err(e) => {
+                unpin(ptr, len);
+                return Err(e);
+            }
+        };
         Ok(MemoryRegion { dev, key, access, ptr, len, _owned: None })
     }
 
@@ -294,10 +387,19 @@ impl MemoryRegion {
         }
     }
 
+    /// The embedded device's lock, which excludes the engine's accesses; in daemon mode there is
+    /// none to take (see the type's docs).
+    fn guard(&self) -> Option<std::sync::MutexGuard<'_, crate::runtime::State>> {
+        match &self.dev {
+            Dev::Embedded(h) => Some(h.dev.lock()),
+            Dev::Daemon(_) => None,
+        }
+    }
+
     /// Copy `data` into the region at `offset`.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         self.check(offset, data.len())?;
-        let _guard = self.dev.dev.lock();
+        let _guard = self.guard();
         // SAFETY: bounds checked above; the device lock excludes the engine's accesses.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
         Ok(())
@@ -306,7 +408,7 @@ impl MemoryRegion {
     /// Copy bytes of the region at `offset` into `out`.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         self.check(offset, out.len())?;
-        let _guard = self.dev.dev.lock();
+        let _guard = self.guard();
         // SAFETY: as in `write`.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
         Ok(())
@@ -321,7 +423,7 @@ impl MemoryRegion {
 
     /// Fill the whole region with `byte`.
     pub fn fill(&self, byte: u8) {
-        let _guard = self.dev.dev.lock();
+        let _guard = self.guard();
         // SAFETY: the whole buffer, under the device lock.
         unsafe { std::ptr::write_bytes(self.ptr, byte, self.len) };
     }
@@ -329,7 +431,10 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        self.dev.dev.lock().mem.remove(self.key);
+        match &self.dev {
+            Dev::Embedded(h) => h.dev.lock().mem.remove(self.key),
+            Dev::Daemon(s) => s.call_quiet(&softrdma_abi::msg::Request::DeregMr { key: self.key }),
+        }
         unpin(self.ptr, self.len);
     }
 }

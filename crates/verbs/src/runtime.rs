@@ -3,8 +3,11 @@
 //! produces.
 //!
 //! Verbs calls run on the caller's thread: they take the lock, act on the engine, and send any
-//! packets it produced right away (no wake-up of the I/O thread on the send path). The I/O thread
-//! sleeps in `ppoll` on the sockets and a wake-up socket until a packet or the next timer.
+//! packets it produced right away (no hand-over to the I/O thread on the send path). The I/O thread
+//! sleeps in `ppoll` on the sockets and a wake-up socket until a packet or the next timer; a call
+//! that arms a timer earlier than the one the I/O thread sleeps towards (the first request after
+//! an idle period, an RNR wait) wakes it once, so the timer fires on time even if the application
+//! then blocks instead of polling.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
@@ -17,9 +20,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use softrdma_device::DeviceInfo;
-use softrdma_transport::{AsyncEvent, Config, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats};
+use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
+use softrdma_wire::roce::{seal_udp_payload, seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats};
 
+use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
 use crate::memory::MrTable;
@@ -29,6 +33,33 @@ const TX_SLOT: usize = 4096 + 512;
 /// Bytes per receive slot: a whole GRO batch (up to 64 KiB of coalesced datagrams); larger
 /// datagrams are truncated by the kernel and dropped as malformed.
 const RX_SLOT: usize = 65536;
+
+/// One QP's share of the device's traffic and engine counters (daemon mode).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct QpTraffic {
+    /// Packets sent, bytes sent, packets received, bytes received (UDP payloads).
+    pub pkts: [u64; 4],
+    /// The engine counters' increments while handling this QP's packets (received, or produced
+    /// by `poll_transmit`). Timer work (`ack_timeouts`, retry rounds started by a timeout) is not
+    /// attributed to a QP.
+    pub engine: Counters,
+}
+
+macro_rules! add_delta {
+    ($acc:expr, $a:expr, $b:expr, $($f:ident),*) => {
+        $( $acc.$f += $b.$f.wrapping_sub($a.$f); )*
+    };
+}
+
+/// `acc += after - before`, field by field.
+fn add_delta(acc: &mut Counters, before: &Counters, after: &Counters) {
+    add_delta!(
+        acc, before, after, rcvd_pkts, sent_pkts, rcvd_bytes, sent_bytes, drop_malformed, drop_unknown_qp,
+        drop_bad_state, drop_pkey, drop_qkey, drop_no_recv, drop_uc_msg, drop_stray_resp, duplicate_request,
+        out_of_seq_request, rcvd_seq_err, send_rnr_nak, rcvd_rnr_err, send_err_nak, rcvd_err_nak, retry_rounds,
+        retransmits, ack_timeouts, cq_overflow
+    );
+}
 
 /// Everything behind the device lock.
 pub(crate) struct State {
@@ -41,9 +72,25 @@ pub(crate) struct State {
     pub verify: VerifyStats,
     /// Datagrams the socket refused.
     pub tx_errors: u64,
+    /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
+    /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
+    /// than this must wake it, or the timer would fire up to an idle wait late.
+    pub(crate) io_wake_at: Option<Instant>,
     pub next_pd: u32,
+    /// Per-QP traffic (packets sent, bytes sent, packets received, bytes received), kept only when
+    /// the device runs in the daemon (`None` in embedded mode costs nothing).
+    pub qp_traffic: Option<HashMap<softrdma_wire::Qpn, QpTraffic>>,
+    /// The connection manager of the device (QP1).
+    pub cm: CmState,
     tx_buf: Vec<u8>,
     rx_buf: Vec<u8>,
+}
+
+impl State {
+    /// The earliest timer of the engine and the CM agent.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        [self.hca.poll_timeout(), self.cm.agent.poll_timeout()].into_iter().flatten().min()
+    }
 }
 
 /// A completion channel's shared part: a queue of CQs with events, a condition variable for
@@ -77,6 +124,10 @@ pub(crate) struct Device {
     state: Mutex<State>,
     pub port: UdpPort,
     async_cv: Condvar,
+    /// One byte per queued async event: the read end is readable while events are pending
+    /// (`ibv_context.async_fd`).
+    async_tx: UnixDatagram,
+    async_rx: UnixDatagram,
     wake_tx: UnixDatagram,
     wake_rx: UnixDatagram,
     stop: AtomicBool,
@@ -135,10 +186,27 @@ fn grh_area(src: SocketAddr, dst: SocketAddr, udp_payload: usize) -> [u8; 40] {
     g
 }
 
+/// The CM agent of a device: its GUID, the addresses its sockets are bound to with their GID
+/// indices, its MTU, and a seed that differs per process and run.
+fn cm_agent(info: &DeviceInfo, port: &UdpPort) -> softrdma_cm::CmAgent {
+    let addrs = port
+        .sockets()
+        .filter_map(|(_, a)| {
+            let index = info.gids.iter().find(|(_, e)| e.gid.to_ip() == a.ip()).map(|(i, _)| i)?;
+            Some((a.ip(), u8::try_from(index).ok()?))
+        })
+        .collect();
+    let mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let seed = t.as_nanos() as u64 ^ (u64::from(std::process::id()) << 40);
+    softrdma_cm::CmAgent::new(softrdma_cm::AgentConfig::new(info.node_guid().0, addrs, mtu, seed))
+}
+
 impl Device {
     /// Bind the UDP endpoint and build the engine for `info`.
     pub fn new(info: DeviceInfo, v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>, udp_port: u16) -> Result<Device> {
         let port = UdpPort::bind(v4, v6, udp_port)?;
+        let cm = CmState::new(cm_agent(&info, &port));
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
@@ -146,6 +214,9 @@ impl Device {
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
         wake_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         wake_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
+        let (async_tx, async_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the async event socket", e))?;
+        async_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
+        async_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         let state = State {
             hca: Hca::new(config),
             mem: MrTable::default(),
@@ -153,7 +224,10 @@ impl Device {
             async_events: VecDeque::new(),
             verify: VerifyStats::default(),
             tx_errors: 0,
+            io_wake_at: None,
             next_pd: 1,
+            qp_traffic: None,
+            cm,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
         };
@@ -162,6 +236,8 @@ impl Device {
             state: Mutex::new(state),
             port,
             async_cv: Condvar::new(),
+            async_tx,
+            async_rx,
             wake_tx,
             wake_rx,
             stop: AtomicBool::new(false),
@@ -198,15 +274,35 @@ impl Device {
         // (a multi-packet message's middle and last packets, for instance); the kernel numbers the
         // IPv4 identifications of the segments 0, 1, 2, ..., so packet k of a group is sealed for
         // identification k.
-        let State { hca, mem, tx_buf, tx_errors, .. } = &mut *st;
+        {
+            let st = &mut *st;
+            st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
+                let dst = SocketAddr::new(gid_ip(&dgid), self.port.port());
+                let sent = self.port.local_for(&dst).is_some_and(|src| {
+                    seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok()
+                });
+                if !sent {
+                    st.tx_errors += 1;
+                }
+            });
+        }
+        let State { hca, mem, tx_buf, tx_errors, qp_traffic, .. } = &mut *st;
         let gso = self.port.gso();
         loop {
             let mut meta = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
             let mut slots = [0usize; udp::BATCH];
             let (mut n, mut k) = (0, 0);
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
+                // Daemon mode attributes engine counters and packets to QPs (packets when built:
+                // a batch's send errors are not attributed).
+                let before = qp_traffic.is_some().then(|| *hca.counters());
                 let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
                 n += 1;
+                if let (Some(before), Some(q)) = (before, qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn))) {
+                    add_delta(&mut q.engine, &before, hca.counters());
+                    q.pkts[0] += 1;
+                    q.pkts[1] += t.len as u64;
+                }
                 let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
                 let Some(src) = self.port.local_for(&dst) else {
                     *tx_errors += 1;
@@ -256,9 +352,18 @@ impl Device {
                 ch.notify(cq);
             }
         }
+        if let Some(t) = st.next_deadline() {
+            if st.io_wake_at.is_none_or(|w| t < w) {
+                // Recorded so that one earlier deadline costs one wake-up, however many calls
+                // see it before the I/O thread runs.
+                st.io_wake_at = Some(t);
+                let _ = self.wake();
+            }
+        }
         let mut any = false;
         while let Some(ev) = st.hca.poll_event() {
             st.async_events.push_back(ev);
+            let _ = self.async_tx.send(&[1]);
             any = true;
         }
         if any {
@@ -273,7 +378,17 @@ impl Device {
             .async_cv
             .wait_timeout_while(st, timeout, |s| s.async_events.is_empty())
             .expect("device lock poisoned");
-        st.async_events.pop_front()
+        let ev = st.async_events.pop_front();
+        if ev.is_some() {
+            let mut b = [0u8; 1];
+            let _ = self.async_rx.recv(&mut b);
+        }
+        ev
+    }
+
+    /// A file descriptor readable while async events are pending.
+    pub fn async_event_fd(&self) -> std::os::fd::RawFd {
+        self.async_rx.as_raw_fd()
     }
 
     /// One received datagram.
@@ -288,10 +403,26 @@ impl Device {
                 counters.rcvd_pkts += 1;
                 st.verify.record(UdpVerdict::Bad);
             }
-            Ok((_, verdict)) => {
+            Ok((ib, verdict)) => {
                 st.verify.record(verdict);
+                if st.cm.handle_packet(now, src.ip(), &ib) {
+                    return;
+                }
                 let rx = RxInfo { grh: grh_area(src, local, payload.len()) };
-                st.hca.handle_packet(now, payload, &rx, &mut st.mem);
+                let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
+                match (st.qp_traffic.is_some(), qpn) {
+                    (true, Some(qpn)) => {
+                        let before = *st.hca.counters();
+                        st.hca.handle_packet(now, payload, &rx, &mut st.mem);
+                        let after = *st.hca.counters();
+                        if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
+                            c.pkts[2] += 1;
+                            c.pkts[3] += payload.len() as u64;
+                            add_delta(&mut c.engine, &before, &after);
+                        }
+                    }
+                    _ => st.hca.handle_packet(now, payload, &rx, &mut st.mem),
+                }
             }
         }
     }
@@ -347,6 +478,9 @@ impl Device {
         if st.hca.poll_timeout().is_some_and(|t| t <= now) {
             st.hca.handle_timeout(now, &mut st.mem);
         }
+        if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
+            st.cm.agent.handle_timeout(now);
+        }
         self.flush(st, now);
     }
 
@@ -375,10 +509,13 @@ impl Device {
                     continue;
                 }
             }
-            let deadline = self.lock().hca.poll_timeout();
-            let wait = match deadline {
-                Some(at) => at.saturating_since(self.now()).min(Duration::from_millis(200)),
-                None => Duration::from_millis(200),
+            let wait = {
+                let mut st = self.lock();
+                let now = self.now();
+                let idle = now + IDLE_WAIT;
+                let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
+                st.io_wake_at = Some(wake_at);
+                wake_at.saturating_since(now)
             };
             let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
             // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
@@ -399,10 +536,25 @@ impl Device {
         last != 0 && self.now().as_nanos().saturating_sub(last) < BUSY_WINDOW.as_nanos() as u64
     }
 
-    fn wake(&self) -> io::Result<()> {
+    /// Wake the thread sleeping on [`Device::wake_fd`].
+    pub(crate) fn wake(&self) -> io::Result<()> {
         self.wake_tx.send(&[1]).map(|_| ())
     }
+
+    /// The descriptor a wake-up makes readable (the daemon's device loop polls it).
+    pub(crate) fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.wake_rx.as_raw_fd()
+    }
+
+    /// Consume pending wake-ups.
+    pub(crate) fn drain_wake(&self) {
+        let mut buf = [0u8; 64];
+        while self.wake_rx.recv(&mut buf).is_ok() {}
+    }
 }
+
+/// The longest the I/O thread sleeps without a deadline (it also rechecks `stop` this often).
+const IDLE_WAIT: Duration = Duration::from_millis(200);
 
 /// Owner of a running device: stops and joins the I/O thread when the last verbs object is gone.
 pub(crate) struct DeviceHandle {

@@ -17,113 +17,255 @@ use softrdma_transport::{
 use softrdma_wire::roce::VerifyStats;
 use softrdma_wire::{Psn, Qpn};
 
+use crate::daemon::client;
 use crate::error::{Error, Result};
 use crate::memory::MemoryRegion;
 use crate::runtime::{ChannelShared, DeviceHandle};
 
+/// Where a device runs: in this process, or in softrdmad (see [`crate::daemon`]).
+#[derive(Clone)]
+pub(crate) enum Dev {
+    /// The engine and I/O thread live in this process.
+    Embedded(Arc<DeviceHandle>),
+    /// The device belongs to softrdmad; this is our session with it.
+    Daemon(Arc<client::Session>),
+}
+
+impl Dev {
+    fn info(&self) -> &DeviceInfo {
+        match self {
+            Dev::Embedded(h) => &h.dev.info,
+            Dev::Daemon(s) => &s.info,
+        }
+    }
+
+    fn same(&self, o: &Dev) -> bool {
+        match (self, o) {
+            (Dev::Embedded(a), Dev::Embedded(b)) => Arc::ptr_eq(a, b),
+            (Dev::Daemon(a), Dev::Daemon(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
 /// An open device.
+///
+/// The device runs embedded (in this process) or in softrdmad ([`crate::daemon`]); every method
+/// behaves the same either way.
 #[derive(Clone)]
 pub struct Context {
-    h: Arc<DeviceHandle>,
+    h: Dev,
 }
 
 impl Context {
     pub(crate) fn new(h: Arc<DeviceHandle>) -> Context {
-        Context { h }
+        Context { h: Dev::Embedded(h) }
+    }
+
+    pub(crate) fn daemon(s: Arc<client::Session>) -> Context {
+        Context { h: Dev::Daemon(s) }
+    }
+
+    /// Whether the device belongs to softrdmad (rather than running in this process).
+    pub fn is_daemon(&self) -> bool {
+        matches!(self.h, Dev::Daemon(_))
     }
 
     /// Device name.
     pub fn name(&self) -> &str {
-        &self.h.dev.info.name
+        &self.h.info().name
     }
 
     /// The device description (netdev, attributes, GIDs).
     pub fn info(&self) -> &DeviceInfo {
-        &self.h.dev.info
+        self.h.info()
     }
 
     /// Device attributes (`ibv_query_device`).
     pub fn query_device(&self) -> &DeviceAttr {
-        &self.h.dev.info.attr
+        &self.h.info().attr
     }
 
     /// Port attributes (`ibv_query_port`); the only port is 1.
     pub fn query_port(&self, port: u8) -> Result<&PortAttr> {
-        Ok(self.h.dev.info.port_attr(u32::from(port))?)
+        Ok(self.h.info().port_attr(u32::from(port))?)
     }
 
     /// A GID (`ibv_query_gid`).
     pub fn query_gid(&self, port: u8, index: usize) -> Result<Gid> {
-        Ok(self.h.dev.info.gid(u32::from(port), index)?.gid)
+        Ok(self.h.info().gid(u32::from(port), index)?.gid)
     }
 
     /// A P_Key (`ibv_query_pkey`).
     pub fn query_pkey(&self, port: u8, index: usize) -> Result<u16> {
-        self.h.dev.info.check_port(u32::from(port))?;
-        self.h.dev.info.pkeys.get(index).copied().ok_or_else(|| {
-            Error::InvalidArgument(format!("P_Key index {index} out of range (the table has {})", self.h.dev.info.pkeys.len()))
+        let info = self.h.info();
+        info.check_port(u32::from(port))?;
+        info.pkeys.get(index).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!("P_Key index {index} out of range (the table has {})", info.pkeys.len()))
         })
     }
 
     /// The UDP port the device uses.
     pub fn udp_port(&self) -> u16 {
-        self.h.dev.port.port()
+        match &self.h {
+            Dev::Embedded(h) => h.dev.port.port(),
+            Dev::Daemon(s) => s.udp_port,
+        }
     }
 
-    /// Allocate a protection domain.
+    /// Allocate a protection domain. (With a daemon that refuses — its per-client object limit —
+    /// the PD is invalid and every object created in it fails with `NoSuchObject`.)
     pub fn alloc_pd(&self) -> ProtectionDomain {
-        let id = {
-            let mut st = self.h.dev.lock();
-            st.next_pd += 1;
-            PdId(st.next_pd)
-        };
-        ProtectionDomain { h: Arc::clone(&self.h), id }
+        match &self.h {
+            Dev::Embedded(h) => {
+                let id = {
+                    let mut st = h.dev.lock();
+                    st.next_pd += 1;
+                    PdId(st.next_pd)
+                };
+                ProtectionDomain { h: self.h.clone(), id, _daemon: None }
+            }
+            Dev::Daemon(s) => match s.call_id(&softrdma_abi::msg::Request::AllocPd) {
+                Ok(id) => ProtectionDomain {
+                    h: self.h.clone(),
+                    id: PdId(id),
+                    _daemon: Some(Arc::new(client::Pd { s: Arc::clone(s), id })),
+                },
+                Err(_) => ProtectionDomain { h: self.h.clone(), id: PdId(0), _daemon: None },
+            },
+        }
     }
 
     /// Create a completion channel.
     pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
-        Ok(CompletionChannel { _h: Arc::clone(&self.h), shared: Arc::new(ChannelShared::new()?) })
+        match &self.h {
+            Dev::Embedded(h) => {
+                Ok(CompletionChannel { imp: ChannelImp::Embedded { _h: Arc::clone(h), shared: Arc::new(ChannelShared::new()?) } })
+            }
+            Dev::Daemon(s) => Ok(CompletionChannel { imp: ChannelImp::Daemon(client::Channel::create(s)?) }),
+        }
     }
 
     /// Create a completion queue of `cqe` entries, optionally tied to a channel.
     pub fn create_cq(&self, cqe: u32, channel: Option<&CompletionChannel>) -> Result<CompletionQueue> {
-        let max = self.h.dev.info.attr.max_cqe;
+        let max = self.h.info().attr.max_cqe;
         if cqe == 0 || cqe > max {
             return Err(Error::InvalidArgument(format!("CQ size {cqe} outside 1..={max}")));
         }
-        let mut st = self.h.dev.lock();
-        let id = st.hca.create_cq(cqe);
-        if let Some(ch) = channel {
-            st.channels.insert(id, Arc::clone(&ch.shared));
-        }
-        Ok(CompletionQueue { inner: Arc::new(CqInner { h: Arc::clone(&self.h), id }) })
+        let inner = match &self.h {
+            Dev::Embedded(h) => {
+                let mut st = h.dev.lock();
+                let id = st.hca.create_cq(cqe);
+                match channel.map(|c| &c.imp) {
+                    Some(ChannelImp::Embedded { shared, .. }) => {
+                        st.channels.insert(id, Arc::clone(shared));
+                    }
+                    Some(ChannelImp::Daemon(_)) => {
+                        let _ = st.hca.destroy_cq(id);
+                        return Err(Error::InvalidArgument("the channel belongs to another device".into()));
+                    }
+                    None => {}
+                }
+                CqInner::Embedded { h: Arc::clone(h), id }
+            }
+            Dev::Daemon(s) => {
+                let ch = match channel.map(|c| &c.imp) {
+                    Some(ChannelImp::Daemon(c)) if Arc::ptr_eq(&c.s, s) => Some(c.id),
+                    Some(_) => return Err(Error::InvalidArgument("the channel belongs to another device".into())),
+                    None => None,
+                };
+                CqInner::Daemon(client::Cq::create(s, cqe, ch)?)
+            }
+        };
+        Ok(CompletionQueue { inner: Arc::new(inner), dev: self.h.clone() })
     }
 
     /// Wait up to `timeout` for an asynchronous event (`ibv_get_async_event`).
     pub fn get_async_event(&self, timeout: Duration) -> Option<AsyncEvent> {
-        self.h.dev.wait_async_event(timeout)
+        match &self.h {
+            Dev::Embedded(h) => h.dev.wait_async_event(timeout),
+            Dev::Daemon(s) => s.async_event(timeout),
+        }
     }
 
-    /// Engine counters.
+    /// A file descriptor that is readable while asynchronous events are pending (what
+    /// `ibv_context.async_fd` is in libibverbs): poll it, then call [`Context::get_async_event`].
+    /// It stays open as long as the device runs.
+    pub fn async_event_fd(&self) -> RawFd {
+        match &self.h {
+            Dev::Embedded(h) => h.dev.async_event_fd(),
+            Dev::Daemon(s) => s.async_event_fd(),
+        }
+    }
+
+    fn daemon_counters(s: &client::Session) -> Vec<(String, u64)> {
+        let req = softrdma_abi::msg::Request::Stats { device: Some(s.info.name.clone()) };
+        match s.call(&req, &[]) {
+            Ok((softrdma_abi::msg::Response::Stats(mut v), _)) if !v.is_empty() => v.swap_remove(0).counters,
+            _ => Vec::new(),
+        }
+    }
+
+    /// Engine counters (in daemon mode: the device's, all clients together).
     pub fn counters(&self) -> Counters {
-        *self.h.dev.lock().hca.counters()
+        match &self.h {
+            Dev::Embedded(h) => *h.dev.lock().hca.counters(),
+            Dev::Daemon(s) => client::counters_from(&Self::daemon_counters(s)),
+        }
     }
 
     /// ICRC verdicts of received packets.
     pub fn icrc_stats(&self) -> VerifyStats {
-        self.h.dev.lock().verify
+        match &self.h {
+            Dev::Embedded(h) => h.dev.lock().verify,
+            Dev::Daemon(s) => {
+                let c = Self::daemon_counters(s);
+                let get = |k: &str| c.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
+                VerifyStats { verified: get("icrc_verified"), recovered: get("icrc_recovered_id"), bad: get("icrc_errors") }
+            }
+        }
     }
 
-    /// Memory regions currently registered.
+    /// The running embedded device (for the CM's IDs).
+    ///
+    /// # Panics
+    /// On a softrdmad device: the daemon's CM agent is not exposed to clients yet.
+    /// The embedded device behind this context; the RDMA CM runs on embedded devices only.
+    pub(crate) fn embedded(&self) -> Result<&Arc<DeviceHandle>> {
+        match &self.h {
+            Dev::Embedded(h) => Ok(h),
+            Dev::Daemon(_) => Err(Error::InvalidArgument(
+                "the RDMA CM is not available on softrdmad devices yet (embedded devices only)".into(),
+            )),
+        }
+    }
+
+    /// Create an RDMA CM ID on this device (`rdma_create_id`), reporting to `channel`. Fails on a
+    /// softrdmad device ([`Context::is_daemon`]): the CM runs on embedded devices only for now.
+    pub fn create_cm_id(
+        &self,
+        channel: &crate::cm::CmEventChannel,
+        ps: softrdma_cm::PortSpace,
+    ) -> Result<crate::cm::CmId> {
+        Ok(crate::cm::CmId::create(Arc::clone(self.embedded()?), channel, ps))
+    }
+
+    /// Memory regions currently registered (in daemon mode: on the device, all clients together).
     pub fn mr_count(&self) -> usize {
-        self.h.dev.lock().mem.len()
+        match &self.h {
+            Dev::Embedded(h) => h.dev.lock().mem.len(),
+            Dev::Daemon(s) => {
+                Self::daemon_counters(s).iter().find(|(n, _)| n == "engine_mrs").map_or(0, |(_, v)| *v as usize)
+            }
+        }
     }
 }
 
 /// A protection domain.
 pub struct ProtectionDomain {
-    h: Arc<DeviceHandle>,
+    h: Dev,
     id: PdId,
+    _daemon: Option<Arc<client::Pd>>,
 }
 
 /// Attributes for creating a queue pair.
@@ -169,7 +311,7 @@ impl AhAttr {
 impl ProtectionDomain {
     /// Register `len` bytes of fresh, zeroed, pinned memory with `access`.
     pub fn reg_mr(&self, len: usize, access: Access) -> Result<MemoryRegion> {
-        MemoryRegion::register(Arc::clone(&self.h), self.id, len, access)
+        MemoryRegion::register(self.h.clone(), self.id, len, access)
     }
 
     /// Register memory the caller owns (the C ABI's `ibv_reg_mr`).
@@ -180,12 +322,12 @@ impl ProtectionDomain {
     /// [`MemoryRegion`]'s docs).
     pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<MemoryRegion> {
         // SAFETY: forwarded from this function's contract.
-        unsafe { MemoryRegion::register_raw(Arc::clone(&self.h), self.id, ptr, len, access) }
+        unsafe { MemoryRegion::register_raw(self.h.clone(), self.id, ptr, len, access) }
     }
 
     /// Create a queue pair (in RESET).
     pub fn create_qp(&self, attr: &QpInitAttr<'_>) -> Result<QueuePair> {
-        let a = &self.h.dev.info.attr;
+        let a = &self.h.info().attr;
         let c = &attr.cap;
         if c.max_send_wr > a.max_qp_wr || c.max_recv_wr > a.max_qp_wr {
             return Err(Error::InvalidArgument(format!("queue depth above max_qp_wr {}", a.max_qp_wr)));
@@ -194,22 +336,45 @@ impl ProtectionDomain {
             return Err(Error::InvalidArgument(format!("SGE count above max_sge {}", a.max_sge)));
         }
         for cq in [attr.send_cq, attr.recv_cq] {
-            if !Arc::ptr_eq(&cq.inner.h, &self.h) {
+            if !cq.dev.same(&self.h) {
                 return Err(Error::InvalidArgument("the CQ belongs to another device".into()));
             }
         }
-        let init = QpInit {
-            qp_type: attr.qp_type,
-            pd: self.id,
-            send_cq: attr.send_cq.inner.id,
-            recv_cq: attr.recv_cq.inner.id,
-            srq: attr.srq.map(|s| s.inner.id),
-            cap: attr.cap,
-            sq_sig_all: attr.sq_sig_all,
+        if attr.srq.is_some_and(|s| !s.dev.same(&self.h)) {
+            return Err(Error::InvalidArgument("the SRQ belongs to another device".into()));
+        }
+        let imp = match &self.h {
+            Dev::Embedded(h) => {
+                let init = QpInit {
+                    qp_type: attr.qp_type,
+                    pd: self.id,
+                    send_cq: attr.send_cq.inner.id(),
+                    recv_cq: attr.recv_cq.inner.id(),
+                    srq: attr.srq.map(|s| s.inner.id()),
+                    cap: attr.cap,
+                    sq_sig_all: attr.sq_sig_all,
+                };
+                let qpn = h.dev.lock().hca.create_qp(init)?;
+                QpImp::Embedded { h: Arc::clone(h), qpn }
+            }
+            Dev::Daemon(s) => QpImp::Daemon(client::Qp::create(
+                s,
+                self.id.0,
+                attr.qp_type,
+                attr.send_cq.inner.id().0,
+                attr.recv_cq.inner.id().0,
+                attr.srq.map(|s| s.inner.id().0),
+                attr.cap,
+                attr.sq_sig_all,
+            )?),
         };
-        let qpn = self.h.dev.lock().hca.create_qp(init)?;
+        let qpn = match &imp {
+            QpImp::Embedded { qpn, .. } => *qpn,
+            QpImp::Daemon(q) => q.qpn,
+        };
         Ok(QueuePair {
-            h: Arc::clone(&self.h),
+            imp,
+            h: self.h.clone(),
             qpn,
             qp_type: attr.qp_type,
             _send_cq: Arc::clone(&attr.send_cq.inner),
@@ -220,15 +385,21 @@ impl ProtectionDomain {
 
     /// Create a shared receive queue.
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
-        let a = &self.h.dev.info.attr;
+        let a = &self.h.info().attr;
         if max_wr == 0 || max_wr > a.max_srq_wr || max_sge > a.max_srq_sge {
             return Err(Error::InvalidArgument(format!(
                 "SRQ of {max_wr} WRs x {max_sge} SGEs exceeds max_srq_wr {} / max_srq_sge {}",
                 a.max_srq_wr, a.max_srq_sge
             )));
         }
-        let id = self.h.dev.lock().hca.create_srq(max_wr, max_sge);
-        Ok(SharedReceiveQueue { inner: Arc::new(SrqInner { h: Arc::clone(&self.h), id }) })
+        let inner = match &self.h {
+            Dev::Embedded(h) => {
+                let id = h.dev.lock().hca.create_srq(max_wr, max_sge);
+                SrqInner::Embedded { h: Arc::clone(h), id }
+            }
+            Dev::Daemon(s) => SrqInner::Daemon(client::Srq::create(s, self.id.0, max_wr, max_sge)?),
+        };
+        Ok(SharedReceiveQueue { inner: Arc::new(inner), dev: self.h.clone() })
     }
 
     /// Create an address handle; the source GID index must exist.
@@ -238,8 +409,8 @@ impl ProtectionDomain {
     }
 }
 
-fn av_from(h: &DeviceHandle, attr: &AhAttr) -> Result<AddressVector> {
-    h.dev.info.gid(u32::from(attr.port), usize::from(attr.sgid_index))?;
+fn av_from(h: &Dev, attr: &AhAttr) -> Result<AddressVector> {
+    h.info().gid(u32::from(attr.port), usize::from(attr.sgid_index))?;
     Ok(AddressVector {
         dgid: attr.dgid.0,
         sgid_index: attr.sgid_index,
@@ -251,108 +422,170 @@ fn av_from(h: &DeviceHandle, attr: &AhAttr) -> Result<AddressVector> {
     })
 }
 
-struct CqInner {
-    h: Arc<DeviceHandle>,
-    id: CqId,
+enum CqInner {
+    Embedded { h: Arc<DeviceHandle>, id: CqId },
+    Daemon(client::Cq),
+}
+
+impl CqInner {
+    fn id(&self) -> CqId {
+        match self {
+            CqInner::Embedded { id, .. } => *id,
+            CqInner::Daemon(c) => CqId(c.id),
+        }
+    }
 }
 
 impl Drop for CqInner {
     fn drop(&mut self) {
-        let mut st = self.h.dev.lock();
-        st.channels.remove(&self.id);
-        let _ = st.hca.destroy_cq(self.id);
+        if let CqInner::Embedded { h, id } = self {
+            let mut st = h.dev.lock();
+            st.channels.remove(id);
+            let _ = st.hca.destroy_cq(*id);
+        }
     }
 }
 
 /// A completion queue.
 pub struct CompletionQueue {
     inner: Arc<CqInner>,
+    dev: Dev,
 }
 
 impl CompletionQueue {
     /// This CQ's handle, as reported by [`CompletionChannel::get_cq_event`].
     pub fn handle(&self) -> u32 {
-        self.inner.id.0
+        self.inner.id().0
     }
 
     /// Move up to `max` completions into `out`; returns how many. An empty CQ first makes the
     /// device progress (receive, time out, send) on this thread, so busy polling does not wait for
     /// the I/O thread.
+    ///
+    /// In daemon mode this reads the CQ's ring in shared memory: no system call.
     pub fn poll(&self, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize> {
-        let dev = &self.inner.h.dev;
+        let (h, id) = match &*self.inner {
+            CqInner::Embedded { h, id } => (h, *id),
+            CqInner::Daemon(c) => return c.poll(max, out),
+        };
+        let dev = &h.dev;
         let mut st = dev.lock();
-        let n = st.hca.poll_cq(self.inner.id, max, out)?;
+        let n = st.hca.poll_cq(id, max, out)?;
         if n > 0 || max == 0 {
             return Ok(n);
         }
         dev.progress(&mut st);
-        Ok(st.hca.poll_cq(self.inner.id, max, out)?)
+        Ok(st.hca.poll_cq(id, max, out)?)
     }
 
     /// Ask for a channel event on the next completion (solicited or error only if `solicited_only`).
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
-        Ok(self.inner.h.dev.lock().hca.req_notify_cq(self.inner.id, solicited_only)?)
+        match &*self.inner {
+            CqInner::Embedded { h, id } => Ok(h.dev.lock().hca.req_notify_cq(*id, solicited_only)?),
+            CqInner::Daemon(c) => {
+                c.req_notify(solicited_only);
+                Ok(())
+            }
+        }
     }
 }
 
 /// A completion channel: blocking waits, and a file descriptor readable while events are pending.
 pub struct CompletionChannel {
-    _h: Arc<DeviceHandle>,
-    shared: Arc<ChannelShared>,
+    imp: ChannelImp,
+}
+
+enum ChannelImp {
+    Embedded { _h: Arc<DeviceHandle>, shared: Arc<ChannelShared> },
+    Daemon(client::Channel),
 }
 
 impl CompletionChannel {
     /// Wait for a CQ event (up to `timeout`, or forever with `None`); returns the CQ's handle.
     pub fn get_cq_event(&self, timeout: Option<Duration>) -> Option<u32> {
-        let q = self.shared.queue.lock().expect("channel lock");
+        let shared = match &self.imp {
+            ChannelImp::Embedded { shared, .. } => shared,
+            ChannelImp::Daemon(c) => return c.get_cq_event(timeout),
+        };
+        let q = shared.queue.lock().expect("channel lock");
         let mut q = match timeout {
-            Some(t) => self.shared.cv.wait_timeout_while(q, t, |q| q.is_empty()).expect("channel lock").0,
-            None => self.shared.cv.wait_while(q, |q| q.is_empty()).expect("channel lock"),
+            Some(t) => shared.cv.wait_timeout_while(q, t, |q| q.is_empty()).expect("channel lock").0,
+            None => shared.cv.wait_while(q, |q| q.is_empty()).expect("channel lock"),
         };
         let cq = q.pop_front()?;
         let mut b = [0u8; 1];
-        let _ = self.shared.rx.recv(&mut b);
+        let _ = shared.rx.recv(&mut b);
         Some(cq.0)
     }
 }
 
 impl AsRawFd for CompletionChannel {
     fn as_raw_fd(&self) -> RawFd {
-        self.shared.rx.as_raw_fd()
+        match &self.imp {
+            ChannelImp::Embedded { shared, .. } => shared.rx.as_raw_fd(),
+            ChannelImp::Daemon(c) => c.rx.as_raw_fd(),
+        }
     }
 }
 
-struct SrqInner {
-    h: Arc<DeviceHandle>,
-    id: SrqId,
+enum SrqInner {
+    Embedded { h: Arc<DeviceHandle>, id: SrqId },
+    Daemon(client::Srq),
+}
+
+impl SrqInner {
+    fn id(&self) -> SrqId {
+        match self {
+            SrqInner::Embedded { id, .. } => *id,
+            SrqInner::Daemon(s) => SrqId(s.id),
+        }
+    }
 }
 
 impl Drop for SrqInner {
     fn drop(&mut self) {
-        let _ = self.h.dev.lock().hca.destroy_srq(self.id);
+        if let SrqInner::Embedded { h, id } = self {
+            let _ = h.dev.lock().hca.destroy_srq(*id);
+        }
     }
 }
 
 /// A shared receive queue.
 pub struct SharedReceiveQueue {
     inner: Arc<SrqInner>,
+    dev: Dev,
 }
 
 impl SharedReceiveQueue {
+    /// This SRQ's handle, as [`AsyncEvent::SrqLimitReached`] reports it.
+    pub fn handle(&self) -> u32 {
+        self.inner.id().0
+    }
+
     /// Post a receive.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        Ok(self.inner.h.dev.lock().hca.post_srq_recv(self.inner.id, wr)?)
+        match &*self.inner {
+            SrqInner::Embedded { h, id } => Ok(h.dev.lock().hca.post_srq_recv(*id, wr)?),
+            SrqInner::Daemon(s) => s.post_recv(&wr),
+        }
     }
 
     /// Arm the limit event: it fires when fewer than `limit` WQEs remain.
     pub fn arm(&self, limit: u32) -> Result<()> {
-        Ok(self.inner.h.dev.lock().hca.arm_srq(self.inner.id, limit)?)
+        match &*self.inner {
+            SrqInner::Embedded { h, id } => Ok(h.dev.lock().hca.arm_srq(*id, limit)?),
+            SrqInner::Daemon(s) => {
+                s.s.call(&softrdma_abi::msg::Request::ArmSrq { srq: s.id, limit }, &[])?;
+                Ok(())
+            }
+        }
     }
 }
 
 /// A queue pair. Holds its CQs (and SRQ), so it cannot outlive them.
 pub struct QueuePair {
-    h: Arc<DeviceHandle>,
+    imp: QpImp,
+    h: Dev,
     qpn: Qpn,
     qp_type: QpType,
     _send_cq: Arc<CqInner>,
@@ -374,53 +607,86 @@ impl QueuePair {
     /// Modify state and attributes; a path's source GID index must exist.
     pub fn modify(&self, attr: &ModifyQp) -> Result<()> {
         if let Some(av) = &attr.av {
-            self.h.dev.info.gid(1, usize::from(av.sgid_index))?;
+            self.h.info().gid(1, usize::from(av.sgid_index))?;
         }
-        self.h.dev.run(|st, now| {
-            let st = &mut *st;
-            st.hca.modify_qp(self.qpn, attr, now, &mut st.mem)
-        })?;
-        Ok(())
+        match &self.imp {
+            QpImp::Embedded { h, .. } => {
+                h.dev.run(|st, now| {
+                    let st = &mut *st;
+                    st.hca.modify_qp(self.qpn, attr, now, &mut st.mem)
+                })?;
+                Ok(())
+            }
+            QpImp::Daemon(q) => q.modify(attr),
+        }
     }
 
     /// Current state and attributes.
     pub fn query(&self) -> Result<QueuePairInfo> {
-        Ok(self.h.dev.lock().hca.query_qp(self.qpn)?)
+        match &self.imp {
+            QpImp::Embedded { h, .. } => Ok(h.dev.lock().hca.query_qp(self.qpn)?),
+            QpImp::Daemon(q) => q.query(),
+        }
     }
 
-    /// Post a send work request; its packets leave before this returns.
+    /// Post a send work request. Embedded: its packets leave before this returns. Daemon: it is
+    /// written to the send ring in shared memory (a doorbell system call only if the daemon's
+    /// device loop sleeps).
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
-        self.h.dev.run(|st, now| {
-            let st = &mut *st;
-            st.hca.post_send(self.qpn, wr, now, &mut st.mem)
-        })?;
-        Ok(())
+        match &self.imp {
+            QpImp::Embedded { h, .. } => {
+                h.dev.run(|st, now| {
+                    let st = &mut *st;
+                    st.hca.post_send(self.qpn, wr, now, &mut st.mem)
+                })?;
+                Ok(())
+            }
+            QpImp::Daemon(q) => q.post_send(&wr),
+        }
     }
 
     /// Post a list of send work requests under one lock (`ibv_post_send` with a chained list): the
     /// packets they produce leave in `sendmmsg` batches before this returns. On the first refused
     /// request the error is returned; the requests before it stay posted (verbs' `bad_wr`).
     pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
-        self.h.dev.run(|st, now| {
-            let st = &mut *st;
-            wrs.into_iter().try_for_each(|wr| st.hca.post_send(self.qpn, wr, now, &mut st.mem))
-        })?;
-        Ok(())
+        match &self.imp {
+            QpImp::Embedded { h, .. } => {
+                h.dev.run(|st, now| {
+                    let st = &mut *st;
+                    wrs.into_iter().try_for_each(|wr| st.hca.post_send(self.qpn, wr, now, &mut st.mem))
+                })?;
+                Ok(())
+            }
+            // The daemon's rings take one WR at a time; the daemon batches on its side.
+            QpImp::Daemon(q) => wrs.into_iter().try_for_each(|wr| q.post_send(&wr)),
+        }
     }
 
     /// Post a receive work request.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        self.h.dev.run(|st, now| {
-            let st = &mut *st;
-            st.hca.post_recv(self.qpn, wr, now, &mut st.mem)
-        })?;
-        Ok(())
+        match &self.imp {
+            QpImp::Embedded { h, .. } => {
+                h.dev.run(|st, now| {
+                    let st = &mut *st;
+                    st.hca.post_recv(self.qpn, wr, now, &mut st.mem)
+                })?;
+                Ok(())
+            }
+            QpImp::Daemon(q) => q.post_recv(&wr),
+        }
     }
 }
 
-impl Drop for QueuePair {
+enum QpImp {
+    Embedded { h: Arc<DeviceHandle>, qpn: Qpn },
+    Daemon(client::Qp),
+}
+
+impl Drop for QpImp {
     fn drop(&mut self) {
-        let _ = self.h.dev.lock().hca.destroy_qp(self.qpn);
+        if let QpImp::Embedded { h, qpn } = self {
+            let _ = h.dev.lock().hca.destroy_qp(*qpn);
+        }
     }
 }
 

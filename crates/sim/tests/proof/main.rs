@@ -51,16 +51,19 @@ fn failing_run_writes_a_pcap() {
     });
     assert!(r.is_err());
     let f = std::fs::read(&path).expect("pcap written");
-    // Header, then SEND FIRST/MIDDLE/LAST (1024+1024+952 payload) and one ACK.
-    assert_eq!(&f[..4], &softrdma_sim::pcap::MAGIC_NS.to_le_bytes());
-    let mut off = 24;
+    // SEND FIRST/MIDDLE/LAST (1024+1024+952 payload) and one ACK, each a RoCEv2 packet whose ICRC
+    // verifies, as `softrdma pcap check` would see them.
+    let reader = softrdma_wire::capture::PcapReader::new(&f).unwrap();
+    let link = reader.link_type();
     let mut lens = Vec::new();
-    while off < f.len() {
-        let incl = u32::from_le_bytes(f[off + 8..off + 12].try_into().unwrap()) as usize;
-        lens.push(incl);
-        off += 16 + incl;
+    for frame in reader {
+        let frame = frame.unwrap();
+        let softrdma_wire::capture::Classified::RoceV2(ip) = softrdma_wire::capture::classify(link, frame.data) else {
+            panic!("not RoCEv2");
+        };
+        softrdma_wire::RoceV2Packet::parse_verified(ip).unwrap();
+        lens.push(ip.len());
     }
-    assert_eq!(off, f.len());
     assert_eq!(
         lens,
         vec![

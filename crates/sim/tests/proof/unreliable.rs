@@ -4,7 +4,6 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
-use softrdma_sim::pcap::ipv4_header;
 use softrdma_sim::steps::*;
 use softrdma_sim::{ConnOpts, Impairments, Net};
 use softrdma_transport::wr::UdDest;
@@ -221,7 +220,19 @@ fn ud_grh_qkey_src_qp_and_immediate() {
     {
         let buf = &m[i * 4200..];
         assert_eq!(&buf[..20], &[0u8; 20]);
-        let ip = ipv4_header([10, 0, 0, 1], [10, 0, 0, 2], 8 + frame.raw.len() as u16);
+        let mut ip = [0u8; 20];
+        softrdma_wire::Ipv4Repr {
+            src_addr: [10, 0, 0, 1].into(),
+            dst_addr: [10, 0, 0, 2].into(),
+            protocol: 17,
+            payload_len: 8 + frame.raw.len(),
+            ttl: 64,
+            tos: 0,
+            ident: 0,
+            dont_frag: true,
+        }
+        .emit(&mut ip)
+        .unwrap();
         assert_eq!(&buf[20..40], &ip[..]);
         assert_eq!(&buf[40..40 + len], &data[..len]);
         assert!(buf[40 + len..4200].iter().all(|&x| x == 0xdd));

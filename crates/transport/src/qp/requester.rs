@@ -427,7 +427,7 @@ impl Qp {
             ctx.config.ack_req_every
         };
         let ack_req =
-            qp_type == QpType::Rc && (message_end || self.sq.noack + 1 >= every || window_full);
+            qp_type == QpType::Rc && (message_end || self.sq.noack > every || window_full);
         let dest_qp = match (&w.wr.ud, qp_type) {
             (Some(ud), QpType::Ud) => ud.remote_qpn,
             _ => self.attr.dest_qpn,

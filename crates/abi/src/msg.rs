@@ -1,0 +1,1096 @@
+//! Control messages between an application (or the `softrdma` CLI) and the daemon.
+//!
+//! One request, one response, each a single `SOCK_SEQPACKET` record: `u32 version`, `u16 kind`,
+//! then the body ([`crate::codec`]). File descriptors ride along as `SCM_RIGHTS`: the tx end of a
+//! completion channel with [`Request::CreateChannel`]; the doorbell eventfd and the async-event
+//! socket with [`Response::Opened`]; the ring memfd with [`Response::Cq`], [`Response::Srq`] and
+//! [`Response::Qp`]. The connection is the client's session: everything it created is destroyed
+//! when it closes.
+//!
+//! The data path does not use these messages: work requests and completions go through the rings.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::Mutex;
+
+use softrdma_device::netdev::{IfAddr, IfFlags, MacAddr, Netdev};
+use softrdma_device::DeviceConfig;
+use softrdma_transport::hca::QueuePairInfo;
+use softrdma_transport::{
+    Access, AddressVector, AsyncEvent, CqId, ModifyQp, Mtu, QpCap, QpState, QpType, SrqId,
+    VerbsError,
+};
+use softrdma_wire::{Psn, Qpn};
+
+use crate::codec::{DResult, DecodeError, Reader, Writer};
+use crate::ABI_VERSION;
+
+/// Largest control message.
+pub const MAX_MSG: usize = 64 * 1024;
+
+/// What a client asks.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Request {
+    /// First message: the client's ABI version.
+    Hello,
+    /// The daemon's devices.
+    ListDevices,
+    /// Attach this connection to a device (verbs objects need one).
+    OpenDevice { name: String },
+    /// Allocate a protection domain.
+    AllocPd,
+    /// Free a protection domain.
+    DeallocPd { pd: u32 },
+    /// Register `len` bytes at `addr` of the client's address space.
+    RegMr {
+        pd: u32,
+        addr: u64,
+        len: u64,
+        access: u32,
+    },
+    /// Deregister.
+    DeregMr { key: u32 },
+    /// A completion channel; the datagram socket to send CQ handles on comes as a descriptor.
+    CreateChannel,
+    /// Close a completion channel.
+    DestroyChannel { id: u32 },
+    /// A CQ of at least `cqe` entries.
+    CreateCq { cqe: u32, channel: Option<u32> },
+    /// Destroy a CQ.
+    DestroyCq { cq: u32 },
+    /// An SRQ.
+    CreateSrq { pd: u32, max_wr: u32, max_sge: u32 },
+    /// Arm an SRQ's limit.
+    ArmSrq { srq: u32, limit: u32 },
+    /// Destroy an SRQ.
+    DestroySrq { srq: u32 },
+    /// A QP.
+    CreateQp {
+        pd: u32,
+        qp_type: QpType,
+        send_cq: u32,
+        recv_cq: u32,
+        srq: Option<u32>,
+        cap: QpCap,
+        sq_sig_all: bool,
+    },
+    /// Modify a QP.
+    ModifyQp { qpn: u32, attr: ModifyQp },
+    /// Query a QP.
+    QueryQp { qpn: u32 },
+    /// Destroy a QP.
+    DestroyQp { qpn: u32 },
+    /// Counters and object counts of one device or all.
+    Stats { device: Option<String> },
+    /// `link add NAME type rxe netdev IFACE [addr IP]`.
+    LinkAdd {
+        name: String,
+        netdev: String,
+        addr: Option<IpAddr>,
+    },
+    /// `link delete NAME`.
+    LinkDelete { name: String },
+    /// `dev set NAME name NEWNAME`.
+    Rename { name: String, new_name: String },
+    /// `roce-mode NAME PORT v1|v2`.
+    RoceMode { name: String, port: u8, v1: bool },
+}
+
+/// Why the daemon refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The engine refused (same meaning as in embedded mode).
+    Verbs(VerbsError),
+    /// A bad argument.
+    InvalidArgument(String),
+    /// No device of that name.
+    UnknownDevice(String),
+    /// Not allowed for this user.
+    PermissionDenied(String),
+    /// Anything else, described.
+    Other(String),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::Verbs(e) => write!(f, "{e}"),
+            Refusal::InvalidArgument(s) => write!(f, "invalid argument: {s}"),
+            Refusal::UnknownDevice(n) => write!(f, "IB device '{n}' wasn't found"),
+            Refusal::PermissionDenied(s) => write!(f, "permission denied: {s}"),
+            Refusal::Other(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+/// One device as the daemon lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceEntry {
+    /// Registry entry.
+    pub config: DeviceConfig,
+    /// Default RoCE mode of port 1 is v1.
+    pub roce_v1: bool,
+    /// The netdev as the daemon sees it now (None: missing, the device is not running).
+    pub netdev: Option<Netdev>,
+    /// The UDP port its endpoint uses.
+    pub udp_port: u16,
+}
+
+/// Counters and objects of one device.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DeviceStats {
+    /// Device name.
+    pub name: String,
+    /// Device-wide counters, by name.
+    pub counters: Vec<(String, u64)>,
+    /// Per-QP counters: QPN, owner pid, counters by name.
+    pub qps: Vec<QpStats>,
+}
+
+/// One QP's counters: QPN, owner pid, counters by name.
+pub type QpStats = (u32, u32, Vec<(String, u64)>);
+
+/// What the daemon answers.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Response {
+    /// Done.
+    Ok,
+    /// Refused.
+    Error(Refusal),
+    /// Answer to hello.
+    Hello { daemon_pid: u32 },
+    /// The devices.
+    Devices(Vec<DeviceEntry>),
+    /// Attached (descriptors: doorbell eventfd, async-event socket).
+    Opened(DeviceEntry),
+    /// A new object's handle (PD, MR key, channel).
+    Id(u32),
+    /// A CQ (descriptor: ring memfd; one ring at offset 0).
+    Cq { id: u32, capacity: u32 },
+    /// An SRQ (descriptor: ring memfd; one ring at offset 0).
+    Srq {
+        id: u32,
+        capacity: u32,
+        slot_size: u32,
+    },
+    /// A QP (descriptor: memfd with the send ring at 0 and, without an SRQ, the receive ring at
+    /// `rq_offset`).
+    Qp {
+        qpn: u32,
+        sq_capacity: u32,
+        sq_slot: u32,
+        rq_capacity: u32,
+        rq_slot: u32,
+        rq_offset: u64,
+    },
+    /// A QP's attributes.
+    QpInfo(QueuePairInfo),
+    /// Statistics.
+    Stats(Vec<DeviceStats>),
+}
+
+// ---- helpers ---------------------------------------------------------------------------------
+
+/// The engine's error texts are `&'static str`; across the socket they come back as owned strings,
+/// interned once so the set stays bounded by the set of distinct texts.
+fn intern(s: String) -> &'static str {
+    static SET: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+    let mut g = SET.lock().unwrap_or_else(|e| e.into_inner());
+    let set = g.get_or_insert_with(HashSet::new);
+    if let Some(x) = set.get(s.as_str()) {
+        return x;
+    }
+    if set.len() > 256 {
+        return "error text unavailable";
+    }
+    let leaked: &'static str = Box::leak(s.into_boxed_str());
+    set.insert(leaked);
+    leaked
+}
+
+const STATES: [QpState; 7] = [
+    QpState::Reset,
+    QpState::Init,
+    QpState::Rtr,
+    QpState::Rts,
+    QpState::Sqd,
+    QpState::Sqe,
+    QpState::Err,
+];
+
+fn state_code(s: QpState) -> u8 {
+    STATES.iter().position(|x| *x == s).unwrap_or(0) as u8
+}
+fn state_from(r: &mut Reader<'_>) -> DResult<QpState> {
+    STATES
+        .get(r.u8()? as usize)
+        .copied()
+        .ok_or(DecodeError("bad QP state"))
+}
+fn qp_type_code(t: QpType) -> u8 {
+    match t {
+        QpType::Rc => 0,
+        QpType::Uc => 1,
+        QpType::Ud => 2,
+    }
+}
+fn qp_type_from(r: &mut Reader<'_>) -> DResult<QpType> {
+    match r.u8()? {
+        0 => Ok(QpType::Rc),
+        1 => Ok(QpType::Uc),
+        2 => Ok(QpType::Ud),
+        _ => Err(DecodeError("bad QP type")),
+    }
+}
+fn mtu_from(r: &mut Reader<'_>) -> DResult<Mtu> {
+    let n = r.u8()?;
+    Mtu::ALL
+        .into_iter()
+        .find(|m| *m as u8 == n)
+        .ok_or(DecodeError("bad MTU"))
+}
+
+fn put_av(w: &mut Writer, av: &AddressVector) {
+    w.raw(&av.dgid)
+        .u8(av.sgid_index)
+        .u8(av.hop_limit)
+        .u8(av.traffic_class)
+        .u32(av.flow_label)
+        .u16(av.dlid)
+        .u8(av.sl);
+}
+fn av_from(r: &mut Reader<'_>) -> DResult<AddressVector> {
+    Ok(AddressVector {
+        dgid: r.array()?,
+        sgid_index: r.u8()?,
+        hop_limit: r.u8()?,
+        traffic_class: r.u8()?,
+        flow_label: r.u32()?,
+        dlid: r.u16()?,
+        sl: r.u8()?,
+    })
+}
+
+fn put_modify(w: &mut Writer, a: &ModifyQp) {
+    w.u32(a.mask());
+    if let Some(s) = a.state {
+        w.u8(state_code(s));
+    }
+    if let Some(s) = a.cur_state {
+        w.u8(state_code(s));
+    }
+    if let Some(v) = a.en_sqd_async_notify {
+        w.bool(v);
+    }
+    if let Some(v) = a.access {
+        w.u32(v.bits());
+    }
+    if let Some(v) = a.pkey_index {
+        w.u16(v);
+    }
+    if let Some(v) = a.port {
+        w.u8(v);
+    }
+    if let Some(v) = a.qkey {
+        w.u32(v);
+    }
+    if let Some(v) = &a.av {
+        put_av(w, v);
+    }
+    if let Some(v) = a.path_mtu {
+        w.u8(v as u8);
+    }
+    for v in [a.timeout, a.retry_cnt, a.rnr_retry].into_iter().flatten() {
+        w.u8(v);
+    }
+    if let Some(v) = a.rq_psn {
+        w.u32(v.value());
+    }
+    if let Some(v) = a.max_rd_atomic {
+        w.u8(v);
+    }
+    if let Some(v) = a.min_rnr_timer {
+        w.u8(v);
+    }
+    if let Some(v) = a.sq_psn {
+        w.u32(v.value());
+    }
+    if let Some(v) = a.max_dest_rd_atomic {
+        w.u8(v);
+    }
+    if let Some(v) = a.dest_qpn {
+        w.u32(v.value());
+    }
+}
+
+fn modify_from(r: &mut Reader<'_>) -> DResult<ModifyQp> {
+    use softrdma_transport::attr::mask as m;
+    let bits = r.u32()?;
+    let has = |b: u32| bits & b != 0;
+    let mut a = ModifyQp::default();
+    if has(m::STATE) {
+        a.state = Some(state_from(r)?);
+    }
+    if has(m::CUR_STATE) {
+        a.cur_state = Some(state_from(r)?);
+    }
+    if has(m::EN_SQD_ASYNC_NOTIFY) {
+        a.en_sqd_async_notify = Some(r.bool()?);
+    }
+    if has(m::ACCESS_FLAGS) {
+        a.access = Some(Access::from_bits(r.u32()?));
+    }
+    if has(m::PKEY_INDEX) {
+        a.pkey_index = Some(r.u16()?);
+    }
+    if has(m::PORT) {
+        a.port = Some(r.u8()?);
+    }
+    if has(m::QKEY) {
+        a.qkey = Some(r.u32()?);
+    }
+    if has(m::AV) {
+        a.av = Some(av_from(r)?);
+    }
+    if has(m::PATH_MTU) {
+        a.path_mtu = Some(mtu_from(r)?);
+    }
+    if has(m::TIMEOUT) {
+        a.timeout = Some(r.u8()?);
+    }
+    if has(m::RETRY_CNT) {
+        a.retry_cnt = Some(r.u8()?);
+    }
+    if has(m::RNR_RETRY) {
+        a.rnr_retry = Some(r.u8()?);
+    }
+    if has(m::RQ_PSN) {
+        a.rq_psn = Some(Psn::new(r.u32()?));
+    }
+    if has(m::MAX_QP_RD_ATOMIC) {
+        a.max_rd_atomic = Some(r.u8()?);
+    }
+    if has(m::MIN_RNR_TIMER) {
+        a.min_rnr_timer = Some(r.u8()?);
+    }
+    if has(m::SQ_PSN) {
+        a.sq_psn = Some(Psn::new(r.u32()?));
+    }
+    if has(m::MAX_DEST_RD_ATOMIC) {
+        a.max_dest_rd_atomic = Some(r.u8()?);
+    }
+    if has(m::DEST_QPN) {
+        a.dest_qpn = Some(Qpn::new(r.u32()?));
+    }
+    Ok(a)
+}
+
+fn put_qp_info(w: &mut Writer, q: &QueuePairInfo) {
+    w.u32(q.qpn.value())
+        .u8(state_code(q.state))
+        .u8(qp_type_code(q.qp_type))
+        .u32(q.qkey)
+        .u32(q.access.bits());
+    put_av(w, &q.av);
+    w.u8(q.path_mtu as u8).u32(q.dest_qpn.value());
+    w.u8(q.timeout)
+        .u8(q.retry_cnt)
+        .u8(q.rnr_retry)
+        .u8(q.max_rd_atomic)
+        .u8(q.max_dest_rd_atomic)
+        .u8(q.min_rnr_timer);
+    w.u32(q.rq_psn.value())
+        .u32(q.sq_psn.value())
+        .u32(q.sq_outstanding)
+        .u32(q.rq_posted);
+}
+
+fn qp_info_from(r: &mut Reader<'_>) -> DResult<QueuePairInfo> {
+    Ok(QueuePairInfo {
+        qpn: Qpn::new(r.u32()?),
+        state: state_from(r)?,
+        qp_type: qp_type_from(r)?,
+        qkey: r.u32()?,
+        access: Access::from_bits(r.u32()?),
+        av: av_from(r)?,
+        path_mtu: mtu_from(r)?,
+        dest_qpn: Qpn::new(r.u32()?),
+        timeout: r.u8()?,
+        retry_cnt: r.u8()?,
+        rnr_retry: r.u8()?,
+        max_rd_atomic: r.u8()?,
+        max_dest_rd_atomic: r.u8()?,
+        min_rnr_timer: r.u8()?,
+        rq_psn: Psn::new(r.u32()?),
+        sq_psn: Psn::new(r.u32()?),
+        sq_outstanding: r.u32()?,
+        rq_posted: r.u32()?,
+    })
+}
+
+fn put_netdev(w: &mut Writer, n: &Netdev) {
+    w.u32(n.index)
+        .str(&n.name)
+        .bool(n.flags.up)
+        .bool(n.flags.running)
+        .bool(n.flags.lower_up)
+        .bool(n.flags.loopback);
+    w.u32(n.mtu);
+    match n.mac {
+        Some(m) => w.u8(1).raw(&m.0),
+        None => w.u8(0),
+    };
+    w.u32(n.addrs.len() as u32);
+    for a in &n.addrs {
+        w.ip(a.addr).u8(a.prefix_len);
+    }
+    w.opt_u32(n.speed_mbps);
+}
+
+fn netdev_from(r: &mut Reader<'_>) -> DResult<Netdev> {
+    let index = r.u32()?;
+    let name = r.str()?;
+    let flags = IfFlags {
+        up: r.bool()?,
+        running: r.bool()?,
+        lower_up: r.bool()?,
+        loopback: r.bool()?,
+    };
+    let mtu = r.u32()?;
+    let mac = if r.bool()? {
+        Some(MacAddr(r.array()?))
+    } else {
+        None
+    };
+    let n = r.list_len()?;
+    let mut addrs = Vec::with_capacity(n);
+    for _ in 0..n {
+        addrs.push(IfAddr::new(r.ip()?, r.u8()?));
+    }
+    Ok(Netdev {
+        index,
+        name,
+        flags,
+        mtu,
+        mac,
+        addrs,
+        speed_mbps: r.opt_u32()?,
+    })
+}
+
+fn put_entry(w: &mut Writer, e: &DeviceEntry) {
+    w.str(&e.config.name).str(&e.config.netdev);
+    match e.config.addr {
+        Some(a) => w.u8(1).ip(a),
+        None => w.u8(0),
+    };
+    w.bool(e.roce_v1).u16(e.udp_port);
+    match &e.netdev {
+        Some(n) => {
+            w.u8(1);
+            put_netdev(w, n);
+        }
+        None => {
+            w.u8(0);
+        }
+    }
+}
+
+fn entry_from(r: &mut Reader<'_>) -> DResult<DeviceEntry> {
+    let name = r.str()?;
+    let netdev = r.str()?;
+    let mut config = DeviceConfig::new(name, netdev);
+    if r.bool()? {
+        config = config.with_addr(r.ip()?);
+    }
+    let roce_v1 = r.bool()?;
+    let udp_port = r.u16()?;
+    let netdev = if r.bool()? {
+        Some(netdev_from(r)?)
+    } else {
+        None
+    };
+    Ok(DeviceEntry {
+        config,
+        roce_v1,
+        netdev,
+        udp_port,
+    })
+}
+
+fn put_counters(w: &mut Writer, c: &[(String, u64)]) {
+    w.u32(c.len() as u32);
+    for (k, v) in c {
+        w.str(k).u64(*v);
+    }
+}
+
+fn counters_from(r: &mut Reader<'_>) -> DResult<Vec<(String, u64)>> {
+    let n = r.list_len()?;
+    (0..n).map(|_| Ok((r.str()?, r.u64()?))).collect()
+}
+
+fn put_refusal(w: &mut Writer, e: &Refusal) {
+    match e {
+        Refusal::Verbs(v) => {
+            w.u8(0);
+            let (code, a, b, mask, text): (u8, QpState, QpState, u32, &str) = match v {
+                VerbsError::NoSuchObject => (0, QpState::Reset, QpState::Reset, 0, ""),
+                VerbsError::IllegalTransition { from, to } => (1, *from, *to, 0, ""),
+                VerbsError::MissingAttributes { from, to, mask } => (2, *from, *to, *mask, ""),
+                VerbsError::UnexpectedAttributes { from, to, mask } => (3, *from, *to, *mask, ""),
+                VerbsError::InvalidAttribute(s) => (4, QpState::Reset, QpState::Reset, 0, s),
+                VerbsError::QueueFull => (5, QpState::Reset, QpState::Reset, 0, ""),
+                VerbsError::InvalidState(s) => (6, *s, QpState::Reset, 0, ""),
+                VerbsError::InvalidWorkRequest(s) => (7, QpState::Reset, QpState::Reset, 0, s),
+                VerbsError::CapacityExceeded(s) => (8, QpState::Reset, QpState::Reset, 0, s),
+                VerbsError::Busy => (9, QpState::Reset, QpState::Reset, 0, ""),
+                #[allow(unreachable_patterns)]
+                other => {
+                    w.buf.pop();
+                    w.u8(4).str(&other.to_string());
+                    return;
+                }
+            };
+            w.u8(code)
+                .u8(state_code(a))
+                .u8(state_code(b))
+                .u32(mask)
+                .str(text);
+        }
+        Refusal::InvalidArgument(s) => {
+            w.u8(1).str(s);
+        }
+        Refusal::UnknownDevice(s) => {
+            w.u8(2).str(s);
+        }
+        Refusal::PermissionDenied(s) => {
+            w.u8(3).str(s);
+        }
+        Refusal::Other(s) => {
+            w.u8(4).str(s);
+        }
+    }
+}
+
+fn refusal_from(r: &mut Reader<'_>) -> DResult<Refusal> {
+    Ok(match r.u8()? {
+        0 => {
+            let code = r.u8()?;
+            let a = state_from(r)?;
+            let b = state_from(r)?;
+            let mask = r.u32()?;
+            let text = r.str()?;
+            Refusal::Verbs(match code {
+                0 => VerbsError::NoSuchObject,
+                1 => VerbsError::IllegalTransition { from: a, to: b },
+                2 => VerbsError::MissingAttributes {
+                    from: a,
+                    to: b,
+                    mask,
+                },
+                3 => VerbsError::UnexpectedAttributes {
+                    from: a,
+                    to: b,
+                    mask,
+                },
+                4 => VerbsError::InvalidAttribute(intern(text)),
+                5 => VerbsError::QueueFull,
+                6 => VerbsError::InvalidState(a),
+                7 => VerbsError::InvalidWorkRequest(intern(text)),
+                8 => VerbsError::CapacityExceeded(intern(text)),
+                9 => VerbsError::Busy,
+                _ => return Err(DecodeError("bad verbs error code")),
+            })
+        }
+        1 => Refusal::InvalidArgument(r.str()?),
+        2 => Refusal::UnknownDevice(r.str()?),
+        3 => Refusal::PermissionDenied(r.str()?),
+        4 => Refusal::Other(r.str()?),
+        _ => return Err(DecodeError("bad refusal kind")),
+    })
+}
+
+fn header(w: &mut Writer, kind: u16) {
+    w.u32(ABI_VERSION).u16(kind);
+}
+
+fn read_header(r: &mut Reader<'_>) -> DResult<u16> {
+    if r.u32()? != ABI_VERSION {
+        return Err(DecodeError("ABI version mismatch"));
+    }
+    r.u16()
+}
+
+impl Request {
+    /// Encode.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        match self {
+            Request::Hello => header(&mut w, 1),
+            Request::ListDevices => header(&mut w, 2),
+            Request::OpenDevice { name } => {
+                header(&mut w, 3);
+                w.str(name);
+            }
+            Request::AllocPd => header(&mut w, 4),
+            Request::DeallocPd { pd } => {
+                header(&mut w, 5);
+                w.u32(*pd);
+            }
+            Request::RegMr {
+                pd,
+                addr,
+                len,
+                access,
+            } => {
+                header(&mut w, 6);
+                w.u32(*pd).u64(*addr).u64(*len).u32(*access);
+            }
+            Request::DeregMr { key } => {
+                header(&mut w, 7);
+                w.u32(*key);
+            }
+            Request::CreateChannel => header(&mut w, 8),
+            Request::DestroyChannel { id } => {
+                header(&mut w, 9);
+                w.u32(*id);
+            }
+            Request::CreateCq { cqe, channel } => {
+                header(&mut w, 10);
+                w.u32(*cqe).opt_u32(*channel);
+            }
+            Request::DestroyCq { cq } => {
+                header(&mut w, 11);
+                w.u32(*cq);
+            }
+            Request::CreateSrq {
+                pd,
+                max_wr,
+                max_sge,
+            } => {
+                header(&mut w, 12);
+                w.u32(*pd).u32(*max_wr).u32(*max_sge);
+            }
+            Request::ArmSrq { srq, limit } => {
+                header(&mut w, 13);
+                w.u32(*srq).u32(*limit);
+            }
+            Request::DestroySrq { srq } => {
+                header(&mut w, 14);
+                w.u32(*srq);
+            }
+            Request::CreateQp {
+                pd,
+                qp_type,
+                send_cq,
+                recv_cq,
+                srq,
+                cap,
+                sq_sig_all,
+            } => {
+                header(&mut w, 15);
+                w.u32(*pd)
+                    .u8(qp_type_code(*qp_type))
+                    .u32(*send_cq)
+                    .u32(*recv_cq)
+                    .opt_u32(*srq);
+                w.u32(cap.max_send_wr)
+                    .u32(cap.max_recv_wr)
+                    .u32(cap.max_send_sge)
+                    .u32(cap.max_recv_sge);
+                w.u32(cap.max_inline_data).bool(*sq_sig_all);
+            }
+            Request::ModifyQp { qpn, attr } => {
+                header(&mut w, 16);
+                w.u32(*qpn);
+                put_modify(&mut w, attr);
+            }
+            Request::QueryQp { qpn } => {
+                header(&mut w, 17);
+                w.u32(*qpn);
+            }
+            Request::DestroyQp { qpn } => {
+                header(&mut w, 18);
+                w.u32(*qpn);
+            }
+            Request::Stats { device } => {
+                header(&mut w, 19);
+                match device {
+                    Some(d) => w.u8(1).str(d),
+                    None => w.u8(0),
+                };
+            }
+            Request::LinkAdd { name, netdev, addr } => {
+                header(&mut w, 20);
+                w.str(name).str(netdev);
+                match addr {
+                    Some(a) => w.u8(1).ip(*a),
+                    None => w.u8(0),
+                };
+            }
+            Request::LinkDelete { name } => {
+                header(&mut w, 21);
+                w.str(name);
+            }
+            Request::Rename { name, new_name } => {
+                header(&mut w, 22);
+                w.str(name).str(new_name);
+            }
+            Request::RoceMode { name, port, v1 } => {
+                header(&mut w, 23);
+                w.str(name).u8(*port).bool(*v1);
+            }
+        }
+        w.buf
+    }
+
+    /// Decode; anything malformed is an error.
+    pub fn decode(buf: &[u8]) -> DResult<Request> {
+        let mut r = Reader::new(buf);
+        let req = match read_header(&mut r)? {
+            1 => Request::Hello,
+            2 => Request::ListDevices,
+            3 => Request::OpenDevice { name: r.str()? },
+            4 => Request::AllocPd,
+            5 => Request::DeallocPd { pd: r.u32()? },
+            6 => Request::RegMr {
+                pd: r.u32()?,
+                addr: r.u64()?,
+                len: r.u64()?,
+                access: r.u32()?,
+            },
+            7 => Request::DeregMr { key: r.u32()? },
+            8 => Request::CreateChannel,
+            9 => Request::DestroyChannel { id: r.u32()? },
+            10 => Request::CreateCq {
+                cqe: r.u32()?,
+                channel: r.opt_u32()?,
+            },
+            11 => Request::DestroyCq { cq: r.u32()? },
+            12 => Request::CreateSrq {
+                pd: r.u32()?,
+                max_wr: r.u32()?,
+                max_sge: r.u32()?,
+            },
+            13 => Request::ArmSrq {
+                srq: r.u32()?,
+                limit: r.u32()?,
+            },
+            14 => Request::DestroySrq { srq: r.u32()? },
+            15 => Request::CreateQp {
+                pd: r.u32()?,
+                qp_type: qp_type_from(&mut r)?,
+                send_cq: r.u32()?,
+                recv_cq: r.u32()?,
+                srq: r.opt_u32()?,
+                cap: QpCap {
+                    max_send_wr: r.u32()?,
+                    max_recv_wr: r.u32()?,
+                    max_send_sge: r.u32()?,
+                    max_recv_sge: r.u32()?,
+                    max_inline_data: r.u32()?,
+                },
+                sq_sig_all: r.bool()?,
+            },
+            16 => Request::ModifyQp {
+                qpn: r.u32()?,
+                attr: modify_from(&mut r)?,
+            },
+            17 => Request::QueryQp { qpn: r.u32()? },
+            18 => Request::DestroyQp { qpn: r.u32()? },
+            19 => Request::Stats {
+                device: if r.bool()? { Some(r.str()?) } else { None },
+            },
+            20 => Request::LinkAdd {
+                name: r.str()?,
+                netdev: r.str()?,
+                addr: if r.bool()? { Some(r.ip()?) } else { None },
+            },
+            21 => Request::LinkDelete { name: r.str()? },
+            22 => Request::Rename {
+                name: r.str()?,
+                new_name: r.str()?,
+            },
+            23 => Request::RoceMode {
+                name: r.str()?,
+                port: r.u8()?,
+                v1: r.bool()?,
+            },
+            _ => return Err(DecodeError("unknown request")),
+        };
+        r.finish()?;
+        Ok(req)
+    }
+}
+
+impl Response {
+    /// Encode.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        match self {
+            Response::Ok => header(&mut w, 1),
+            Response::Error(e) => {
+                header(&mut w, 2);
+                put_refusal(&mut w, e);
+            }
+            Response::Hello { daemon_pid } => {
+                header(&mut w, 3);
+                w.u32(*daemon_pid);
+            }
+            Response::Devices(list) => {
+                header(&mut w, 4);
+                w.u32(list.len() as u32);
+                for e in list {
+                    put_entry(&mut w, e);
+                }
+            }
+            Response::Opened(e) => {
+                header(&mut w, 5);
+                put_entry(&mut w, e);
+            }
+            Response::Id(id) => {
+                header(&mut w, 6);
+                w.u32(*id);
+            }
+            Response::Cq { id, capacity } => {
+                header(&mut w, 7);
+                w.u32(*id).u32(*capacity);
+            }
+            Response::Srq {
+                id,
+                capacity,
+                slot_size,
+            } => {
+                header(&mut w, 8);
+                w.u32(*id).u32(*capacity).u32(*slot_size);
+            }
+            Response::Qp {
+                qpn,
+                sq_capacity,
+                sq_slot,
+                rq_capacity,
+                rq_slot,
+                rq_offset,
+            } => {
+                header(&mut w, 9);
+                w.u32(*qpn)
+                    .u32(*sq_capacity)
+                    .u32(*sq_slot)
+                    .u32(*rq_capacity)
+                    .u32(*rq_slot)
+                    .u64(*rq_offset);
+            }
+            Response::QpInfo(q) => {
+                header(&mut w, 10);
+                put_qp_info(&mut w, q);
+            }
+            Response::Stats(list) => {
+                header(&mut w, 11);
+                w.u32(list.len() as u32);
+                for d in list {
+                    w.str(&d.name);
+                    put_counters(&mut w, &d.counters);
+                    w.u32(d.qps.len() as u32);
+                    for (qpn, pid, c) in &d.qps {
+                        w.u32(*qpn).u32(*pid);
+                        put_counters(&mut w, c);
+                    }
+                }
+            }
+        }
+        w.buf
+    }
+
+    /// Decode.
+    pub fn decode(buf: &[u8]) -> DResult<Response> {
+        let mut r = Reader::new(buf);
+        let resp = match read_header(&mut r)? {
+            1 => Response::Ok,
+            2 => Response::Error(refusal_from(&mut r)?),
+            3 => Response::Hello {
+                daemon_pid: r.u32()?,
+            },
+            4 => {
+                let n = r.list_len()?;
+                Response::Devices((0..n).map(|_| entry_from(&mut r)).collect::<DResult<_>>()?)
+            }
+            5 => Response::Opened(entry_from(&mut r)?),
+            6 => Response::Id(r.u32()?),
+            7 => Response::Cq {
+                id: r.u32()?,
+                capacity: r.u32()?,
+            },
+            8 => Response::Srq {
+                id: r.u32()?,
+                capacity: r.u32()?,
+                slot_size: r.u32()?,
+            },
+            9 => Response::Qp {
+                qpn: r.u32()?,
+                sq_capacity: r.u32()?,
+                sq_slot: r.u32()?,
+                rq_capacity: r.u32()?,
+                rq_slot: r.u32()?,
+                rq_offset: r.u64()?,
+            },
+            10 => Response::QpInfo(qp_info_from(&mut r)?),
+            11 => {
+                let n = r.list_len()?;
+                let mut list = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let name = r.str()?;
+                    let counters = counters_from(&mut r)?;
+                    let q = r.list_len()?;
+                    let mut qps = Vec::with_capacity(q);
+                    for _ in 0..q {
+                        qps.push((r.u32()?, r.u32()?, counters_from(&mut r)?));
+                    }
+                    list.push(DeviceStats {
+                        name,
+                        counters,
+                        qps,
+                    });
+                }
+                Response::Stats(list)
+            }
+            _ => return Err(DecodeError("unknown response")),
+        };
+        r.finish()?;
+        Ok(resp)
+    }
+}
+
+/// An asynchronous event as sent on the per-connection event socket: 8 bytes, kind then id.
+pub fn encode_event(ev: &AsyncEvent) -> Option<[u8; 8]> {
+    let (k, id): (u32, u32) = match *ev {
+        AsyncEvent::CommEstablished(q) => (1, q.value()),
+        AsyncEvent::SqDrained(q) => (2, q.value()),
+        AsyncEvent::QpLastWqeReached(q) => (3, q.value()),
+        AsyncEvent::QpRequestError(q) => (4, q.value()),
+        AsyncEvent::QpAccessError(q) => (5, q.value()),
+        AsyncEvent::QpFatal(q) => (6, q.value()),
+        AsyncEvent::SrqLimitReached(s) => (7, s.0),
+        AsyncEvent::CqError(c) => (8, c.0),
+        AsyncEvent::PortActive(p) => (9, u32::from(p)),
+        AsyncEvent::PortError(p) => (10, u32::from(p)),
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    };
+    let mut b = [0u8; 8];
+    b[..4].copy_from_slice(&k.to_le_bytes());
+    b[4..].copy_from_slice(&id.to_le_bytes());
+    Some(b)
+}
+
+/// Decode an event datagram.
+pub fn decode_event(b: &[u8]) -> Option<AsyncEvent> {
+    if b.len() != 8 {
+        return None;
+    }
+    let k = u32::from_le_bytes(b[..4].try_into().ok()?);
+    let id = u32::from_le_bytes(b[4..].try_into().ok()?);
+    Some(match k {
+        1 => AsyncEvent::CommEstablished(Qpn::new(id)),
+        2 => AsyncEvent::SqDrained(Qpn::new(id)),
+        3 => AsyncEvent::QpLastWqeReached(Qpn::new(id)),
+        4 => AsyncEvent::QpRequestError(Qpn::new(id)),
+        5 => AsyncEvent::QpAccessError(Qpn::new(id)),
+        6 => AsyncEvent::QpFatal(Qpn::new(id)),
+        7 => AsyncEvent::SrqLimitReached(SrqId(id)),
+        8 => AsyncEvent::CqError(CqId(id)),
+        9 => AsyncEvent::PortActive(id as u8),
+        10 => AsyncEvent::PortError(id as u8),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_garbage_is_refused() {
+        let av = AddressVector {
+            dgid: [1; 16],
+            sgid_index: 1,
+            hop_limit: 64,
+            traffic_class: 0,
+            flow_label: 5,
+            dlid: 0,
+            sl: 0,
+        };
+        let reqs = vec![
+            Request::Hello,
+            Request::OpenDevice {
+                name: "rxe0".into(),
+            },
+            Request::RegMr {
+                pd: 2,
+                addr: 0x7fff_0000,
+                len: 4096,
+                access: 7,
+            },
+            Request::CreateCq {
+                cqe: 16,
+                channel: Some(3),
+            },
+            Request::CreateQp {
+                pd: 2,
+                qp_type: QpType::Ud,
+                send_cq: 1,
+                recv_cq: 2,
+                srq: None,
+                cap: QpCap {
+                    max_send_wr: 1,
+                    max_recv_wr: 2,
+                    max_send_sge: 3,
+                    max_recv_sge: 4,
+                    max_inline_data: 5,
+                },
+                sq_sig_all: true,
+            },
+            Request::ModifyQp {
+                qpn: 0x11,
+                attr: ModifyQp {
+                    state: Some(QpState::Rtr),
+                    av: Some(av),
+                    path_mtu: Some(Mtu::M1024),
+                    dest_qpn: Some(Qpn::new(0x12)),
+                    rq_psn: Some(Psn::new(7)),
+                    max_dest_rd_atomic: Some(16),
+                    min_rnr_timer: Some(12),
+                    timeout: Some(3),
+                    ..Default::default()
+                },
+            },
+            Request::LinkAdd {
+                name: "rxe1".into(),
+                netdev: "lo".into(),
+                addr: Some("127.0.0.2".parse().unwrap()),
+            },
+            Request::Stats { device: None },
+        ];
+        for q in reqs {
+            let b = q.encode();
+            assert_eq!(Request::decode(&b).unwrap(), q);
+            for cut in 0..b.len() {
+                assert!(Request::decode(&b[..cut]).is_err());
+            }
+        }
+        assert!(Request::decode(b"garbage!garbage!").is_err());
+        let e = Response::Error(Refusal::Verbs(VerbsError::MissingAttributes {
+            from: QpState::Init,
+            to: QpState::Rtr,
+            mask: 0x80,
+        }));
+        assert_eq!(Response::decode(&e.encode()).unwrap(), e);
+        let e = Response::Error(Refusal::Verbs(VerbsError::InvalidWorkRequest(
+            "more SGEs than max_sge",
+        )));
+        assert_eq!(Response::decode(&e.encode()).unwrap(), e);
+    }
+}

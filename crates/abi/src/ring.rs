@@ -1,0 +1,342 @@
+//! Single-producer single-consumer rings in memory shared by an application and the daemon.
+//!
+//! Layout (all offsets in bytes, little-endian host):
+//!
+//! ```text
+//!   0  magic u32, version u32, capacity u32, slot_size u32   (written once by the creator)
+//!  64  producer index  (AtomicU32, written only by the producer)
+//! 128  consumer index  (AtomicU32, written only by the consumer)
+//! 192  consumer flags  (AtomicU32, written by the consumer, cleared by the producer)
+//! 256  capacity × slot_size bytes of slots
+//! ```
+//!
+//! Indices run freely and wrap at 2³²; a slot is `index & (capacity - 1)` (capacity is a power of
+//! two). The producer writes a slot, then publishes it with a release store of the producer index;
+//! the consumer reads the index with acquire, copies the slot out, then releases it by storing the
+//! consumer index. Each side keeps its own index locally and never reads it back from shared
+//! memory, and checks the other side's index against the capacity, so a corrupted or hostile
+//! peer can at worst make its own ring look full, empty or garbage: never make us read out of
+//! bounds.
+//!
+//! Doorbells ("polling then sleeping"): before it sleeps, the consumer of a work queue sets
+//! [`NEED_DOORBELL`] in the flags, issues a full fence and looks at the producer index once more.
+//! The producer, after publishing, issues a full fence and, if the flag is set, clears it and rings
+//! the doorbell (one `write` to an eventfd). With both fences one of the two always sees the other:
+//! either the consumer sees the new entry and does not sleep, or the producer sees the flag and
+//! wakes it. While the consumer is busy, posting costs no system call. Completion queues use the
+//! same word for "armed" ([`ARMED_ANY`], [`ARMED_SOLICITED`]), set by the application
+//! (`req_notify`) and cleared by the daemon when it sends the channel event.
+
+use std::ptr;
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+
+/// "SRNG".
+pub const RING_MAGIC: u32 = 0x474e_5253;
+/// Bytes before the first slot.
+pub const HEADER_LEN: usize = 256;
+const PRODUCER: usize = 64;
+const CONSUMER: usize = 128;
+const FLAGS: usize = 192;
+
+/// Work queue flag: the consumer sleeps; ring the doorbell after posting.
+pub const NEED_DOORBELL: u32 = 1;
+/// Completion queue flag: an event on the next completion.
+pub const ARMED_ANY: u32 = 1;
+/// Completion queue flag: an event on the next solicited (or error) completion.
+pub const ARMED_SOLICITED: u32 = 2;
+
+/// The other side broke the ring's invariants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingCorrupt;
+
+impl std::fmt::Display for RingCorrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ring index out of range (corrupted by the peer)")
+    }
+}
+
+/// Bytes of shared memory a ring of `capacity` slots of `slot_size` bytes needs.
+pub const fn ring_bytes(capacity: u32, slot_size: u32) -> usize {
+    HEADER_LEN + capacity as usize * slot_size as usize
+}
+
+/// A view of one ring in a mapping. It does not own the memory: its owner (a [`crate::shm::Shm`])
+/// must outlive it, which the [`Producer`] and [`Consumer`] wrappers' users ensure by keeping both
+/// in one struct.
+#[derive(Debug)]
+pub struct Ring {
+    base: *mut u8,
+    capacity: u32,
+    slot_size: u32,
+}
+
+// SAFETY: the ring is only touched through atomics and byte copies; the memory is shared with
+// another process anyway, so sharing it between threads adds nothing.
+unsafe impl Send for Ring {}
+// SAFETY: as above.
+unsafe impl Sync for Ring {}
+
+impl Ring {
+    /// A ring at `base`.
+    ///
+    /// # Safety
+    /// `base` must be 64-byte aligned and valid for reads and writes of
+    /// `ring_bytes(capacity, slot_size)` bytes for as long as the ring (or anything made from it)
+    /// is used. `capacity` must be a power of two.
+    pub unsafe fn new(base: *mut u8, capacity: u32, slot_size: u32) -> Ring {
+        assert!(capacity.is_power_of_two() && slot_size > 0 && (base as usize).is_multiple_of(64));
+        Ring {
+            base,
+            capacity,
+            slot_size,
+        }
+    }
+
+    /// Write the header and zero the indices (the creator does this once).
+    pub fn init(&self) {
+        let words = [
+            RING_MAGIC,
+            crate::ABI_VERSION,
+            self.capacity,
+            self.slot_size,
+        ];
+        for (i, w) in words.iter().enumerate() {
+            // SAFETY: the header lies within the mapping (see `new`); offset 4*i < 16.
+            unsafe { ptr::write_volatile(self.base.add(4 * i) as *mut u32, *w) };
+        }
+        self.word(PRODUCER).store(0, Ordering::Relaxed);
+        self.word(CONSUMER).store(0, Ordering::Relaxed);
+        self.word(FLAGS).store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+    }
+
+    /// Whether the header matches this ring's parameters (a client's sanity check after mapping).
+    pub fn header_ok(&self) -> bool {
+        let mut w = [0u32; 4];
+        for (i, x) in w.iter_mut().enumerate() {
+            // SAFETY: as in `init`.
+            *x = unsafe { ptr::read_volatile(self.base.add(4 * i) as *const u32) };
+        }
+        w == [
+            RING_MAGIC,
+            crate::ABI_VERSION,
+            self.capacity,
+            self.slot_size,
+        ]
+    }
+
+    fn word(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: `off` is one of the header words, inside the mapping and 4-byte aligned (the base
+        // is 64-byte aligned); the mapping outlives `self`; every access to these words, in both
+        // processes, is atomic.
+        unsafe { AtomicU32::from_ptr(self.base.add(off) as *mut u32) }
+    }
+
+    /// Slots.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Bytes per slot.
+    pub fn slot_size(&self) -> u32 {
+        self.slot_size
+    }
+
+    /// The consumer flag word.
+    pub fn flags(&self) -> &AtomicU32 {
+        self.word(FLAGS)
+    }
+
+    fn slot_ptr(&self, index: u32) -> *mut u8 {
+        let i = (index & (self.capacity - 1)) as usize;
+        // SAFETY: i < capacity, so the slot lies within the mapping.
+        unsafe { self.base.add(HEADER_LEN + i * self.slot_size as usize) }
+    }
+}
+
+/// The producing side of a ring, with its own copy of the producer index.
+#[derive(Debug)]
+pub struct Producer {
+    ring: Ring,
+    next: u32,
+}
+
+impl Producer {
+    /// The producer of `ring` (which must be freshly initialised, or only ever produced by us).
+    pub fn new(ring: Ring) -> Producer {
+        Producer { ring, next: 0 }
+    }
+
+    /// The ring.
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    /// Free slots. A consumer index that is not within `capacity` behind ours counts as a full
+    /// ring (the consumer broke the protocol; we stop producing for it).
+    pub fn free(&self) -> u32 {
+        let cons = self.ring.word(CONSUMER).load(Ordering::Acquire);
+        let used = self.next.wrapping_sub(cons);
+        // A consumer index that is not within `capacity` behind ours gives 0.
+        self.ring.capacity.saturating_sub(used)
+    }
+
+    /// Entries published and not yet consumed.
+    pub fn in_flight(&self) -> u32 {
+        self.ring.capacity - self.free()
+    }
+
+    /// Copy `slot` (at most `slot_size` bytes) into the next slot and publish it; false if full.
+    pub fn push(&mut self, slot: &[u8]) -> bool {
+        if self.free() == 0 {
+            return false;
+        }
+        let n = slot.len().min(self.ring.slot_size as usize);
+        // SAFETY: the destination is a slot inside the mapping (`slot_ptr`), `n` ≤ slot_size, the
+        // source is a distinct local buffer. The consumer does not read this slot until the
+        // release store below publishes it.
+        unsafe { ptr::copy_nonoverlapping(slot.as_ptr(), self.ring.slot_ptr(self.next), n) };
+        self.next = self.next.wrapping_add(1);
+        self.ring.word(PRODUCER).store(self.next, Ordering::Release);
+        true
+    }
+
+    /// After publishing: whether the consumer asked for a doorbell; clears the request.
+    pub fn take_doorbell_request(&self) -> bool {
+        fence(Ordering::SeqCst);
+        let f = self.ring.flags();
+        f.load(Ordering::Relaxed) & NEED_DOORBELL != 0
+            && f.fetch_and(!NEED_DOORBELL, Ordering::AcqRel) & NEED_DOORBELL != 0
+    }
+}
+
+/// The consuming side of a ring, with its own copy of the consumer index.
+#[derive(Debug)]
+pub struct Consumer {
+    ring: Ring,
+    next: u32,
+}
+
+impl Consumer {
+    /// The consumer of `ring`.
+    pub fn new(ring: Ring) -> Consumer {
+        Consumer { ring, next: 0 }
+    }
+
+    /// The ring.
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    /// Entries waiting, or an error if the producer index is not within `capacity` ahead of ours.
+    pub fn pending(&self) -> Result<u32, RingCorrupt> {
+        let prod = self.ring.word(PRODUCER).load(Ordering::Acquire);
+        let n = prod.wrapping_sub(self.next);
+        if n > self.ring.capacity {
+            Err(RingCorrupt)
+        } else {
+            Ok(n)
+        }
+    }
+
+    /// Copy the oldest entry into `out` (up to `slot_size` bytes) without consuming it; false if
+    /// the ring is empty.
+    pub fn peek(&self, out: &mut [u8]) -> Result<bool, RingCorrupt> {
+        if self.pending()? == 0 {
+            return Ok(false);
+        }
+        let n = out.len().min(self.ring.slot_size as usize);
+        // SAFETY: the source is a slot inside the mapping, `n` ≤ slot_size; the acquire load in
+        // `pending` ordered the producer's writes of this slot before our read. We copy before we
+        // decode, so a producer rewriting the slot meanwhile can only garble its own request.
+        unsafe { ptr::copy_nonoverlapping(self.ring.slot_ptr(self.next), out.as_mut_ptr(), n) };
+        Ok(true)
+    }
+
+    /// Release the oldest entry.
+    pub fn advance(&mut self) {
+        self.next = self.next.wrapping_add(1);
+        self.ring.word(CONSUMER).store(self.next, Ordering::Release);
+    }
+
+    /// Copy out and release the oldest entry.
+    pub fn pop(&mut self, out: &mut [u8]) -> Result<bool, RingCorrupt> {
+        let got = self.peek(out)?;
+        if got {
+            self.advance();
+        }
+        Ok(got)
+    }
+
+    /// Before sleeping: ask for a doorbell, then look again. Returns true if the ring is still
+    /// empty (safe to sleep); false if entries arrived (the request stays set; harmless).
+    pub fn request_doorbell(&self) -> bool {
+        self.ring.flags().fetch_or(NEED_DOORBELL, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        matches!(self.pending(), Ok(0))
+    }
+
+    /// Withdraw a doorbell request (the consumer is polling again).
+    pub fn cancel_doorbell(&self) {
+        self.ring
+            .flags()
+            .fetch_and(!NEED_DOORBELL, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[repr(C, align(64))]
+    struct Mem([u8; 256 + 4 * 32]);
+
+    fn ring(mem: &mut Mem) -> Ring {
+        // SAFETY: the buffer is aligned and large enough for 4 slots of 32 bytes, and outlives
+        // the ring within the test.
+        unsafe { Ring::new(mem.0.as_mut_ptr(), 4, 32) }
+    }
+
+    #[test]
+    fn push_pop_wrap_full_and_doorbell() {
+        let mut mem = Mem([0; 256 + 128]);
+        let r = ring(&mut mem);
+        r.init();
+        assert!(r.header_ok());
+        let mut p = Producer::new(ring(&mut mem));
+        let mut c = Consumer::new(ring(&mut mem));
+        let mut out = [0u8; 32];
+        assert!(!c.pop(&mut out).unwrap());
+        for round in 0..10u8 {
+            for i in 0..4u8 {
+                assert!(p.push(&[round, i]));
+            }
+            assert!(!p.push(&[9]), "full");
+            assert_eq!(c.pending().unwrap(), 4);
+            for i in 0..4u8 {
+                assert!(c.pop(&mut out).unwrap());
+                assert_eq!(&out[..2], &[round, i]);
+            }
+        }
+        assert!(c.request_doorbell());
+        assert!(p.push(&[1]));
+        assert!(p.take_doorbell_request());
+        assert!(!p.take_doorbell_request(), "cleared");
+        assert!(!c.request_doorbell(), "not empty");
+    }
+
+    #[test]
+    fn hostile_indices_are_refused() {
+        let mut mem = Mem([0; 256 + 128]);
+        let r = ring(&mut mem);
+        r.init();
+        let c = Consumer::new(ring(&mut mem));
+        r.word(PRODUCER).store(1000, Ordering::Relaxed);
+        assert_eq!(c.pending(), Err(RingCorrupt));
+        let mut out = [0u8; 32];
+        assert!(c.peek(&mut out).is_err());
+        let p = Producer::new(ring(&mut mem));
+        r.word(CONSUMER).store(77, Ordering::Relaxed);
+        assert_eq!(p.free(), 0);
+    }
+}

@@ -1,0 +1,1223 @@
+//! softrdmad end to end: a real daemon (temporary socket, configuration and UDP port) serving
+//! several client processes at once, each running verbs through the same device.
+//!
+//! Client processes are this test binary run again with `SOFTRDMA_ROLE` set (see [`child`]); they
+//! talk to the test over stdin/stdout lines starting with `@@`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use softrdma_verbs::daemon::admin::Admin;
+use softrdma_verbs::{
+    open_device, Access, AhAttr, AsyncEvent, CompletionQueue, ConnectParams, Context, Gid,
+    MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, QueuePair,
+    RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+
+// ---- the daemon ---------------------------------------------------------------------------------
+
+struct Daemon {
+    child: Child,
+    dir: PathBuf,
+    port: u16,
+    metrics: Option<u16>,
+}
+
+fn softrdma() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_softrdma"))
+}
+
+impl Daemon {
+    /// A fresh directory (world-readable, so `nobody` can reach the socket) with a config.
+    fn dir(name: &str, config: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("softrdmad-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(dir.join("devices.conf"), config).unwrap();
+        dir
+    }
+
+    fn start(dir: &Path, port: u16, metrics: Option<u16>) -> Daemon {
+        let child = Daemon::spawn(dir, port, metrics);
+        let d = Daemon {
+            child,
+            dir: dir.to_owned(),
+            port,
+            metrics,
+        };
+        d.wait_up();
+        d
+    }
+
+    /// Stop and start again on the same directory.
+    fn restart(&mut self) {
+        self.stop();
+        self.child = Daemon::spawn(&self.dir, self.port, self.metrics);
+        self.wait_up();
+    }
+
+    fn spawn(dir: &Path, port: u16, metrics: Option<u16>) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("log"))
+            .unwrap();
+        let mut cmd = softrdma();
+        cmd.args(["daemon", "--udp-port", &port.to_string()])
+            .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
+            .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+            .stdout(Stdio::null())
+            .stderr(log);
+        if let Some(m) = metrics {
+            cmd.args(["--metrics", &format!("127.0.0.1:{m}")]);
+        }
+        cmd.spawn().expect("start softrdmad")
+    }
+
+    fn wait_up(&self) {
+        let t = Instant::now();
+        while Admin::connect_to(&self.socket()).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "softrdmad did not come up:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("s.sock")
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
+    fn admin(&self) -> Admin {
+        Admin::connect_to(&self.socket()).unwrap()
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        let s = self.admin().stats(Some("rxe0")).unwrap();
+        s[0].counters
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| *v)
+            .unwrap()
+    }
+
+    /// Wait until the daemon holds no objects for any client.
+    fn wait_idle(&self) {
+        let t = Instant::now();
+        loop {
+            let s = self.admin().stats(Some("rxe0")).unwrap();
+            let busy: Vec<_> = s[0]
+                .counters
+                .iter()
+                .filter(|(k, v)| {
+                    (k.starts_with("objects_") && k != "objects_clients" || k == "engine_mrs")
+                        && *v != 0
+                })
+                .collect();
+            // Our own admin connection is a client without objects.
+            if busy.is_empty() {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "objects left: {busy:?}\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn cli(&self, args: &[&str]) -> (bool, String, String) {
+        let o = softrdma()
+            .args(args)
+            .env("SOFTRDMA_SOCKET", self.socket())
+            .env("SOFTRDMA_CONFIG", self.dir.join("devices.conf"))
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).into(),
+            String::from_utf8_lossy(&o.stderr).into(),
+        )
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+// ---- client processes ---------------------------------------------------------------------------
+
+struct Client {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    role: String,
+}
+
+impl Client {
+    fn spawn(d: &Daemon, role: &str, as_nobody: bool) -> Client {
+        let exe = std::env::current_exe().unwrap();
+        let cmd = if as_nobody {
+            let mut c = Command::new("setpriv");
+            c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+                .arg(exe);
+            c
+        } else {
+            Command::new(exe)
+        };
+        Client::spawn_with(d, role, cmd, &[])
+    }
+
+    fn spawn_with(d: &Daemon, role: &str, mut cmd: Command, env: &[(&str, &str)]) -> Client {
+        cmd.envs(env.iter().copied());
+        cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
+            .env("SOFTRDMA_ROLE", role)
+            .env("SOFTRDMA_SOCKET", d.socket())
+            .env("SOFTRDMA_CONFIG", d.dir.join("devices.conf"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Client {
+            child,
+            stdin,
+            stdout,
+            role: role.into(),
+        }
+    }
+
+    /// The next `@@` line (without the marker).
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        loop {
+            l.clear();
+            let n = self.stdout.read_line(&mut l).unwrap();
+            assert!(n > 0, "client {} ended early", self.role);
+            if let Some(i) = l.find("@@ ") {
+                return l[i + 3..].trim().to_string();
+            }
+            // The client's own test-harness output (and its panic message, if any).
+            eprint!("[{}] {l}", self.role);
+        }
+    }
+
+    fn send(&mut self, s: &str) {
+        writeln!(self.stdin, "{s}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn finish(mut self) -> String {
+        let last = self.line();
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "client {} failed ({last})", self.role);
+        last
+    }
+}
+
+/// Exchange the INFO lines of two clients; returns them.
+fn pair(a: &mut Client, b: &mut Client) -> (String, String) {
+    let ia = a.line();
+    let ib = b.line();
+    a.send(&ib);
+    b.send(&ia);
+    (ia, ib)
+}
+
+fn is_root() -> bool {
+    softrdma_abi::sock::geteuid() == 0
+}
+
+/// Another session names a client's QP and memory keys: every request is refused as if the
+/// objects did not exist.
+fn try_foreign_handles(d: &Daemon, qpn: u32, keys: &[u32]) {
+    use softrdma_abi::msg::{Refusal, Request, Response};
+    use softrdma_transport::VerbsError;
+    let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
+    let call = |r: Request| {
+        conn.send(&r.encode(), &[]).unwrap();
+        Response::decode(&conn.recv().unwrap().unwrap().0).unwrap()
+    };
+    assert!(matches!(
+        call(Request::OpenDevice {
+            name: "rxe0".into()
+        }),
+        Response::Opened(_)
+    ));
+    let refused = Response::Error(Refusal::Verbs(VerbsError::NoSuchObject));
+    assert_eq!(call(Request::QueryQp { qpn }), refused);
+    assert_eq!(call(Request::DestroyQp { qpn }), refused);
+    let attr = softrdma_verbs::ModifyQp {
+        state: Some(softrdma_verbs::QpState::Err),
+        ..Default::default()
+    };
+    assert_eq!(call(Request::ModifyQp { qpn, attr }), refused);
+    for &key in keys {
+        assert_eq!(call(Request::DeregMr { key }), refused);
+    }
+}
+
+// ---- what the clients run -----------------------------------------------------------------------
+
+fn out(s: &str) {
+    println!("@@ {s}");
+    std::io::stdout().flush().unwrap();
+}
+
+fn input() -> String {
+    let mut l = String::new();
+    std::io::stdin().read_line(&mut l).unwrap();
+    l.trim().to_string()
+}
+
+fn pattern(seed: u32, tag: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u32)
+                .wrapping_mul(31)
+                .wrapping_add(seed * 7 + u32::from(tag)) as u8
+        })
+        .collect()
+}
+
+fn wait_wcs(cq: &CompletionQueue, n: usize, secs: u64) -> Vec<WorkCompletion> {
+    let mut v = Vec::new();
+    let t = Instant::now();
+    while v.len() < n {
+        cq.poll(n - v.len(), &mut v).unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "timed out with {} of {n} completions: {v:?}",
+            v.len()
+        );
+        std::thread::yield_now();
+    }
+    v
+}
+
+const RW: Access = Access::LOCAL_WRITE
+    .with(Access::REMOTE_WRITE)
+    .with(Access::REMOTE_READ)
+    .with(Access::REMOTE_ATOMIC);
+
+fn rc_qp(ctx: &Context) -> (ProtectionDomain, CompletionQueue, QueuePair) {
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(1024, None).unwrap();
+    let cap = QpCap {
+        max_send_wr: 256,
+        max_recv_wr: 256,
+        max_send_sge: 2,
+        max_recv_sge: 2,
+        max_inline_data: 64,
+    };
+    let qp = pd
+        .create_qp(&QpInitAttr {
+            qp_type: QpType::Rc,
+            send_cq: &cq,
+            recv_cq: &cq,
+            srq: None,
+            cap,
+            sq_sig_all: false,
+        })
+        .unwrap();
+    (pd, cq, qp)
+}
+
+fn send(wr_id: u64, op: SendOp, mr: &MemoryRegion, off: usize, len: usize) -> SendWr {
+    SendWr {
+        wr_id,
+        op,
+        payload: Payload::Sgl(vec![mr.sge(off, len).unwrap()]),
+        flags: SendFlags::SIGNALED,
+        ud: None,
+    }
+}
+
+const MSGS: usize = 100;
+const MSG: usize = 2048;
+const AREA: usize = 64 * 1024;
+
+/// RC: sends both ways, an RDMA WRITE and an RDMA READ, checked byte for byte; then one side
+/// (told `probe`) writes where it was only granted reads and must fail, the other sees the access
+/// error and its memory unchanged.
+fn rc_role(ctx: &Context) {
+    let (pd, cq, qp) = rc_qp(ctx);
+    let me = qp.qpn().value();
+    let send_mr = pd.reg_mr(MSGS * MSG, Access::LOCAL_WRITE).unwrap();
+    let recv_mr = pd.reg_mr((MSGS + 1) * MSG, Access::LOCAL_WRITE).unwrap();
+    let write_area = pd.reg_mr(AREA, RW).unwrap();
+    let read_area = pd.reg_mr(AREA, Access::REMOTE_READ).unwrap();
+    let local = pd.reg_mr(AREA, Access::LOCAL_WRITE).unwrap();
+    send_mr.write(0, &pattern(me, b'S', MSGS * MSG)).unwrap();
+    read_area.write(0, &pattern(me, b'R', AREA)).unwrap();
+    qp.init(RW).unwrap();
+    for i in 0..=MSGS {
+        qp.post_recv(RecvWr {
+            wr_id: 1000 + i as u64,
+            sgl: vec![recv_mr.sge(i * MSG, MSG).unwrap()],
+        })
+        .unwrap();
+    }
+    let gid = ctx.query_gid(1, 1).unwrap();
+    out(&format!(
+        "{me} {} {} {} {}",
+        write_area.addr(),
+        write_area.rkey(),
+        read_area.addr(),
+        read_area.rkey()
+    ));
+    let peer: Vec<u64> = input().split(' ').map(|w| w.parse().unwrap()).collect();
+    let (pqpn, pw_addr, pw_rkey, pr_addr, pr_rkey) = (
+        peer[0] as u32,
+        peer[1],
+        peer[2] as u32,
+        peer[3],
+        peer[4] as u32,
+    );
+    qp.connect(
+        &pd,
+        &ConnectParams::new(
+            softrdma_verbs::Qpn::new(pqpn),
+            Psn::new(pqpn),
+            gid,
+            Psn::new(me),
+        ),
+    )
+    .unwrap();
+
+    for i in 0..MSGS {
+        qp.post_send(send(i as u64, SendOp::Send, &send_mr, i * MSG, MSG))
+            .unwrap();
+    }
+    let wcs = wait_wcs(&cq, 2 * MSGS, 30);
+    let mut recvs = 0;
+    for wc in &wcs {
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        if wc.opcode == WcOpcode::Recv {
+            recvs += 1;
+            assert_eq!(wc.byte_len as usize, MSG);
+        }
+    }
+    assert_eq!(recvs, MSGS);
+    assert_eq!(
+        recv_mr.to_vec(0, MSGS * MSG).unwrap(),
+        pattern(pqpn, b'S', MSGS * MSG),
+        "SEND data"
+    );
+
+    // RDMA WRITE into the peer, then a SEND with immediate data to say it is there.
+    local.write(0, &pattern(me, b'W', AREA)).unwrap();
+    qp.post_send(send(
+        1,
+        SendOp::Write {
+            remote_addr: pw_addr,
+            rkey: pw_rkey,
+        },
+        &local,
+        0,
+        AREA,
+    ))
+    .unwrap();
+    qp.post_send(send(2, SendOp::SendWithImm(me), &local, 0, 0))
+        .unwrap();
+    let wcs = wait_wcs(&cq, 3, 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    assert!(wcs
+        .iter()
+        .any(|w| w.opcode == WcOpcode::Recv && w.imm == pqpn));
+    assert_eq!(
+        write_area.to_vec(0, AREA).unwrap(),
+        pattern(pqpn, b'W', AREA),
+        "RDMA WRITE data"
+    );
+
+    // RDMA READ from the peer.
+    local.fill(0);
+    qp.post_send(send(
+        3,
+        SendOp::Read {
+            remote_addr: pr_addr,
+            rkey: pr_rkey,
+        },
+        &local,
+        0,
+        AREA,
+    ))
+    .unwrap();
+    let wcs = wait_wcs(&cq, 1, 30);
+    assert_eq!(wcs[0].status, WcStatus::Success);
+    assert_eq!(
+        local.to_vec(0, AREA).unwrap(),
+        pattern(pqpn, b'R', AREA),
+        "RDMA READ data"
+    );
+
+    out("PHASE2");
+    match input().as_str() {
+        "probe" => {
+            // The peer granted REMOTE_READ only on this region: a write must fail, untouched.
+            qp.post_send(send(
+                4,
+                SendOp::Write {
+                    remote_addr: pr_addr,
+                    rkey: pr_rkey,
+                },
+                &local,
+                0,
+                8,
+            ))
+            .unwrap();
+            let wcs = wait_wcs(&cq, 1, 30);
+            assert_eq!(wcs[0].status, WcStatus::RemAccessErr, "{wcs:?}");
+        }
+        _ => {
+            let t = Instant::now();
+            loop {
+                match ctx.get_async_event(Duration::from_millis(100)) {
+                    Some(AsyncEvent::QpAccessError(q)) if q == qp.qpn() => break,
+                    _ => assert!(
+                        t.elapsed() < Duration::from_secs(20),
+                        "no access error event"
+                    ),
+                }
+            }
+            assert_eq!(
+                read_area.to_vec(0, AREA).unwrap(),
+                pattern(me, b'R', AREA),
+                "memory changed"
+            );
+        }
+    }
+    out("OK");
+}
+
+/// UD: 64 datagrams each way through the same device, checked byte for byte.
+fn ud_role(ctx: &Context) {
+    const N: usize = 64;
+    const LEN: usize = 1000;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(512, None).unwrap();
+    let cap = QpCap {
+        max_send_wr: 128,
+        max_recv_wr: 128,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let qp = pd
+        .create_qp(&QpInitAttr {
+            qp_type: QpType::Ud,
+            send_cq: &cq,
+            recv_cq: &cq,
+            srq: None,
+            cap,
+            sq_sig_all: true,
+        })
+        .unwrap();
+    let me = qp.qpn().value();
+    let smr = pd.reg_mr(N * LEN, Access::LOCAL_WRITE).unwrap();
+    let rmr = pd.reg_mr(N * (LEN + 40), Access::LOCAL_WRITE).unwrap();
+    qp.bring_up_ud(0x1111_1111, Psn::new(0)).unwrap();
+    for i in 0..N {
+        let mut p = pattern(me, i as u8, LEN);
+        p[..4].copy_from_slice(&(i as u32).to_le_bytes());
+        smr.write(i * LEN, &p).unwrap();
+        qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sgl: vec![rmr.sge(i * (LEN + 40), LEN + 40).unwrap()],
+        })
+        .unwrap();
+    }
+    out(&me.to_string());
+    let peer: u32 = input().parse().unwrap();
+    let ah = pd
+        .create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1))
+        .unwrap();
+    for i in 0..N {
+        let wr = SendWr {
+            wr_id: i as u64,
+            op: SendOp::Send,
+            payload: Payload::Sgl(vec![smr.sge(i * LEN, LEN).unwrap()]),
+            flags: SendFlags::SIGNALED,
+            ud: Some(ah.ud(softrdma_verbs::Qpn::new(peer), 0x1111_1111)),
+        };
+        qp.post_send(wr).unwrap();
+    }
+    let wcs = wait_wcs(&cq, 2 * N, 30);
+    let mut seen = [false; N];
+    for wc in &wcs {
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        if wc.opcode == WcOpcode::Recv {
+            assert_eq!(wc.src_qp.value(), peer);
+            assert_eq!(wc.byte_len as usize, LEN + 40);
+            let data = rmr
+                .to_vec(wc.wr_id as usize * (LEN + 40) + 40, LEN)
+                .unwrap();
+            let i = u32::from_le_bytes(data[..4].try_into().unwrap()) as usize;
+            let mut want = pattern(peer, i as u8, LEN);
+            want[..4].copy_from_slice(&(i as u32).to_le_bytes());
+            assert_eq!(data, want, "datagram {i}");
+            seen[i] = true;
+        }
+    }
+    assert!(seen.iter().all(|s| *s));
+    out("OK");
+}
+
+/// RC WRITEs both ways until an error completion (the peer was killed) or a deadline.
+fn stream_role(ctx: &Context) {
+    let (pd, cq, qp) = rc_qp(ctx);
+    let me = qp.qpn().value();
+    let mr = pd.reg_mr(AREA, RW).unwrap();
+    out(&format!("{me} {} {}", mr.addr(), mr.rkey()));
+    let peer: Vec<u64> = input().split(' ').map(|w| w.parse().unwrap()).collect();
+    let mut p = ConnectParams::new(
+        softrdma_verbs::Qpn::new(peer[0] as u32),
+        Psn::new(0),
+        ctx.query_gid(1, 1).unwrap(),
+        Psn::new(0),
+    );
+    p.timeout = 12;
+    p.retry_cnt = 2;
+    p.mtu = Mtu::M1024;
+    qp.connect(&pd, &p).unwrap();
+    let (mut posted, mut done, mut wcs) = (0u64, 0u64, Vec::new());
+    let t = Instant::now();
+    let mut said = false;
+    while t.elapsed() < Duration::from_secs(20) {
+        while posted - done < 16 {
+            qp.post_send(send(
+                posted,
+                SendOp::Write {
+                    remote_addr: peer[1],
+                    rkey: peer[2] as u32,
+                },
+                &mr,
+                0,
+                16 * 1024,
+            ))
+            .unwrap();
+            posted += 1;
+        }
+        wcs.clear();
+        cq.poll(16, &mut wcs).unwrap();
+        for wc in &wcs {
+            done += 1;
+            if wc.status != WcStatus::Success {
+                out(&format!("ERR {}", wc.status.name()));
+                return;
+            }
+        }
+        if done >= 20 && !said {
+            said = true;
+            out("RUNNING");
+        }
+    }
+    out("NOERR");
+    std::process::exit(1);
+}
+
+/// Two QPs of one process connected to each other: what a non-root user runs.
+fn selftest_role(ctx: &Context) {
+    let (pd, cq, a) = rc_qp(ctx);
+    let b = pd
+        .create_qp(&QpInitAttr {
+            qp_type: QpType::Rc,
+            send_cq: &cq,
+            recv_cq: &cq,
+            srq: None,
+            cap: QpCap {
+                max_send_wr: 16,
+                max_recv_wr: 16,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            sq_sig_all: false,
+        })
+        .unwrap();
+    let gid: Gid = ctx.query_gid(1, 1).unwrap();
+    let src = pd.reg_mr(AREA, Access::LOCAL_WRITE).unwrap();
+    let dst = pd.reg_mr(AREA, RW).unwrap();
+    src.write(0, &pattern(1, b'X', AREA)).unwrap();
+    b.init(RW).unwrap();
+    b.post_recv(RecvWr {
+        wr_id: 7,
+        sgl: vec![dst.sge(0, 4096).unwrap()],
+    })
+    .unwrap();
+    a.connect(
+        &pd,
+        &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9)),
+    )
+    .unwrap();
+    b.connect(
+        &pd,
+        &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5)),
+    )
+    .unwrap();
+    a.post_send(send(1, SendOp::Send, &src, 0, 4096)).unwrap();
+    a.post_send(send(
+        2,
+        SendOp::Write {
+            remote_addr: dst.addr(),
+            rkey: dst.rkey(),
+        },
+        &src,
+        0,
+        AREA,
+    ))
+    .unwrap();
+    let wcs = wait_wcs(&cq, 3, 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    assert_eq!(dst.to_vec(0, AREA).unwrap(), pattern(1, b'X', AREA));
+    // A local key of another protection domain is refused (LOC_PROT_ERR), as the engine checks
+    // every SGE against the QP's PD.
+    let pd2 = ctx.alloc_pd();
+    let other = pd2.reg_mr(4096, Access::LOCAL_WRITE).unwrap();
+    a.post_send(send(3, SendOp::Send, &other, 0, 16)).unwrap();
+    let wcs = wait_wcs(&cq, 1, 30);
+    assert_eq!(wcs[0].status, WcStatus::LocProtErr, "{wcs:?}");
+
+    // A completion channel and an SRQ: a UD QP receiving through an SRQ, its CQ armed; the
+    // channel's descriptor becomes readable and names the CQ.
+    let ch = ctx.create_comp_channel().unwrap();
+    let ecq = ctx.create_cq(16, Some(&ch)).unwrap();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let cap = QpCap {
+        max_send_wr: 16,
+        max_recv_wr: 0,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 32,
+    };
+    let ud = pd
+        .create_qp(&QpInitAttr {
+            qp_type: QpType::Ud,
+            send_cq: &cq,
+            recv_cq: &ecq,
+            srq: Some(&srq),
+            cap,
+            sq_sig_all: false,
+        })
+        .unwrap();
+    ud.bring_up_ud(9, Psn::new(0)).unwrap();
+    srq.post_recv(RecvWr {
+        wr_id: 77,
+        sgl: vec![dst.sge(0, 1024).unwrap()],
+    })
+    .unwrap();
+    ecq.req_notify(false).unwrap();
+    let ah = pd.create_ah(&AhAttr::new(gid, 1)).unwrap();
+    let wr = SendWr {
+        wr_id: 5,
+        op: SendOp::SendWithImm(0xabcd),
+        payload: Payload::Inline(b"through the channel".to_vec()),
+        flags: SendFlags::INLINE,
+        ud: Some(ah.ud(ud.qpn(), 9)),
+    };
+    ud.post_send(wr).unwrap();
+    assert_eq!(
+        ch.get_cq_event(Some(Duration::from_secs(10))),
+        Some(ecq.handle())
+    );
+    let wcs = wait_wcs(&ecq, 1, 10);
+    assert_eq!(
+        (wcs[0].wr_id, wcs[0].imm, wcs[0].status),
+        (77, 0xabcd, WcStatus::Success)
+    );
+    assert_eq!(dst.to_vec(40, 19).unwrap(), b"through the channel");
+    // SAFETY: geteuid cannot fail.
+    out(&format!("OK uid {}", unsafe { libc_geteuid() }));
+}
+
+extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
+
+/// A client that never polls its (small) CQ.
+fn nopoll_role(ctx: &Context) {
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(4, None).unwrap();
+    let cap = QpCap {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let qp = pd
+        .create_qp(&QpInitAttr {
+            qp_type: QpType::Ud,
+            send_cq: &cq,
+            recv_cq: &cq,
+            srq: None,
+            cap,
+            sq_sig_all: true,
+        })
+        .unwrap();
+    let mr = pd.reg_mr(64 * 128, Access::LOCAL_WRITE).unwrap();
+    qp.bring_up_ud(7, Psn::new(0)).unwrap();
+    for i in 0..32 {
+        qp.post_recv(RecvWr {
+            wr_id: i,
+            sgl: vec![mr.sge(i as usize * 128, 128).unwrap()],
+        })
+        .unwrap();
+    }
+    let ah = pd
+        .create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1))
+        .unwrap();
+    for i in 0..32 {
+        let wr = SendWr {
+            wr_id: i,
+            op: SendOp::Send,
+            payload: Payload::Sgl(vec![mr.sge(32 * 128, 64).unwrap()]),
+            flags: SendFlags::SIGNALED,
+            ud: Some(ah.ud(qp.qpn(), 7)),
+        };
+        qp.post_send(wr).unwrap();
+    }
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(10) {
+        if let Some(AsyncEvent::CqError(_)) = ctx.get_async_event(Duration::from_millis(100)) {
+            out("OVERFLOW");
+            return;
+        }
+    }
+    out("NO OVERFLOW EVENT");
+    std::process::exit(1);
+}
+
+/// Wait for the port to go down and come back.
+fn portwatch_role(ctx: &Context) {
+    out("READY");
+    for want in [AsyncEvent::PortError(1), AsyncEvent::PortActive(1)] {
+        let t = Instant::now();
+        loop {
+            match ctx.get_async_event(Duration::from_millis(100)) {
+                Some(e) if e == want => break,
+                _ => assert!(t.elapsed() < Duration::from_secs(20), "no {want:?}"),
+            }
+        }
+        out(&format!("{want:?}"));
+    }
+}
+
+/// The entry point of client processes (a no-op in a normal test run).
+#[test]
+fn child() {
+    let Ok(role) = std::env::var("SOFTRDMA_ROLE") else {
+        return;
+    };
+    let name = std::env::var("SOFTRDMA_DEV").unwrap_or_else(|_| "rxe0".into());
+    let ctx = open_device(&name).unwrap();
+    assert!(
+        ctx.is_daemon(),
+        "rxe0 should resolve to the daemon's device"
+    );
+    match role.as_str() {
+        "rc" => rc_role(&ctx),
+        "ud" => ud_role(&ctx),
+        "stream" => stream_role(&ctx),
+        "selftest" => selftest_role(&ctx),
+        "nopoll" => nopoll_role(&ctx),
+        "portwatch" => portwatch_role(&ctx),
+        r => panic!("unknown role {r}"),
+    }
+}
+
+// ---- the tests ----------------------------------------------------------------------------------
+
+/// Several processes run RC and UD traffic through one device at once, with byte-for-byte checks
+/// and an rkey access violation between two of them; afterwards the daemon holds nothing.
+#[test]
+fn many_processes_share_one_device() {
+    let dir = Daemon::dir("many", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18961, None);
+    let mut rc: Vec<Client> = (0..4).map(|_| Client::spawn(&d, "rc", false)).collect();
+    let mut ud: Vec<Client> = (0..2).map(|_| Client::spawn(&d, "ud", false)).collect();
+    let (a, b) = rc.split_at_mut(1);
+    let (info, _) = pair(&mut a[0], &mut b[0]);
+    let w: Vec<u64> = info.split(' ').map(|x| x.parse().unwrap()).collect();
+    try_foreign_handles(&d, w[0] as u32, &[w[2] as u32, w[4] as u32]);
+    let (c, e) = rc.split_at_mut(3);
+    pair(&mut c[2], &mut e[0]);
+    let (u, v) = ud.split_at_mut(1);
+    pair(&mut u[0], &mut v[0]);
+    for i in [0, 2] {
+        assert_eq!(rc[i].line(), "PHASE2");
+        assert_eq!(rc[i + 1].line(), "PHASE2");
+        rc[i].send("probe");
+        rc[i + 1].send("wait");
+    }
+    for c in rc.into_iter().chain(ud) {
+        assert_eq!(c.finish(), "OK");
+    }
+    d.wait_idle();
+    assert!(d.counter("sent_pkts") > 0);
+}
+
+/// A process killed with SIGKILL mid-transfer: its peer gets error completions, another pair
+/// keeps running to the end, and the daemon frees the dead process's objects.
+#[test]
+fn sigkill_mid_transfer() {
+    let dir = Daemon::dir("kill", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18962, None);
+    let mut victim = Client::spawn(&d, "stream", false);
+    let mut survivor = Client::spawn(&d, "stream", false);
+    let mut x = Client::spawn(&d, "rc", false);
+    let mut y = Client::spawn(&d, "rc", false);
+    pair(&mut victim, &mut survivor);
+    pair(&mut x, &mut y);
+    assert_eq!(victim.line(), "RUNNING");
+    assert_eq!(survivor.line(), "RUNNING");
+    let pid = victim.pid();
+    // Per-QP counters name the owner and count its traffic.
+    let (ok, text, _) = d.cli(&["stat", "--counters", "rxe0"]);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!(" pid {pid} ")))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        ok && line.starts_with("qp rxe0/1 lqpn ") && line.contains(" retransmits "),
+        "{line}"
+    );
+    let sent: u64 = line
+        .split(" sent_pkts ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(sent > 0, "{line}");
+    // SAFETY: kill(2) on our own child.
+    unsafe { kill(pid as i32, 9) };
+    let _ = victim.child.wait();
+    let err = survivor.finish();
+    assert!(err.starts_with("ERR "), "{err}");
+    assert_eq!(x.line(), "PHASE2");
+    assert_eq!(y.line(), "PHASE2");
+    x.send("probe");
+    y.send("wait");
+    assert_eq!(x.finish(), "OK");
+    assert_eq!(y.finish(), "OK");
+    d.wait_idle();
+    let log = d.log();
+    assert!(
+        log.contains(&format!("client pid {pid} uid 0 gone: freed 1 QPs, 1 CQs")),
+        "{log}"
+    );
+}
+
+extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+
+/// A user other than root (nobody) uses the root daemon's device.
+#[test]
+fn non_root_user_uses_the_device() {
+    if !is_root() {
+        eprintln!("skipped: switching to nobody needs root");
+        return;
+    }
+    let dir = Daemon::dir("nobody", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18963, None);
+    let c = Client::spawn(&d, "selftest", true);
+    assert_eq!(c.finish(), "OK uid 65534");
+    d.wait_idle();
+}
+
+/// Garbage on the control socket and a client that never polls its CQ are logged; the daemon
+/// goes on serving.
+#[test]
+fn misbehaving_clients_are_survived() {
+    let dir = Daemon::dir("bad", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18964, Some(18974));
+    let a = d.admin();
+    let answer = a.raw(b"\xff\xfe garbage").unwrap();
+    assert!(!answer.is_empty());
+    assert!(
+        a.raw(b"more garbage").is_err() || a.raw(b"x").is_err(),
+        "connection not closed"
+    );
+    let c = Client::spawn(&d, "nopoll", false);
+    assert_eq!(c.finish(), "OVERFLOW");
+    d.wait_idle();
+    let log = d.log();
+    assert!(log.contains("sent garbage"), "{log}");
+    assert!(
+        log.contains("overflowed (the client does not poll it)"),
+        "{log}"
+    );
+    assert!(d.counter("garbage_messages") >= 1);
+    // Still serving: a client works, and Prometheus text is there.
+    assert!(Client::spawn(&d, "selftest", false)
+        .finish()
+        .starts_with("OK"));
+    let mut s = TcpStream::connect(("127.0.0.1", 18974)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(
+        body.contains("softrdma_objects_qps{device=\"rxe0\"} 0"),
+        "{body}"
+    );
+    assert!(body.contains("# TYPE softrdma_sent_pkts counter"), "{body}");
+    let (ok, text, _) = d.cli(&["stat", "--counters"]);
+    assert!(ok && text.starts_with("link rxe0/1 sent_pkts "), "{text}");
+}
+
+/// The port follows its netdev: link down is PORT_DOWN and an async event to clients, link up
+/// again is ACTIVE. The daemon runs in a network namespace of its own with a veth pair;
+/// clients reach it through its socket, from the host's namespace.
+#[test]
+fn port_state_follows_the_netdev() {
+    if !is_root()
+        || Command::new("unshare")
+            .args(["-n", "true"])
+            .status()
+            .map_or(true, |s| !s.success())
+    {
+        eprintln!("skipped: cannot create a network namespace here");
+        return;
+    }
+    let dir = Daemon::dir("port", "rxd netdev d0\n");
+    let log = std::fs::File::create(dir.join("log")).unwrap();
+    let script = format!(
+        "mount -t sysfs sysfs /sys && ip link set lo up && ip link add d0 type veth peer name d1 && ip link set d1 up && ip addr add 10.99.0.1/24 dev d0 && ip link set d0 up && \
+         exec {} daemon --udp-port 18966",
+        env!("CARGO_BIN_EXE_softrdma")
+    );
+    let child = Command::new("unshare")
+        .args(["-n", "-m", "sh", "-c", &script])
+        .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
+        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let d = Daemon {
+        child,
+        dir: dir.clone(),
+        port: 18966,
+        metrics: None,
+    };
+    d.wait_up();
+    let ip = |args: &str| {
+        let pid = d.child.id().to_string();
+        let st = Command::new("nsenter")
+            .args(["-t", &pid, "-n", "ip"])
+            .args(args.split(' '))
+            .status()
+            .unwrap();
+        assert!(st.success(), "ip {args}");
+    };
+    // The veth's carrier comes up a moment after the daemon starts.
+    let t = Instant::now();
+    while d.cli(&["link", "show"]).1
+        != "link rxd/1 state ACTIVE physical_state LINK_UP netdev d0 \n"
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{}",
+            d.cli(&["link", "show"]).1
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut c = Client::spawn_with(
+        &d,
+        "portwatch",
+        Command::new(exe),
+        &[("SOFTRDMA_DEV", "rxd")],
+    );
+    assert_eq!(c.line(), "READY");
+    ip("link set d0 down");
+    assert_eq!(c.line(), "PortError(1)");
+    let (_, show, _) = d.cli(&["link", "show", "rxd"]);
+    assert_eq!(
+        show,
+        "link rxd/1 state DOWN physical_state DISABLED netdev d0 \n"
+    );
+    let (_, stat, _) = d.cli(&["stat", "rxd"]);
+    assert!(stat.contains("\t\tState: Down\n"), "{stat}");
+    ip("link set d0 up");
+    assert_eq!(c.finish(), "PortActive(1)");
+    assert!(
+        d.log().contains("netdev d0 link down, port 1 DOWN"),
+        "{}",
+        d.log()
+    );
+}
+
+/// A client that writes garbage into its own rings (a malformed WQE; a producer index far beyond
+/// the ring) gets its QP moved to ERR or its ring ignored, logged; the daemon and its other clients
+/// go on, and everything of the hostile client is freed when it goes.
+#[test]
+fn hostile_rings_are_contained() {
+    use softrdma_abi::msg::{Request, Response};
+    use std::os::unix::fs::FileExt;
+    let dir = Daemon::dir("rings", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18967, None);
+    let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
+    let call = |r: Request| {
+        conn.send(&r.encode(), &[]).unwrap();
+        let (b, fds) = conn.recv().unwrap().unwrap();
+        (Response::decode(&b).unwrap(), fds)
+    };
+    assert!(matches!(
+        call(Request::OpenDevice {
+            name: "rxe0".into()
+        })
+        .0,
+        Response::Opened(_)
+    ));
+    let Response::Id(pd) = call(Request::AllocPd).0 else {
+        panic!()
+    };
+    let Response::Cq { id: cq, .. } = call(Request::CreateCq {
+        cqe: 16,
+        channel: None,
+    })
+    .0
+    else {
+        panic!()
+    };
+    let cap = QpCap {
+        max_send_wr: 8,
+        max_recv_wr: 8,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let mut qps = Vec::new();
+    for _ in 0..2 {
+        let req = Request::CreateQp {
+            pd,
+            qp_type: QpType::Rc,
+            send_cq: cq,
+            recv_cq: cq,
+            srq: None,
+            cap,
+            sq_sig_all: false,
+        };
+        let (Response::Qp { qpn, sq_slot, .. }, mut fds) = call(req) else {
+            panic!()
+        };
+        qps.push((qpn, sq_slot, std::fs::File::from(fds.pop().unwrap())));
+    }
+    // QP 1: a slot of garbage (opcode 0xee), published properly.
+    let (qpn1, slot, f) = &qps[0];
+    let garbage = vec![0xeeu8; *slot as usize];
+    f.write_all_at(&garbage, softrdma_abi::ring::HEADER_LEN as u64)
+        .unwrap();
+    f.write_all_at(&1u32.to_le_bytes(), 64).unwrap();
+    // QP 2: a producer index a million slots ahead.
+    let (qpn2, _, f2) = &qps[1];
+    f2.write_all_at(&1_000_000u32.to_le_bytes(), 64).unwrap();
+    let t = Instant::now();
+    while !(d.log().contains("malformed ring slot") && d.log().contains("ignoring the ring")) {
+        assert!(t.elapsed() < Duration::from_secs(10), "{}", d.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let Response::QpInfo(info) = call(Request::QueryQp { qpn: *qpn1 }).0 else {
+        panic!()
+    };
+    assert_eq!(info.state, softrdma_verbs::QpState::Err);
+    assert!(matches!(
+        call(Request::QueryQp { qpn: *qpn2 }).0,
+        Response::QpInfo(_)
+    ));
+    assert!(d.counter("bad_wqes") >= 1);
+    // Others are served meanwhile.
+    assert!(Client::spawn(&d, "selftest", false)
+        .finish()
+        .starts_with("OK"));
+    drop(conn);
+    d.wait_idle();
+    assert!(d.log().contains("gone: freed 2 QPs, 1 CQs"), "{}", d.log());
+}
+
+/// link add/show/rename/roce-mode/delete round trips survive a daemon restart.
+#[test]
+fn link_management_survives_restart() {
+    let dir = Daemon::dir("links", "rxe0 netdev lo addr 127.0.0.1\n");
+    let mut d = Daemon::start(&dir, 18965, None);
+    let (ok, _, err) = d.cli(&[
+        "link",
+        "add",
+        "rxe1",
+        "type",
+        "rxe",
+        "netdev",
+        "lo",
+        "addr",
+        "127.0.0.2",
+    ]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = d.cli(&["link", "add", "rxe1", "type", "rxe", "netdev", "lo"]);
+    assert!(!ok && err.contains("defined twice"), "{err}");
+    let (_, show, _) = d.cli(&["link", "show"]);
+    assert_eq!(
+        show,
+        "link rxe0/1 state ACTIVE physical_state LINK_UP netdev lo \nlink rxe1/1 state ACTIVE physical_state LINK_UP netdev lo \n"
+    );
+    assert!(d.cli(&["dev", "set", "rxe1", "name", "rxe7"]).0);
+    assert!(d.cli(&["roce-mode", "rxe7", "1", "v1"]).0);
+    d.restart();
+    let (_, show, _) = d.cli(&["link", "show", "rxe7"]);
+    assert_eq!(
+        show,
+        "link rxe7/1 state ACTIVE physical_state LINK_UP netdev lo \n"
+    );
+    assert_eq!(d.cli(&["roce-mode", "rxe7", "1"]).1, "IB/RoCE v1\n");
+    let (_, devices, _) = d.cli(&["devices"]);
+    assert!(
+        devices.contains("rxe0") && devices.contains("rxe7"),
+        "{devices}"
+    );
+    let (_, stat, _) = d.cli(&["stat", "rxe7"]);
+    assert!(
+        stat.starts_with("CA 'rxe7'\n") && stat.contains("\t\tState: Active\n"),
+        "{stat}"
+    );
+    assert!(d.cli(&["link", "delete", "rxe7"]).0);
+    d.restart();
+    let (_, show, _) = d.cli(&["link", "show"]);
+    assert_eq!(
+        show,
+        "link rxe0/1 state ACTIVE physical_state LINK_UP netdev lo \n"
+    );
+    let (ok, _, err) = d.cli(&["link", "show", "rxe7"]);
+    assert!(!ok && err.contains("rxe7"), "{err}");
+}

@@ -1,0 +1,554 @@
+//! The application side of daemon mode: a session with `softrdmad` and the verbs objects it
+//! holds there. Control verbs are messages; posting and polling touch only shared rings.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use softrdma_abi::msg::{decode_event, DeviceEntry, Request, Response};
+use softrdma_abi::ring::{Consumer, Producer, ARMED_ANY, ARMED_SOLICITED};
+use softrdma_abi::shm::Shm;
+use softrdma_abi::slot::{self, CQE_LEN};
+use softrdma_abi::sock::{self, Conn};
+use softrdma_device::DeviceInfo;
+use softrdma_transport::hca::QueuePairInfo;
+use softrdma_transport::wr::Payload;
+use softrdma_transport::{
+    AsyncEvent, ModifyQp, QpCap, QpState, QpType, RecvWr, SendOp, SendWr, VerbsError, WorkCompletion,
+};
+use softrdma_wire::Qpn;
+
+use crate::error::{Error, Result};
+
+/// A daemon refusal as a verbs error.
+pub(crate) fn refusal(r: softrdma_abi::msg::Refusal) -> Error {
+    use softrdma_abi::msg::Refusal;
+    match r {
+        Refusal::Verbs(v) => Error::Verbs(v),
+        Refusal::InvalidArgument(s) => Error::InvalidArgument(s),
+        Refusal::UnknownDevice(n) => Error::Registry(softrdma_device::registry::RegistryError::UnknownDevice(n)),
+        other => Error::Daemon(other.to_string()),
+    }
+}
+
+/// Engine counters from the daemon's named list.
+pub(crate) fn counters_from(list: &[(String, u64)]) -> softrdma_transport::Counters {
+    let get = |k: &str| list.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
+    softrdma_transport::Counters {
+        rcvd_pkts: get("rcvd_pkts"),
+        sent_pkts: get("sent_pkts"),
+        rcvd_bytes: get("rcvd_bytes"),
+        sent_bytes: get("sent_bytes"),
+        drop_malformed: get("drop_malformed"),
+        drop_unknown_qp: get("drop_unknown_qp"),
+        drop_bad_state: get("drop_bad_state"),
+        drop_pkey: get("drop_pkey"),
+        drop_qkey: get("drop_qkey"),
+        drop_no_recv: get("drop_no_recv"),
+        drop_uc_msg: get("drop_uc_msg"),
+        drop_stray_resp: get("drop_stray_resp"),
+        duplicate_request: get("duplicate_request"),
+        out_of_seq_request: get("out_of_seq_request"),
+        rcvd_seq_err: get("rcvd_seq_err"),
+        send_rnr_nak: get("send_rnr_nak"),
+        rcvd_rnr_err: get("rcvd_rnr_err"),
+        send_err_nak: get("send_err_nak"),
+        rcvd_err_nak: get("rcvd_err_nak"),
+        retry_rounds: get("retry_rounds"),
+        retransmits: get("retransmits"),
+        ack_timeouts: get("ack_timeouts"),
+        cq_overflow: get("cq_overflow"),
+    }
+}
+
+/// A control connection, without a device (management, listings).
+pub(crate) struct Control {
+    conn: Mutex<Conn>,
+    pub daemon_pid: u32,
+}
+
+impl Control {
+    /// Connect to the first daemon socket that answers (see [`sock::client_paths`]).
+    pub fn connect() -> Option<Control> {
+        sock::client_paths().iter().find_map(|p| Control::connect_to(p).ok())
+    }
+
+    /// Connect to the daemon at `path`.
+    pub fn connect_to(path: &Path) -> Result<Control> {
+        let conn = Conn::connect(path).map_err(|e| Error::io("connecting to softrdmad", e))?;
+        let c = Control { conn: Mutex::new(conn), daemon_pid: 0 };
+        match c.call(&Request::Hello, &[])?.0 {
+            Response::Hello { daemon_pid } => Ok(Control { daemon_pid, ..c }),
+            _ => Err(Error::Daemon("unexpected answer to hello".into())),
+        }
+    }
+
+    /// One request and its answer; a refusal is an error.
+    pub fn call(&self, req: &Request, fds: &[RawFd]) -> Result<(Response, Vec<OwnedFd>)> {
+        let conn = self.conn.lock().expect("control lock");
+        conn.send(&req.encode(), fds).map_err(|e| Error::io("sending to softrdmad", e))?;
+        let (buf, fds) = conn
+            .recv()
+            .map_err(|e| Error::io("receiving from softrdmad", e))?
+            .ok_or_else(|| Error::Daemon("softrdmad closed the connection".into()))?;
+        match Response::decode(&buf).map_err(|e| Error::Daemon(e.to_string()))? {
+            Response::Error(r) => Err(refusal(r)),
+            resp => Ok((resp, fds)),
+        }
+    }
+
+    /// Send raw bytes, return the raw answer (tests).
+    pub fn raw(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        let conn = self.conn.lock().expect("control lock");
+        conn.send(bytes, &[]).map_err(|e| Error::io("sending to softrdmad", e))?;
+        match conn.recv().map_err(|e| Error::io("receiving from softrdmad", e))? {
+            Some((b, _)) => Ok(b),
+            None => Err(Error::Daemon("softrdmad closed the connection".into())),
+        }
+    }
+
+    /// The daemon's devices.
+    pub fn devices(&self) -> Result<Vec<DeviceEntry>> {
+        match self.call(&Request::ListDevices, &[])?.0 {
+            Response::Devices(d) => Ok(d),
+            _ => Err(unexpected()),
+        }
+    }
+}
+
+fn unexpected() -> Error {
+    Error::Daemon("unexpected answer from softrdmad".into())
+}
+
+/// A session attached to one of the daemon's devices: what a [`crate::Context`] holds.
+pub(crate) struct Session {
+    ctl: Control,
+    pub info: DeviceInfo,
+    pub udp_port: u16,
+    doorbell: OwnedFd,
+    events: UnixDatagram,
+}
+
+impl Session {
+    /// Open device `name` at the daemon; `Ok(None)` if no daemon runs or it lacks the device.
+    pub fn open(name: &str) -> Result<Option<Arc<Session>>> {
+        let Some(ctl) = Control::connect() else {
+            return Ok(None);
+        };
+        let (resp, mut fds) = match ctl.call(&Request::OpenDevice { name: name.into() }, &[]) {
+            Err(Error::Registry(_)) => return Ok(None),
+            r => r?,
+        };
+        let Response::Opened(entry) = resp else {
+            return Err(unexpected());
+        };
+        if fds.len() != 2 {
+            return Err(Error::Daemon("softrdmad sent no doorbell".into()));
+        }
+        let events = UnixDatagram::from(fds.pop().expect("two fds"));
+        let doorbell = fds.pop().expect("two fds");
+        let netdev = entry.netdev.ok_or_else(|| Error::Daemon(format!("device {name} has no netdev at the daemon")))?;
+        let info = DeviceInfo::new(&entry.config, netdev)?;
+        allow_daemon_access(ctl.daemon_pid);
+        Ok(Some(Arc::new(Session { ctl, info, udp_port: entry.udp_port, doorbell, events })))
+    }
+
+    /// A control request.
+    pub fn call(&self, req: &Request, fds: &[RawFd]) -> Result<(Response, Vec<OwnedFd>)> {
+        self.ctl.call(req, fds)
+    }
+
+    /// A control request answered by an id.
+    pub fn call_id(&self, req: &Request) -> Result<u32> {
+        match self.call(req, &[])?.0 {
+            Response::Id(id) => Ok(id),
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// A control request answered by `Ok`; errors are dropped (destructors).
+    pub fn call_quiet(&self, req: &Request) {
+        let _ = self.call(req, &[]);
+    }
+
+    /// Wake the daemon's device loop (one 8-byte write to the eventfd).
+    fn ring_doorbell(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writing 8 bytes from a live buffer to our eventfd.
+        unsafe { libc::write(self.doorbell.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
+    }
+
+    /// The descriptor readable while asynchronous events are pending.
+    pub fn async_event_fd(&self) -> RawFd {
+        self.events.as_raw_fd()
+    }
+
+    /// Wait up to `timeout` for an asynchronous event.
+    pub fn async_event(&self, timeout: Duration) -> Option<AsyncEvent> {
+        let mut b = [0u8; 16];
+        if !wait_readable(self.events.as_raw_fd(), Some(timeout)) {
+            return None;
+        }
+        let n = self.events.recv(&mut b).ok()?;
+        decode_event(&b[..n])
+    }
+}
+
+/// With Yama's `ptrace_scope` = 1, a daemon that is not root may only reach the memory of
+/// processes that name it as their tracer; do so (harmless otherwise).
+fn allow_daemon_access(daemon_pid: u32) {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_default();
+    if scope.trim() == "1" && daemon_pid != 0 {
+        // SAFETY: prctl with integer arguments only.
+        unsafe { libc::prctl(libc::PR_SET_PTRACER, daemon_pid as libc::c_ulong, 0, 0, 0) };
+    }
+}
+
+/// Wait until `fd` is readable (or the timeout passes); true if readable.
+pub(crate) fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> bool {
+    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    loop {
+        // SAFETY: one live pollfd.
+        let rc = unsafe { libc::poll(&mut p, 1, ms) };
+        if rc < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        return rc > 0;
+    }
+}
+
+/// A protection domain at the daemon.
+pub(crate) struct Pd {
+    pub s: Arc<Session>,
+    pub id: u32,
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        self.s.call_quiet(&Request::DeallocPd { pd: self.id });
+    }
+}
+
+/// A completion channel: the daemon sends a CQ's handle on a datagram socket.
+pub(crate) struct Channel {
+    pub s: Arc<Session>,
+    pub id: u32,
+    pub rx: UnixDatagram,
+}
+
+impl Channel {
+    pub fn create(s: &Arc<Session>) -> Result<Channel> {
+        let (tx, rx) = UnixDatagram::pair().map_err(|e| Error::io("creating a completion channel", e))?;
+        let id = match s.call(&Request::CreateChannel, &[tx.as_raw_fd()])?.0 {
+            Response::Id(id) => id,
+            _ => return Err(unexpected()),
+        };
+        Ok(Channel { s: Arc::clone(s), id, rx })
+    }
+
+    /// Wait for an event; the CQ handle.
+    pub fn get_cq_event(&self, timeout: Option<Duration>) -> Option<u32> {
+        if !wait_readable(self.rx.as_raw_fd(), timeout) {
+            return None;
+        }
+        let mut b = [0u8; 4];
+        match self.rx.recv(&mut b) {
+            Ok(4) => Some(u32::from_le_bytes(b)),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        self.s.call_quiet(&Request::DestroyChannel { id: self.id });
+    }
+}
+
+/// A completion queue: a ring the daemon fills.
+pub(crate) struct Cq {
+    pub s: Arc<Session>,
+    pub id: u32,
+    ring: Mutex<Consumer>,
+    _shm: Shm,
+}
+
+impl Cq {
+    pub fn create(s: &Arc<Session>, cqe: u32, channel: Option<u32>) -> Result<Cq> {
+        let (resp, mut fds) = s.call(&Request::CreateCq { cqe, channel }, &[])?;
+        let Response::Cq { id, capacity } = resp else {
+            return Err(unexpected());
+        };
+        let fd = fds.pop().ok_or_else(unexpected)?;
+        let len = softrdma_abi::ring::ring_bytes(capacity, CQE_LEN as u32);
+        let shm = Shm::open(fd, len).map_err(|e| Error::io("mapping a CQ ring", e))?;
+        let ring = shm.ring(0, capacity, CQE_LEN as u32).map_err(|e| Error::io("mapping a CQ ring", e))?;
+        if !ring.header_ok() {
+            return Err(Error::Daemon("CQ ring header mismatch".into()));
+        }
+        Ok(Cq { s: Arc::clone(s), id, ring: Mutex::new(Consumer::new(ring)), _shm: shm })
+    }
+
+    /// Move up to `max` completions into `out`: reads of shared memory only.
+    pub fn poll(&self, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize> {
+        let mut ring = self.ring.lock().expect("CQ lock");
+        let mut slot = [0u8; CQE_LEN];
+        let mut n = 0;
+        while n < max {
+            match ring.pop(&mut slot) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => return Err(Error::Daemon(e.to_string())),
+            }
+            out.push(slot::decode_cqe(&slot).map_err(|e| Error::Daemon(e.to_string()))?);
+            n += 1;
+        }
+        if n == 0 && max > 0 {
+            // A busy poller of an empty CQ gives its core away for a moment: the daemon's device
+            // loop, which produces the completion, may be waiting for exactly this core (on a
+            // machine with fewer cores than busy threads, pure spinning costs a scheduler time
+            // slice, milliseconds, per round trip; see docs/ARCHITECTURE.md).
+            drop(ring);
+            std::thread::yield_now();
+        }
+        Ok(n)
+    }
+
+    /// Arm for a channel event (a store to the ring's flag word).
+    pub fn req_notify(&self, solicited_only: bool) {
+        let ring = self.ring.lock().expect("CQ lock");
+        let v = if solicited_only { ARMED_SOLICITED } else { ARMED_ANY };
+        ring.ring().flags().store(v, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        self.s.call_quiet(&Request::DestroyCq { cq: self.id });
+    }
+}
+
+/// A work queue ring we produce into, with its encode buffer.
+struct WorkRing {
+    prod: Producer,
+    buf: Vec<u8>,
+}
+
+impl WorkRing {
+    fn new(prod: Producer) -> WorkRing {
+        let n = prod.ring().slot_size() as usize;
+        WorkRing { prod, buf: vec![0; n] }
+    }
+
+    /// Publish the encoded slot; ring the doorbell if the daemon sleeps.
+    fn publish(&mut self, s: &Session) -> Result<()> {
+        if !self.prod.push(&self.buf) {
+            return Err(Error::Verbs(VerbsError::QueueFull));
+        }
+        if self.prod.take_doorbell_request() {
+            s.ring_doorbell();
+        }
+        Ok(())
+    }
+}
+
+fn map_work_ring(shm: &Shm, offset: usize, capacity: u32, slot: u32) -> Result<WorkRing> {
+    let ring = shm.ring(offset, capacity, slot).map_err(|e| Error::io("mapping a work queue ring", e))?;
+    if !ring.header_ok() {
+        return Err(Error::Daemon("work queue ring header mismatch".into()));
+    }
+    Ok(WorkRing::new(Producer::new(ring)))
+}
+
+/// A shared receive queue.
+pub(crate) struct Srq {
+    pub s: Arc<Session>,
+    pub id: u32,
+    max_sge: u32,
+    ring: Mutex<WorkRing>,
+    _shm: Shm,
+}
+
+impl Srq {
+    pub fn create(s: &Arc<Session>, pd: u32, max_wr: u32, max_sge: u32) -> Result<Srq> {
+        let (resp, mut fds) = s.call(&Request::CreateSrq { pd, max_wr, max_sge }, &[])?;
+        let Response::Srq { id, capacity, slot_size } = resp else {
+            return Err(unexpected());
+        };
+        let fd = fds.pop().ok_or_else(unexpected)?;
+        let shm = Shm::open(fd, softrdma_abi::ring::ring_bytes(capacity, slot_size))
+            .map_err(|e| Error::io("mapping an SRQ ring", e))?;
+        let ring = map_work_ring(&shm, 0, capacity, slot_size)?;
+        Ok(Srq { s: Arc::clone(s), id, max_sge, ring: Mutex::new(ring), _shm: shm })
+    }
+
+    pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {
+        if wr.sgl.len() > self.max_sge as usize {
+            return Err(Error::Verbs(VerbsError::InvalidWorkRequest("more SGEs than max_sge")));
+        }
+        let mut r = self.ring.lock().expect("SRQ lock");
+        let r = &mut *r;
+        slot::encode_recv(wr, &mut r.buf).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        r.publish(&self.s)
+    }
+}
+
+impl Drop for Srq {
+    fn drop(&mut self) {
+        self.s.call_quiet(&Request::DestroySrq { srq: self.id });
+    }
+}
+
+/// A queue pair: send and receive rings, and the state this process last set (posting in RESET or
+/// INIT is refused here, synchronously, as the engine would).
+pub(crate) struct Qp {
+    pub s: Arc<Session>,
+    pub qpn: Qpn,
+    qp_type: QpType,
+    cap: QpCap,
+    has_srq: bool,
+    state: AtomicU8,
+    sq: Mutex<WorkRing>,
+    rq: Option<Mutex<WorkRing>>,
+    _shm: Shm,
+}
+
+const STATES: [QpState; 7] =
+    [QpState::Reset, QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqd, QpState::Sqe, QpState::Err];
+
+impl Qp {
+    #[allow(clippy::too_many_arguments)]
+    pub fn create(
+        s: &Arc<Session>,
+        pd: u32,
+        qp_type: QpType,
+        send_cq: u32,
+        recv_cq: u32,
+        srq: Option<u32>,
+        cap: QpCap,
+        sq_sig_all: bool,
+    ) -> Result<Qp> {
+        let req = Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all };
+        let (resp, mut fds) = s.call(&req, &[])?;
+        let Response::Qp { qpn, sq_capacity, sq_slot, rq_capacity, rq_slot, rq_offset } = resp else {
+            return Err(unexpected());
+        };
+        let fd = fds.pop().ok_or_else(unexpected)?;
+        let rq_offset = rq_offset as usize;
+        let len = if srq.is_some() {
+            softrdma_abi::ring::ring_bytes(sq_capacity, sq_slot)
+        } else {
+            rq_offset + softrdma_abi::ring::ring_bytes(rq_capacity, rq_slot)
+        };
+        let shm = Shm::open(fd, len).map_err(|e| Error::io("mapping QP rings", e))?;
+        let sq = map_work_ring(&shm, 0, sq_capacity, sq_slot)?;
+        let rq =
+            if srq.is_some() { None } else { Some(Mutex::new(map_work_ring(&shm, rq_offset, rq_capacity, rq_slot)?)) };
+        Ok(Qp {
+            s: Arc::clone(s),
+            qpn: Qpn::new(qpn),
+            qp_type,
+            cap,
+            has_srq: srq.is_some(),
+            state: AtomicU8::new(0),
+            sq: Mutex::new(sq),
+            rq,
+            _shm: shm,
+        })
+    }
+
+    fn state(&self) -> QpState {
+        STATES[self.state.load(Ordering::Relaxed) as usize % STATES.len()]
+    }
+
+    fn set_state(&self, s: QpState) {
+        let i = STATES.iter().position(|x| *x == s).unwrap_or(0);
+        self.state.store(i as u8, Ordering::Relaxed);
+    }
+
+    pub fn modify(&self, attr: &ModifyQp) -> Result<()> {
+        self.s.call(&Request::ModifyQp { qpn: self.qpn.value(), attr: *attr }, &[])?;
+        if let Some(st) = attr.state {
+            self.set_state(st);
+        }
+        Ok(())
+    }
+
+    pub fn query(&self) -> Result<QueuePairInfo> {
+        match self.s.call(&Request::QueryQp { qpn: self.qpn.value() }, &[])?.0 {
+            Response::QpInfo(i) => {
+                self.set_state(i.state);
+                Ok(i)
+            }
+            _ => Err(unexpected()),
+        }
+    }
+
+    /// The checks the engine makes at post time that do not need its state, so misuse is reported
+    /// synchronously as in embedded mode.
+    fn validate_send(&self, wr: &SendWr) -> Result<()> {
+        let st = self.state();
+        if matches!(st, QpState::Reset | QpState::Init | QpState::Rtr) {
+            return Err(Error::Verbs(VerbsError::InvalidState(st)));
+        }
+        let bad = |m| Err(Error::Verbs(VerbsError::InvalidWorkRequest(m)));
+        match &wr.payload {
+            Payload::Sgl(sgl) if sgl.len() > self.cap.max_send_sge as usize => {
+                return bad("more SGEs than max_send_sge")
+            }
+            Payload::Inline(d) if d.len() > self.cap.max_inline_data as usize => {
+                return bad("inline data longer than max_inline_data")
+            }
+            Payload::Inline(_) if wr.op.is_read_or_atomic() => return bad("inline data on a read or atomic"),
+            _ => {}
+        }
+        let allowed = match self.qp_type {
+            QpType::Rc => true,
+            QpType::Uc => !wr.op.is_read_or_atomic() && !matches!(wr.op, SendOp::SendWithInv(_)),
+            QpType::Ud => matches!(wr.op, SendOp::Send | SendOp::SendWithImm(_)),
+        };
+        if !allowed {
+            return bad("operation not supported on this QP type");
+        }
+        if self.qp_type == QpType::Ud && wr.ud.is_none() {
+            return bad("UD send without an address handle");
+        }
+        Ok(())
+    }
+
+    /// Post a send: encode into the ring; a doorbell only if the daemon sleeps.
+    pub fn post_send(&self, wr: &SendWr) -> Result<()> {
+        self.validate_send(wr)?;
+        let mut r = self.sq.lock().expect("SQ lock");
+        let r = &mut *r;
+        slot::encode_send(wr, &mut r.buf).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        r.publish(&self.s)
+    }
+
+    pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {
+        let Some(rq) = &self.rq else {
+            debug_assert!(self.has_srq);
+            return Err(Error::Verbs(VerbsError::InvalidWorkRequest("QP uses an SRQ: post to the SRQ")));
+        };
+        if self.state() == QpState::Reset {
+            return Err(Error::Verbs(VerbsError::InvalidState(QpState::Reset)));
+        }
+        if wr.sgl.len() > self.cap.max_recv_sge as usize {
+            return Err(Error::Verbs(VerbsError::InvalidWorkRequest("more SGEs than max_recv_sge")));
+        }
+        let mut r = rq.lock().expect("RQ lock");
+        let r = &mut *r;
+        slot::encode_recv(wr, &mut r.buf).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        r.publish(&self.s)
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        self.s.call_quiet(&Request::DestroyQp { qpn: self.qpn.value() });
+    }
+}

@@ -1,0 +1,1374 @@
+//! `softrdmad`: the host service that owns soft RoCE devices and serves many processes at once.
+//!
+//! Threads: one accepts control connections and spawns one thread per connection (its session);
+//! one device loop per device runs the engine (the same [`Device`] as embedded mode: engine,
+//! region table, UDP endpoint); one monitor follows the netdevs' link state; optionally one
+//! answers Prometheus scrapes.
+//!
+//! Locks: each device has the service state ([`SvcState`]: which client owns which object, the
+//! rings) and the engine lock inside [`Device`]; whoever needs both takes the service state first.
+//!
+//! The device loop, per pass: move work requests from every QP's and SRQ's ring into the engine,
+//! receive packets, fire timers, send, move completions from the engine into the CQ rings (and send
+//! a channel event when a CQ is armed), route async events to the owning client. It spins while
+//! there is work and for a short while after (`SOFTRDMA_SPIN_US`, 50 µs by default), then asks
+//! every work ring for a doorbell and sleeps in `ppoll` on the UDP sockets, the doorbells and a
+//! wake-up socket until a packet, a doorbell or the next timer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixDatagram;
+use std::path::PathBuf;
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant as StdInstant};
+
+use softrdma_abi::msg::{encode_event, DeviceEntry, DeviceStats, QpStats, Refusal, Request, Response};
+use softrdma_abi::ring::{ring_bytes, Consumer, Producer, ARMED_ANY};
+use softrdma_abi::shm::Shm;
+use softrdma_abi::slot::{self, CQE_LEN};
+use softrdma_abi::sock::{Conn, Listener, PeerCred};
+use softrdma_device::registry::{Registry, RegistryError};
+use softrdma_device::{netdev, DeviceConfig, DeviceInfo};
+use softrdma_transport::{
+    Access, AsyncEvent, CqId, ModifyQp, PdId, QpCap, QpInit, QpState, SrqId, VerbsError, WcOpcode, WcStatus,
+    WorkCompletion,
+};
+use softrdma_wire::Qpn;
+
+use crate::error::Error;
+use crate::runtime::Device;
+
+/// How the daemon runs.
+#[derive(Debug, Clone)]
+pub struct DaemonOptions {
+    /// Control socket path.
+    pub socket: PathBuf,
+    /// Device registry (devices.conf).
+    pub config: PathBuf,
+    /// UDP port of every device (4791).
+    pub udp_port: u16,
+    /// Serve Prometheus text at `http://ADDR/metrics`.
+    pub metrics: Option<SocketAddr>,
+}
+
+impl DaemonOptions {
+    /// The defaults for this user: [`softrdma_abi::sock::listen_path`],
+    /// [`softrdma_device::registry::config_path`], `$SOFTRDMA_UDP_PORT` or 4791, no metrics.
+    pub fn from_env() -> DaemonOptions {
+        let udp_port = std::env::var("SOFTRDMA_UDP_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(crate::ROCE_PORT);
+        DaemonOptions {
+            socket: softrdma_abi::sock::listen_path(),
+            config: softrdma_device::registry::config_path(),
+            udp_port,
+            metrics: None,
+        }
+    }
+}
+
+/// Most objects (PDs, MRs, CQs, QPs, SRQs, channels) one client may hold per device.
+pub const MAX_OBJECTS_PER_CLIENT: u32 = 65536;
+/// Garbage messages tolerated on one connection before it is closed.
+const MAX_GARBAGE: u32 = 1;
+
+macro_rules! log {
+    ($($arg:tt)*) => {{
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        eprintln!("softrdmad[{}] {}.{:03}: {}", std::process::id(), t.as_secs(), t.subsec_millis(), format_args!($($arg)*));
+    }};
+}
+
+fn refuse(e: Error) -> Refusal {
+    match e {
+        Error::Verbs(v) => Refusal::Verbs(v),
+        Error::InvalidArgument(s) => Refusal::InvalidArgument(s),
+        Error::Registry(RegistryError::UnknownDevice(n)) => Refusal::UnknownDevice(n),
+        other => Refusal::Other(other.to_string()),
+    }
+}
+
+fn nso() -> Refusal {
+    Refusal::Verbs(VerbsError::NoSuchObject)
+}
+
+/// Run the daemon until the process is killed.
+pub fn run(opts: DaemonOptions) -> crate::error::Result<()> {
+    let reg = Registry::load_from(&opts.config)?;
+    let d = Arc::new(Daemon {
+        reg: Mutex::new(reg),
+        devices: Mutex::new(Vec::new()),
+        next_conn: AtomicU64::new(1),
+        uid: softrdma_abi::sock::geteuid(),
+        garbage: AtomicU64::new(0),
+        opts,
+    });
+    let configs: Vec<DeviceConfig> = d.reg.lock().expect("registry").devices().to_vec();
+    for c in configs {
+        match d.start_device(&c) {
+            Ok(()) => log!("device {} on {} started (UDP port {})", c.name, c.netdev, d.opts.udp_port),
+            Err(e) => log!("device {} not started: {e}", c.name),
+        }
+    }
+    let listener = d.listen()?;
+    log!("listening on {} (config {})", d.opts.socket.display(), d.opts.config.display());
+    if let Some(addr) = d.opts.metrics {
+        let l = TcpListener::bind(addr).map_err(|e| Error::io("binding the metrics port", e))?;
+        log!("metrics on http://{}/metrics", l.local_addr().map(|a| a.to_string()).unwrap_or_default());
+        let d2 = Arc::clone(&d);
+        std::thread::Builder::new()
+            .name("softrdmad-metrics".into())
+            .spawn(move || d2.serve_metrics(l))
+            .map_err(|e| Error::io("starting the metrics thread", e))?;
+    }
+    let d2 = Arc::clone(&d);
+    std::thread::Builder::new()
+        .name("softrdmad-monitor".into())
+        .spawn(move || d2.monitor())
+        .map_err(|e| Error::io("starting the monitor thread", e))?;
+    loop {
+        match listener.accept() {
+            Ok(conn) => {
+                let d2 = Arc::clone(&d);
+                let _ = std::thread::Builder::new().name("softrdmad-client".into()).spawn(move || d2.serve(conn));
+            }
+            Err(e) => {
+                log!("accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+struct Daemon {
+    opts: DaemonOptions,
+    reg: Mutex<Registry>,
+    devices: Mutex<Vec<Arc<SvcDevice>>>,
+    next_conn: AtomicU64,
+    uid: u32,
+    garbage: AtomicU64,
+}
+
+impl Daemon {
+    fn listen(&self) -> crate::error::Result<Listener> {
+        let path = &self.opts.socket;
+        if let Some(dir) = path.parent() {
+            if !dir.exists() {
+                std::fs::create_dir_all(dir).map_err(|e| Error::io("creating the socket directory", e))?;
+                // The system daemon's directory is world-readable so every user can connect; a
+                // user's own daemon keeps its directory private.
+                let mode = if self.uid == 0 { 0o755 } else { 0o700 };
+                let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode));
+            }
+        }
+        let l = Listener::bind(path).map_err(|e| Error::io("binding the control socket", e))?;
+        // Anyone who can reach the socket may use the devices, as /dev/infiniband/uverbs* is 0666
+        // for the kernel's rxe: isolation is by object ownership, not by who connects.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
+            .map_err(|e| Error::io("setting the control socket's permissions", e))?;
+        Ok(l)
+    }
+
+    fn start_device(&self, c: &DeviceConfig) -> crate::error::Result<()> {
+        let info = DeviceInfo::open(c)?;
+        let up = info.netdev.is_link_up();
+        let (v4, v6) = crate::device::bind_addrs(&info);
+        let dev = Device::new(info, v4, v6, self.opts.udp_port)?;
+        dev.lock().qp_traffic = Some(HashMap::new());
+        let sd = Arc::new(SvcDevice {
+            name: Mutex::new(c.name.clone()),
+            config: Mutex::new(c.clone()),
+            dev,
+            svc: Mutex::new(SvcState::default()),
+            stop: AtomicBool::new(false),
+            port_up: AtomicBool::new(up),
+            thread: Mutex::new(None),
+        });
+        let sd2 = Arc::clone(&sd);
+        let t = std::thread::Builder::new()
+            .name(format!("softrdmad-{}", c.name))
+            .spawn(move || sd2.run())
+            .map_err(|e| Error::io("starting a device loop", e))?;
+        *sd.thread.lock().expect("thread slot") = Some(t);
+        self.devices.lock().expect("devices").push(sd);
+        Ok(())
+    }
+
+    fn device(&self, name: &str) -> Option<Arc<SvcDevice>> {
+        self.devices.lock().expect("devices").iter().find(|d| *d.name.lock().expect("name") == name).cloned()
+    }
+
+    fn entry(&self, reg: &Registry, c: &DeviceConfig) -> DeviceEntry {
+        let running = self.device(&c.name).is_some();
+        let nd = if running { netdev::by_name(&c.netdev).ok() } else { None };
+        DeviceEntry { config: c.clone(), roce_v1: reg.roce_v1(&c.name), netdev: nd, udp_port: self.opts.udp_port }
+    }
+
+    // ---- one client -----------------------------------------------------------------------------
+
+    fn serve(self: Arc<Self>, conn: Conn) {
+        let cred = match conn.peer_cred() {
+            Ok(c) => c,
+            Err(e) => {
+                log!("client without credentials: {e}");
+                return;
+            }
+        };
+        let mut s =
+            Session { d: Arc::clone(&self), id: self.next_conn.fetch_add(1, Ordering::Relaxed), cred, dev: None };
+        let mut garbage = 0;
+        loop {
+            let (buf, fds) = match conn.recv() {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(e) => {
+                    log!("client pid {} uid {}: receive failed: {e}; closing", cred.pid, cred.uid);
+                    break;
+                }
+            };
+            let resp = match Request::decode(&buf) {
+                Ok(req) => s.handle(req, fds),
+                Err(e) => {
+                    garbage += 1;
+                    self.garbage.fetch_add(1, Ordering::Relaxed);
+                    log!("client pid {} uid {} sent garbage ({} bytes: {e})", cred.pid, cred.uid, buf.len());
+                    Err(Refusal::InvalidArgument(e.to_string()))
+                }
+            };
+            let (resp, out) = match resp {
+                Ok(r) => r,
+                Err(e) => (Response::Error(e), Vec::new()),
+            };
+            let raw: Vec<_> = out.iter().map(|f| f.as_raw_fd()).collect();
+            if conn.send(&resp.encode(), &raw).is_err() || garbage > MAX_GARBAGE {
+                if garbage > MAX_GARBAGE {
+                    log!("closing the connection of pid {} after {garbage} malformed messages", cred.pid);
+                }
+                break;
+            }
+        }
+        if let Some(dev) = s.dev.take() {
+            dev.remove_client(s.id);
+        }
+    }
+
+    // ---- management ---------------------------------------------------------------------------
+
+    fn admin(&self, cred: &PeerCred) -> Result<(), Refusal> {
+        if cred.uid == 0 || cred.uid == self.uid {
+            Ok(())
+        } else {
+            Err(Refusal::PermissionDenied(format!(
+                "uid {} may not manage softrdmad's devices (root or uid {} may)",
+                cred.uid, self.uid
+            )))
+        }
+    }
+
+    fn save(&self, reg: &Registry) -> Result<(), Refusal> {
+        reg.save(&self.opts.config).map_err(|e| Refusal::Other(e.to_string()))
+    }
+
+    fn link_add(&self, c: DeviceConfig) -> Result<(), Refusal> {
+        let mut reg = self.reg.lock().expect("registry");
+        let mut next = reg.clone();
+        next.add(c.clone()).map_err(|e| Refusal::InvalidArgument(e.to_string()))?;
+        self.start_device(&c).map_err(refuse)?;
+        self.save(&next)?;
+        *reg = next;
+        log!("link add {} netdev {}", c.name, c.netdev);
+        Ok(())
+    }
+
+    fn link_delete(&self, name: &str) -> Result<(), Refusal> {
+        let mut reg = self.reg.lock().expect("registry");
+        let mut next = reg.clone();
+        next.remove(name).map_err(|_| Refusal::UnknownDevice(name.into()))?;
+        self.save(&next)?;
+        *reg = next;
+        let dev = {
+            let mut list = self.devices.lock().expect("devices");
+            let pos = list.iter().position(|d| *d.name.lock().expect("name") == name);
+            pos.map(|p| list.remove(p))
+        };
+        if let Some(dev) = dev {
+            dev.shutdown();
+        }
+        log!("link delete {name}");
+        Ok(())
+    }
+
+    fn rename(&self, name: &str, new_name: &str) -> Result<(), Refusal> {
+        let mut reg = self.reg.lock().expect("registry");
+        let mut next = reg.clone();
+        next.rename(name, new_name).map_err(|e| match e {
+            RegistryError::UnknownDevice(n) => Refusal::UnknownDevice(n),
+            e => Refusal::InvalidArgument(e.to_string()),
+        })?;
+        self.save(&next)?;
+        *reg = next;
+        if let Some(d) = self.device(name) {
+            *d.name.lock().expect("name") = new_name.to_owned();
+            d.config.lock().expect("config").name = new_name.to_owned();
+        }
+        log!("dev set {name} name {new_name}");
+        Ok(())
+    }
+
+    fn roce_mode(&self, name: &str, port: u8, v1: bool) -> Result<(), Refusal> {
+        if port != 1 {
+            return Err(Refusal::InvalidArgument(format!("device {name} has one port (1), not {port}")));
+        }
+        let mut reg = self.reg.lock().expect("registry");
+        let mut next = reg.clone();
+        next.set_roce_v1(name, v1).map_err(|_| Refusal::UnknownDevice(name.into()))?;
+        self.save(&next)?;
+        *reg = next;
+        log!("roce-mode {name} {port} {}", if v1 { "v1" } else { "v2" });
+        Ok(())
+    }
+
+    fn stats(&self, device: Option<&str>) -> Result<Vec<DeviceStats>, Refusal> {
+        let list: Vec<_> = self.devices.lock().expect("devices").clone();
+        let mut out = Vec::new();
+        for d in list {
+            let name = d.name.lock().expect("name").clone();
+            if device.is_some_and(|n| n != name) {
+                continue;
+            }
+            let mut s = d.stats();
+            s.name = name;
+            s.counters.push(("garbage_messages".into(), self.garbage.load(Ordering::Relaxed)));
+            out.push(s);
+        }
+        if let (Some(n), true) = (device, out.is_empty()) {
+            return Err(Refusal::UnknownDevice(n.into()));
+        }
+        Ok(out)
+    }
+
+    // ---- background ---------------------------------------------------------------------------
+
+    /// Follow each device's netdev: link down is PORT_DOWN and an `IBV_EVENT_PORT_ERR` to every
+    /// client; up again is PORT_ACTIVE and `IBV_EVENT_PORT_ACTIVE`.
+    fn monitor(self: Arc<Self>) {
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let list: Vec<_> = self.devices.lock().expect("devices").clone();
+            for d in list {
+                let nd = d.config.lock().expect("config").netdev.clone();
+                let up = netdev::by_name(&nd).is_ok_and(|n| n.is_link_up());
+                if d.port_up.swap(up, Ordering::Relaxed) != up {
+                    let name = d.name.lock().expect("name").clone();
+                    log!(
+                        "device {name}: netdev {nd} link {}, port 1 {}",
+                        if up { "up" } else { "down" },
+                        if up { "ACTIVE" } else { "DOWN" }
+                    );
+                    let ev = if up { AsyncEvent::PortActive(1) } else { AsyncEvent::PortError(1) };
+                    d.broadcast(ev);
+                }
+            }
+        }
+    }
+
+    fn serve_metrics(self: Arc<Self>, l: TcpListener) {
+        for stream in l.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&buf[..n]),
+                }
+            }
+            let body = prometheus(&self.stats(None).unwrap_or_default());
+            let head = format!(
+                "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = s.write_all(head.as_bytes()).and_then(|_| s.write_all(body.as_bytes()));
+        }
+    }
+}
+
+/// Prometheus text exposition of the stats.
+pub fn prometheus(stats: &[DeviceStats]) -> String {
+    use std::fmt::Write as _;
+    let mut by_name: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for d in stats {
+        for (k, v) in &d.counters {
+            by_name.entry(format!("softrdma_{k}")).or_default().push(format!("{{device=\"{}\"}} {v}", d.name));
+        }
+        for (qpn, pid, c) in &d.qps {
+            for (k, v) in c {
+                by_name
+                    .entry(format!("softrdma_qp_{k}"))
+                    .or_default()
+                    .push(format!("{{device=\"{}\",qpn=\"{qpn}\",pid=\"{pid}\"}} {v}", d.name));
+            }
+        }
+    }
+    let mut s = String::new();
+    for (name, samples) in by_name {
+        let kind =
+            if name.starts_with("softrdma_objects_") || name == "softrdma_port_active" { "gauge" } else { "counter" };
+        let _ = writeln!(s, "# TYPE {name} {kind}");
+        for x in samples {
+            let _ = writeln!(s, "{name}{x}");
+        }
+    }
+    s
+}
+
+// ---- one device ---------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct QpCounters {
+    send_wrs: u64,
+    recv_wrs: u64,
+    completions: u64,
+    error_completions: u64,
+    bad_wqes: u64,
+    rejected_wrs: u64,
+}
+
+struct ClientEntry {
+    pid: u32,
+    uid: u32,
+    doorbell: OwnedFd,
+    events: UnixDatagram,
+    objects: u32,
+}
+
+struct CqEntry {
+    client: u64,
+    ring: Producer,
+    channel: Option<u32>,
+    overflow_logged: bool,
+    _shm: Shm,
+}
+
+struct QpEntry {
+    client: u64,
+    cap: QpCap,
+    sq: Consumer,
+    rq: Option<Consumer>,
+    counters: QpCounters,
+    broken: bool,
+    /// The engine's queue was full at the last pass: entries wait in the ring until a packet or a
+    /// timer frees room, both of which wake the loop, so the loop may sleep meanwhile.
+    sq_blocked: bool,
+    rq_blocked: bool,
+    _shm: Shm,
+}
+
+struct SrqEntry {
+    client: u64,
+    max_sge: u32,
+    ring: Consumer,
+    broken: bool,
+    blocked: bool,
+    _shm: Shm,
+}
+
+#[derive(Default)]
+struct SvcState {
+    clients: HashMap<u64, ClientEntry>,
+    pds: HashMap<u32, u64>,
+    mrs: HashMap<u32, u64>,
+    channels: HashMap<u32, (u64, UnixDatagram)>,
+    next_channel: u32,
+    cqs: BTreeMap<CqId, CqEntry>,
+    qps: BTreeMap<Qpn, QpEntry>,
+    srqs: BTreeMap<SrqId, SrqEntry>,
+    bad_wqes: u64,
+    /// Set when the client list changed (the device loop rebuilds its poll set).
+    generation: u64,
+}
+
+struct SvcDevice {
+    name: Mutex<String>,
+    config: Mutex<DeviceConfig>,
+    dev: Device,
+    svc: Mutex<SvcState>,
+    stop: AtomicBool,
+    port_up: AtomicBool,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn spin_time() -> Duration {
+    let us = std::env::var("SOFTRDMA_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+    Duration::from_micros(us)
+}
+
+fn is_recv(op: WcOpcode) -> bool {
+    matches!(op, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
+}
+
+impl SvcDevice {
+    fn lock_svc(&self) -> MutexGuard<'_, SvcState> {
+        self.svc.lock().expect("service state poisoned")
+    }
+
+    fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.dev.wake();
+        if let Some(t) = self.thread.lock().expect("thread slot").take() {
+            let _ = t.join();
+        }
+    }
+
+    fn broadcast(&self, ev: AsyncEvent) {
+        let svc = self.lock_svc();
+        if let Some(b) = encode_event(&ev) {
+            for c in svc.clients.values() {
+                let _ = c.events.send(&b);
+            }
+        }
+        let _ = self.dev.wake();
+    }
+
+    /// The device loop.
+    fn run(self: Arc<Self>) {
+        let spin = spin_time();
+        let mut last_work = StdInstant::now();
+        let mut scratch = Scratch::default();
+        while !self.stop.load(Ordering::Acquire) {
+            if self.pass(&mut scratch) {
+                last_work = StdInstant::now();
+                continue;
+            }
+            if last_work.elapsed() < spin {
+                // Spin politely: on a machine with fewer cores than busy threads the clients
+                // (which poll their CQ rings) need the core as much as we do.
+                std::thread::yield_now();
+                continue;
+            }
+            self.sleep();
+            last_work = StdInstant::now() - spin;
+        }
+    }
+
+    /// Ask every work ring for a doorbell, then sleep until a packet, a doorbell, a wake-up or the
+    /// next timer.
+    fn sleep(&self) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        {
+            let svc = self.lock_svc();
+            let mut empty = true;
+            for q in svc.qps.values() {
+                empty &= q.sq.request_doorbell() || q.sq_blocked || q.broken;
+                if let Some(rq) = &q.rq {
+                    empty &= rq.request_doorbell() || q.rq_blocked || q.broken;
+                }
+            }
+            for s in svc.srqs.values() {
+                empty &= s.ring.request_doorbell() || s.blocked || s.broken;
+            }
+            if !empty {
+                return;
+            }
+            for c in svc.clients.values() {
+                fds.push(libc::pollfd { fd: c.doorbell.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            }
+        }
+        for (s, _) in self.dev.port.sockets() {
+            fds.push(libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+        fds.push(libc::pollfd { fd: self.dev.wake_fd(), events: libc::POLLIN, revents: 0 });
+        // As the embedded I/O thread does: record when we will wake on our own, so that a deadline
+        // armed meanwhile by a control call (a modify) that is earlier wakes us.
+        let wait = {
+            let mut st = self.dev.lock();
+            let now = self.dev.now();
+            let idle = now + Duration::from_millis(200);
+            let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
+            st.io_wake_at = Some(wake_at);
+            wake_at.saturating_since(now)
+        };
+        let ts =
+            libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+        // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
+        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+        // Drain the doorbells (non-blocking eventfds; a read resets the count).
+        let svc = self.lock_svc();
+        for c in svc.clients.values() {
+            let mut b = [0u8; 8];
+            // SAFETY: reading 8 bytes into a live buffer from our non-blocking eventfd.
+            unsafe { libc::read(c.doorbell.as_raw_fd(), b.as_mut_ptr() as *mut libc::c_void, 8) };
+        }
+        drop(svc);
+        self.dev.drain_wake();
+    }
+
+    /// One pass over rings, network, timers, completions and events; true if anything happened.
+    fn pass(&self, sc: &mut Scratch) -> bool {
+        let mut svc = self.lock_svc();
+        let svc = &mut *svc;
+        let mut guard = self.dev.lock();
+        let st = &mut *guard;
+        let now = self.dev.now();
+        let mut work = false;
+
+        // Work requests: from the rings into the engine, while the engine takes them.
+        for (qpn, q) in svc.qps.iter_mut() {
+            if q.broken {
+                continue;
+            }
+            let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
+            q.sq_blocked = false;
+            q.rq_blocked = false;
+            loop {
+                sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
+                match q.sq.peek(&mut sc.buf) {
+                    Ok(false) => break,
+                    Err(e) => {
+                        log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
+                        q.broken = true;
+                        break;
+                    }
+                    Ok(true) => {}
+                }
+                let wr = match slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
+                    Ok(wr) => wr,
+                    Err(e) => {
+                        q.sq.advance();
+                        q.counters.bad_wqes += 1;
+                        svc.bad_wqes += 1;
+                        log!("client pid {pid}: QP {qpn}: {e}; QP to ERR");
+                        let _ = st.hca.modify_qp(
+                            *qpn,
+                            &ModifyQp { state: Some(QpState::Err), ..Default::default() },
+                            now,
+                            &mut st.mem,
+                        );
+                        work = true;
+                        continue;
+                    }
+                };
+                match st.hca.post_send(*qpn, wr, now, &mut st.mem) {
+                    Ok(()) => q.counters.send_wrs += 1,
+                    Err(VerbsError::QueueFull) => {
+                        q.sq_blocked = true;
+                        break;
+                    }
+                    Err(e) => {
+                        q.counters.rejected_wrs += 1;
+                        if q.counters.rejected_wrs == 1 {
+                            log!("client pid {pid}: QP {qpn}: send WR refused: {e}");
+                        }
+                    }
+                }
+                q.sq.advance();
+                work = true;
+            }
+            let Some(rq) = q.rq.as_mut() else { continue };
+            loop {
+                sc.buf.resize(rq.ring().slot_size() as usize, 0);
+                match rq.peek(&mut sc.buf) {
+                    Ok(false) => break,
+                    Err(e) => {
+                        log!("client pid {pid}: QP {qpn} receive ring: {e}; ignoring the ring from now on");
+                        q.broken = true;
+                        break;
+                    }
+                    Ok(true) => {}
+                }
+                match slot::decode_recv(&sc.buf, q.cap.max_recv_sge) {
+                    Ok(wr) => match st.hca.post_recv(*qpn, wr, now, &mut st.mem) {
+                        Ok(()) => q.counters.recv_wrs += 1,
+                        Err(VerbsError::QueueFull) => {
+                            q.rq_blocked = true;
+                            break;
+                        }
+                        Err(_) => q.counters.rejected_wrs += 1,
+                    },
+                    Err(e) => {
+                        q.counters.bad_wqes += 1;
+                        svc.bad_wqes += 1;
+                        log!("client pid {pid}: QP {qpn}: {e}");
+                    }
+                }
+                rq.advance();
+                work = true;
+            }
+        }
+        for (id, s) in svc.srqs.iter_mut() {
+            if s.broken {
+                continue;
+            }
+            s.blocked = false;
+            loop {
+                sc.buf.resize(s.ring.ring().slot_size() as usize, 0);
+                match s.ring.peek(&mut sc.buf) {
+                    Ok(false) => break,
+                    Err(_) => {
+                        s.broken = true;
+                        break;
+                    }
+                    Ok(true) => {}
+                }
+                match slot::decode_recv(&sc.buf, s.max_sge) {
+                    Ok(wr) => match st.hca.post_srq_recv(*id, wr) {
+                        Ok(()) => {}
+                        Err(VerbsError::QueueFull) => {
+                            s.blocked = true;
+                            break;
+                        }
+                        Err(_) => {}
+                    },
+                    Err(_) => svc.bad_wqes += 1,
+                }
+                s.ring.advance();
+                work = true;
+            }
+        }
+
+        // Network and timers.
+        let before = (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
+        self.dev.progress(st);
+        work |= before != (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
+
+        // Completions: from the engine into the CQ rings.
+        for (id, c) in svc.cqs.iter_mut() {
+            let free = c.ring.free() as usize;
+            if free == 0 {
+                continue;
+            }
+            sc.wcs.clear();
+            if st.hca.poll_cq(*id, free, &mut sc.wcs).unwrap_or(0) == 0 {
+                continue;
+            }
+            work = true;
+            let mut slot = [0u8; CQE_LEN];
+            let mut notify = false;
+            for wc in &sc.wcs {
+                slot::encode_cqe(wc, &mut slot);
+                c.ring.push(&slot);
+                if let Some(q) = svc.qps.get_mut(&wc.qp_num) {
+                    q.counters.completions += 1;
+                    if wc.status != WcStatus::Success {
+                        q.counters.error_completions += 1;
+                    }
+                }
+                notify |= wc.status != WcStatus::Success || is_recv(wc.opcode);
+            }
+            fence(Ordering::SeqCst);
+            let flags = c.ring.ring().flags();
+            let armed = flags.load(Ordering::Relaxed);
+            if armed != 0
+                && (armed == ARMED_ANY || notify)
+                && flags.compare_exchange(armed, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+            {
+                if let Some((_, sock)) = c.channel.and_then(|ch| svc.channels.get(&ch)) {
+                    let _ = sock.send(&id.0.to_le_bytes());
+                }
+            }
+        }
+
+        // Async events: to the client owning the object.
+        while let Some(ev) = st.async_events.pop_front() {
+            work = true;
+            let owner = match ev {
+                AsyncEvent::CommEstablished(q)
+                | AsyncEvent::SqDrained(q)
+                | AsyncEvent::QpLastWqeReached(q)
+                | AsyncEvent::QpRequestError(q)
+                | AsyncEvent::QpAccessError(q)
+                | AsyncEvent::QpFatal(q) => svc.qps.get(&q).map(|e| e.client),
+                AsyncEvent::SrqLimitReached(s) => svc.srqs.get(&s).map(|e| e.client),
+                AsyncEvent::CqError(cq) => {
+                    let e = svc.cqs.get_mut(&cq);
+                    if let Some(e) = e {
+                        if !e.overflow_logged {
+                            e.overflow_logged = true;
+                            let pid = svc.clients.get(&e.client).map_or(0, |c| c.pid);
+                            log!("client pid {pid}: CQ {} overflowed (the client does not poll it); completions are being dropped", cq.0);
+                        }
+                        Some(e.client)
+                    } else {
+                        None
+                    }
+                }
+                _ => None,
+            };
+            if let (Some(c), Some(b)) = (owner.and_then(|o| svc.clients.get(&o)), encode_event(&ev)) {
+                let _ = c.events.send(&b);
+            }
+        }
+        work
+    }
+
+    fn stats(&self) -> DeviceStats {
+        let svc = self.lock_svc();
+        let st = self.dev.lock();
+        let c = st.hca.counters();
+        let mut counters: Vec<(String, u64)> = [
+            ("sent_pkts", c.sent_pkts),
+            ("rcvd_pkts", c.rcvd_pkts),
+            ("sent_bytes", c.sent_bytes),
+            ("rcvd_bytes", c.rcvd_bytes),
+            ("retransmits", c.retransmits),
+            ("retry_rounds", c.retry_rounds),
+            ("ack_timeouts", c.ack_timeouts),
+            ("rcvd_seq_err", c.rcvd_seq_err),
+            ("send_err_nak", c.send_err_nak),
+            ("rcvd_err_nak", c.rcvd_err_nak),
+            ("send_rnr_nak", c.send_rnr_nak),
+            ("rcvd_rnr_err", c.rcvd_rnr_err),
+            ("duplicate_request", c.duplicate_request),
+            ("out_of_seq_request", c.out_of_seq_request),
+            ("drop_malformed", c.drop_malformed),
+            ("drop_unknown_qp", c.drop_unknown_qp),
+            ("drop_bad_state", c.drop_bad_state),
+            ("drop_pkey", c.drop_pkey),
+            ("drop_qkey", c.drop_qkey),
+            ("drop_no_recv", c.drop_no_recv),
+            ("drop_uc_msg", c.drop_uc_msg),
+            ("drop_stray_resp", c.drop_stray_resp),
+            ("cq_overflow", c.cq_overflow),
+            ("icrc_errors", st.verify.bad),
+            ("icrc_verified", st.verify.verified),
+            ("icrc_recovered_id", st.verify.recovered),
+            ("tx_errors", st.tx_errors),
+            ("bad_wqes", svc.bad_wqes),
+            ("port_active", u64::from(self.port_up.load(Ordering::Relaxed))),
+            ("objects_clients", svc.clients.len() as u64),
+            ("objects_pds", svc.pds.len() as u64),
+            ("objects_mrs", svc.mrs.len() as u64),
+            ("objects_cqs", svc.cqs.len() as u64),
+            ("objects_qps", svc.qps.len() as u64),
+            ("objects_srqs", svc.srqs.len() as u64),
+            ("objects_channels", svc.channels.len() as u64),
+            ("engine_mrs", st.mem.len() as u64),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        counters.shrink_to_fit();
+        let qps: Vec<QpStats> = svc
+            .qps
+            .iter()
+            .map(|(qpn, q)| {
+                let t = st.qp_traffic.as_ref().and_then(|m| m.get(qpn)).copied().unwrap_or_default();
+                let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
+                let k = &q.counters;
+                let e = &t.engine;
+                let list = [
+                    ("sent_pkts", t.pkts[0]),
+                    ("sent_bytes", t.pkts[1]),
+                    ("rcvd_pkts", t.pkts[2]),
+                    ("rcvd_bytes", t.pkts[3]),
+                    ("retransmits", e.retransmits),
+                    ("retry_rounds", e.retry_rounds),
+                    ("rcvd_seq_err", e.rcvd_seq_err),
+                    ("out_of_seq_request", e.out_of_seq_request),
+                    ("duplicate_request", e.duplicate_request),
+                    ("send_err_nak", e.send_err_nak),
+                    ("rcvd_err_nak", e.rcvd_err_nak),
+                    ("send_rnr_nak", e.send_rnr_nak),
+                    ("rcvd_rnr_err", e.rcvd_rnr_err),
+                    ("drop_bad_state", e.drop_bad_state),
+                    ("drop_pkey", e.drop_pkey),
+                    ("drop_qkey", e.drop_qkey),
+                    ("drop_no_recv", e.drop_no_recv),
+                    ("drop_uc_msg", e.drop_uc_msg),
+                    ("drop_stray_resp", e.drop_stray_resp),
+                    ("cq_overflow", e.cq_overflow),
+                    ("send_wrs", k.send_wrs),
+                    ("recv_wrs", k.recv_wrs),
+                    ("completions", k.completions),
+                    ("error_completions", k.error_completions),
+                    ("bad_wqes", k.bad_wqes),
+                    ("rejected_wrs", k.rejected_wrs),
+                ];
+                (qpn.value(), pid, list.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+            })
+            .collect();
+        DeviceStats { name: String::new(), counters, qps }
+    }
+
+    /// A client went away: free everything it held, as the kernel does when a process exits.
+    fn remove_client(&self, id: u64) {
+        let mut svc = self.lock_svc();
+        let svc = &mut *svc;
+        let mut st = self.dev.lock();
+        let st = &mut *st;
+        let Some(c) = svc.clients.remove(&id) else { return };
+        let qps: Vec<Qpn> = svc.qps.iter().filter(|(_, q)| q.client == id).map(|(k, _)| *k).collect();
+        for q in &qps {
+            let _ = st.hca.destroy_qp(*q);
+            if let Some(m) = st.qp_traffic.as_mut() {
+                m.remove(q);
+            }
+            svc.qps.remove(q);
+        }
+        let srqs: Vec<SrqId> = svc.srqs.iter().filter(|(_, s)| s.client == id).map(|(k, _)| *k).collect();
+        for s in &srqs {
+            let _ = st.hca.destroy_srq(*s);
+            svc.srqs.remove(s);
+        }
+        let cqs: Vec<CqId> = svc.cqs.iter().filter(|(_, c)| c.client == id).map(|(k, _)| *k).collect();
+        for cq in &cqs {
+            let _ = st.hca.destroy_cq(*cq);
+            svc.cqs.remove(cq);
+        }
+        let mrs: Vec<u32> = svc.mrs.iter().filter(|(_, c)| **c == id).map(|(k, _)| *k).collect();
+        for k in &mrs {
+            st.mem.remove(*k);
+            svc.mrs.remove(k);
+        }
+        let pds = svc.pds.len();
+        svc.pds.retain(|_, c| *c != id);
+        let pds = pds - svc.pds.len();
+        svc.channels.retain(|_, (c, _)| *c != id);
+        svc.generation += 1;
+        if qps.len() + srqs.len() + cqs.len() + mrs.len() + pds > 0 {
+            log!(
+                "client pid {} uid {} gone: freed {} QPs, {} CQs, {} SRQs, {} MRs, {} PDs",
+                c.pid,
+                c.uid,
+                qps.len(),
+                cqs.len(),
+                srqs.len(),
+                mrs.len(),
+                pds
+            );
+        }
+    }
+}
+
+#[derive(Default)]
+struct Scratch {
+    buf: Vec<u8>,
+    wcs: Vec<WorkCompletion>,
+}
+
+// ---- one session --------------------------------------------------------------------------------
+
+struct Session {
+    d: Arc<Daemon>,
+    id: u64,
+    cred: PeerCred,
+    dev: Option<Arc<SvcDevice>>,
+}
+
+type Reply = Result<(Response, Vec<OwnedFd>), Refusal>;
+
+fn ok(r: Response) -> Reply {
+    Ok((r, Vec::new()))
+}
+
+fn eventfd() -> std::io::Result<OwnedFd> {
+    // SAFETY: plain eventfd(2).
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether the daemon can reach `len` bytes at `addr` in `pid` (probes the first and last byte).
+fn probe(pid: u32, addr: u64, len: u64) -> Result<(), Refusal> {
+    if len == 0 {
+        return Ok(());
+    }
+    for a in [addr, addr + len - 1] {
+        let mut b = 0u8;
+        let l = libc::iovec { iov_base: &mut b as *mut u8 as *mut libc::c_void, iov_len: 1 };
+        let r = libc::iovec { iov_base: a as *mut libc::c_void, iov_len: 1 };
+        // SAFETY: the local iovec covers one live byte; the remote one is only interpreted by the
+        // kernel in `pid`'s address space.
+        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &l, 1, &r, 1, 0) };
+        if n != 1 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EPERM) => Refusal::PermissionDenied(format!(
+                    "softrdmad cannot reach the memory of pid {pid} (ptrace access); run it as root, or as the same user"
+                )),
+                _ => Refusal::InvalidArgument(format!("address {a:#x} is not mapped in the registering process")),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Session {
+    fn dev(&self) -> Result<&Arc<SvcDevice>, Refusal> {
+        self.dev.as_ref().ok_or_else(|| Refusal::InvalidArgument("no device opened on this connection".into()))
+    }
+
+    fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Reply {
+        let d = Arc::clone(&self.d);
+        match req {
+            Request::Hello => ok(Response::Hello { daemon_pid: std::process::id() }),
+            Request::ListDevices => {
+                let reg = d.reg.lock().expect("registry");
+                ok(Response::Devices(reg.devices().iter().map(|c| d.entry(&reg, c)).collect()))
+            }
+            Request::OpenDevice { name } => self.open(&name),
+            Request::Stats { device } => ok(Response::Stats(d.stats(device.as_deref())?)),
+            Request::LinkAdd { name, netdev, addr } => {
+                d.admin(&self.cred)?;
+                let mut c = DeviceConfig::new(name, netdev);
+                if let Some(a) = addr {
+                    c = c.with_addr(a);
+                }
+                d.link_add(c)?;
+                ok(Response::Ok)
+            }
+            Request::LinkDelete { name } => {
+                d.admin(&self.cred)?;
+                d.link_delete(&name)?;
+                ok(Response::Ok)
+            }
+            Request::Rename { name, new_name } => {
+                d.admin(&self.cred)?;
+                d.rename(&name, &new_name)?;
+                ok(Response::Ok)
+            }
+            Request::RoceMode { name, port, v1 } => {
+                d.admin(&self.cred)?;
+                d.roce_mode(&name, port, v1)?;
+                ok(Response::Ok)
+            }
+            other => {
+                let dev = Arc::clone(self.dev()?);
+                self.verb(&dev, other, fds)
+            }
+        }
+    }
+
+    fn open(&mut self, name: &str) -> Reply {
+        if self.dev.is_some() {
+            return Err(Refusal::InvalidArgument("this connection already has a device open".into()));
+        }
+        let dev = self.d.device(name).ok_or_else(|| Refusal::UnknownDevice(name.into()))?;
+        let entry = {
+            let reg = self.d.reg.lock().expect("registry");
+            let c = reg.find(name).map_err(|_| Refusal::UnknownDevice(name.into()))?.clone();
+            self.d.entry(&reg, &c)
+        };
+        let io = |e: std::io::Error| Refusal::Other(format!("creating the client's doorbell: {e}"));
+        let doorbell = eventfd().map_err(io)?;
+        let (mine, theirs) = UnixDatagram::pair().map_err(io)?;
+        mine.set_nonblocking(true).map_err(io)?;
+        let out = vec![doorbell.try_clone().map_err(io)?, OwnedFd::from(theirs)];
+        {
+            let mut svc = dev.lock_svc();
+            svc.clients.insert(
+                self.id,
+                ClientEntry { pid: self.cred.pid, uid: self.cred.uid, doorbell, events: mine, objects: 0 },
+            );
+            svc.generation += 1;
+        }
+        let _ = dev.dev.wake();
+        self.dev = Some(dev);
+        Ok((Response::Opened(entry), out))
+    }
+
+    /// Verbs on the open device. Every object is checked to belong to this client.
+    fn verb(&mut self, dev: &Arc<SvcDevice>, req: Request, mut fds: Vec<OwnedFd>) -> Reply {
+        let me = self.id;
+        let attr = dev.dev.info.attr.clone();
+        let mut svc = dev.lock_svc();
+        let svc = &mut *svc;
+        let objects = svc.clients.get(&me).map_or(0, |c| c.objects);
+        let creates = matches!(
+            req,
+            Request::AllocPd
+                | Request::RegMr { .. }
+                | Request::CreateChannel
+                | Request::CreateCq { .. }
+                | Request::CreateSrq { .. }
+                | Request::CreateQp { .. }
+        );
+        if creates && objects >= MAX_OBJECTS_PER_CLIENT {
+            return Err(Refusal::Verbs(VerbsError::CapacityExceeded("objects per client")));
+        }
+        let count = |svc: &mut SvcState, delta: i32| {
+            if let Some(c) = svc.clients.get_mut(&me) {
+                c.objects = c.objects.saturating_add_signed(delta);
+            }
+        };
+        let owns_pd = |svc: &SvcState, pd: u32| svc.pds.get(&pd) == Some(&me);
+        let io = |what: &'static str| move |e: std::io::Error| Refusal::Other(format!("{what}: {e}"));
+        match req {
+            Request::AllocPd => {
+                let id = {
+                    let mut st = dev.dev.lock();
+                    st.next_pd += 1;
+                    st.next_pd
+                };
+                svc.pds.insert(id, me);
+                count(svc, 1);
+                ok(Response::Id(id))
+            }
+            Request::DeallocPd { pd } => {
+                if !owns_pd(svc, pd) {
+                    return Err(nso());
+                }
+                svc.pds.remove(&pd);
+                count(svc, -1);
+                ok(Response::Ok)
+            }
+            Request::RegMr { pd, addr, len, access } => {
+                if !owns_pd(svc, pd) {
+                    return Err(nso());
+                }
+                let access = Access::from_bits(access);
+                let needs_local_write = access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
+                if needs_local_write && !access.contains(Access::LOCAL_WRITE) {
+                    return Err(Refusal::InvalidArgument("REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too".into()));
+                }
+                if len > attr.max_mr_size || addr.checked_add(len).is_none() {
+                    return Err(Refusal::InvalidArgument(format!("memory region of {len} bytes is too large")));
+                }
+                probe(self.cred.pid, addr, len)?;
+                let key = dev.dev.lock().mem.insert_remote(PdId(pd), self.cred.pid, addr, len as usize, access);
+                svc.mrs.insert(key, me);
+                count(svc, 1);
+                ok(Response::Id(key))
+            }
+            Request::DeregMr { key } => {
+                if svc.mrs.get(&key) != Some(&me) {
+                    return Err(nso());
+                }
+                dev.dev.lock().mem.remove(key);
+                svc.mrs.remove(&key);
+                count(svc, -1);
+                ok(Response::Ok)
+            }
+            Request::CreateChannel => {
+                let fd = fds.pop().ok_or_else(|| Refusal::InvalidArgument("CreateChannel needs a socket".into()))?;
+                let sock = UnixDatagram::from(fd);
+                sock.set_nonblocking(true).map_err(io("completion channel"))?;
+                svc.next_channel += 1;
+                let id = svc.next_channel;
+                svc.channels.insert(id, (me, sock));
+                count(svc, 1);
+                ok(Response::Id(id))
+            }
+            Request::DestroyChannel { id } => {
+                if svc.channels.get(&id).map(|c| c.0) != Some(me) {
+                    return Err(nso());
+                }
+                svc.channels.remove(&id);
+                for c in svc.cqs.values_mut() {
+                    if c.channel == Some(id) {
+                        c.channel = None;
+                    }
+                }
+                count(svc, -1);
+                ok(Response::Ok)
+            }
+            Request::CreateCq { cqe, channel } => {
+                if cqe == 0 || cqe > attr.max_cqe {
+                    return Err(Refusal::InvalidArgument(format!("CQ size {cqe} outside 1..={}", attr.max_cqe)));
+                }
+                if channel.is_some_and(|ch| svc.channels.get(&ch).map(|c| c.0) != Some(me)) {
+                    return Err(nso());
+                }
+                let capacity = cqe.next_power_of_two();
+                let shm = Shm::create("softrdma-cq", ring_bytes(capacity, CQE_LEN as u32)).map_err(io("CQ ring"))?;
+                let ring = shm.ring(0, capacity, CQE_LEN as u32).map_err(io("CQ ring"))?;
+                ring.init();
+                let id = dev.dev.lock().hca.create_cq(cqe);
+                let fd = shm.fd().try_clone().map_err(io("CQ ring"))?;
+                svc.cqs.insert(
+                    id,
+                    CqEntry { client: me, ring: Producer::new(ring), channel, overflow_logged: false, _shm: shm },
+                );
+                count(svc, 1);
+                Ok((Response::Cq { id: id.0, capacity }, vec![fd]))
+            }
+            Request::DestroyCq { cq } => {
+                let id = CqId(cq);
+                if svc.cqs.get(&id).map(|c| c.client) != Some(me) {
+                    return Err(nso());
+                }
+                dev.dev.lock().hca.destroy_cq(id).map_err(Refusal::Verbs)?;
+                svc.cqs.remove(&id);
+                count(svc, -1);
+                ok(Response::Ok)
+            }
+            Request::CreateSrq { pd, max_wr, max_sge } => {
+                if !owns_pd(svc, pd) {
+                    return Err(nso());
+                }
+                if max_wr == 0 || max_wr > attr.max_srq_wr || max_sge > attr.max_srq_sge {
+                    return Err(Refusal::InvalidArgument(format!(
+                        "SRQ of {max_wr} WRs x {max_sge} SGEs exceeds max_srq_wr {} / max_srq_sge {}",
+                        attr.max_srq_wr, attr.max_srq_sge
+                    )));
+                }
+                let capacity = max_wr.next_power_of_two();
+                let slot_size = slot::recv_slot_size(max_sge);
+                let shm = Shm::create("softrdma-srq", ring_bytes(capacity, slot_size)).map_err(io("SRQ ring"))?;
+                let ring = shm.ring(0, capacity, slot_size).map_err(io("SRQ ring"))?;
+                ring.init();
+                let id = dev.dev.lock().hca.create_srq(max_wr, max_sge);
+                let fd = shm.fd().try_clone().map_err(io("SRQ ring"))?;
+                svc.srqs.insert(
+                    id,
+                    SrqEntry {
+                        client: me,
+                        max_sge,
+                        ring: Consumer::new(ring),
+                        broken: false,
+                        blocked: false,
+                        _shm: shm,
+                    },
+                );
+                count(svc, 1);
+                Ok((Response::Srq { id: id.0, capacity, slot_size }, vec![fd]))
+            }
+            Request::ArmSrq { srq, limit } => {
+                let id = SrqId(srq);
+                if svc.srqs.get(&id).map(|s| s.client) != Some(me) {
+                    return Err(nso());
+                }
+                dev.dev.lock().hca.arm_srq(id, limit).map_err(Refusal::Verbs)?;
+                ok(Response::Ok)
+            }
+            Request::DestroySrq { srq } => {
+                let id = SrqId(srq);
+                if svc.srqs.get(&id).map(|s| s.client) != Some(me) {
+                    return Err(nso());
+                }
+                dev.dev.lock().hca.destroy_srq(id).map_err(Refusal::Verbs)?;
+                svc.srqs.remove(&id);
+                count(svc, -1);
+                ok(Response::Ok)
+            }
+            Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all } => {
+                if !owns_pd(svc, pd) {
+                    return Err(nso());
+                }
+                for cq in [send_cq, recv_cq] {
+                    if svc.cqs.get(&CqId(cq)).map(|c| c.client) != Some(me) {
+                        return Err(nso());
+                    }
+                }
+                if srq.is_some_and(|s| svc.srqs.get(&SrqId(s)).map(|e| e.client) != Some(me)) {
+                    return Err(nso());
+                }
+                if cap.max_send_wr > attr.max_qp_wr || cap.max_recv_wr > attr.max_qp_wr {
+                    return Err(Refusal::InvalidArgument(format!("queue depth above max_qp_wr {}", attr.max_qp_wr)));
+                }
+                if cap.max_send_sge > attr.max_sge || cap.max_recv_sge > attr.max_sge || cap.max_inline_data > 4096 {
+                    return Err(Refusal::InvalidArgument(format!("SGE count above max_sge {}", attr.max_sge)));
+                }
+                let sq_capacity = cap.max_send_wr.max(1).next_power_of_two();
+                let sq_slot = slot::send_slot_size(cap.max_send_sge, cap.max_inline_data);
+                let rq_offset = ring_bytes(sq_capacity, sq_slot).next_multiple_of(64);
+                let rq_capacity = cap.max_recv_wr.max(1).next_power_of_two();
+                let rq_slot = slot::recv_slot_size(cap.max_recv_sge);
+                let len = if srq.is_some() { rq_offset } else { rq_offset + ring_bytes(rq_capacity, rq_slot) };
+                let shm = Shm::create("softrdma-qp", len).map_err(io("QP rings"))?;
+                let sq = shm.ring(0, sq_capacity, sq_slot).map_err(io("QP rings"))?;
+                sq.init();
+                let rq = if srq.is_some() {
+                    None
+                } else {
+                    let r = shm.ring(rq_offset, rq_capacity, rq_slot).map_err(io("QP rings"))?;
+                    r.init();
+                    Some(Consumer::new(r))
+                };
+                let init = QpInit {
+                    qp_type,
+                    pd: PdId(pd),
+                    send_cq: CqId(send_cq),
+                    recv_cq: CqId(recv_cq),
+                    srq: srq.map(SrqId),
+                    cap,
+                    sq_sig_all,
+                };
+                let qpn = {
+                    let mut st = dev.dev.lock();
+                    let qpn = st.hca.create_qp(init).map_err(Refusal::Verbs)?;
+                    if let Some(m) = st.qp_traffic.as_mut() {
+                        m.insert(qpn, Default::default());
+                    }
+                    qpn
+                };
+                let fd = shm.fd().try_clone().map_err(io("QP rings"))?;
+                svc.qps.insert(
+                    qpn,
+                    QpEntry {
+                        client: me,
+                        cap,
+                        sq: Consumer::new(sq),
+                        rq,
+                        counters: QpCounters::default(),
+                        broken: false,
+                        sq_blocked: false,
+                        rq_blocked: false,
+                        _shm: shm,
+                    },
+                );
+                count(svc, 1);
+                let resp = Response::Qp {
+                    qpn: qpn.value(),
+                    sq_capacity,
+                    sq_slot,
+                    rq_capacity,
+                    rq_slot,
+                    rq_offset: rq_offset as u64,
+                };
+                Ok((resp, vec![fd]))
+            }
+            Request::ModifyQp { qpn, attr: m } => {
+                let qpn = Qpn::new(qpn);
+                if svc.qps.get(&qpn).map(|q| q.client) != Some(me) {
+                    return Err(nso());
+                }
+                if let Some(av) = &m.av {
+                    dev.dev
+                        .info
+                        .gid(1, usize::from(av.sgid_index))
+                        .map_err(|e| Refusal::InvalidArgument(e.to_string()))?;
+                }
+                dev.dev
+                    .run(|st, now| {
+                        let st = &mut *st;
+                        st.hca.modify_qp(qpn, &m, now, &mut st.mem)
+                    })
+                    .map_err(Refusal::Verbs)?;
+                ok(Response::Ok)
+            }
+            Request::QueryQp { qpn } => {
+                let qpn = Qpn::new(qpn);
+                if svc.qps.get(&qpn).map(|q| q.client) != Some(me) {
+                    return Err(nso());
+                }
+                let info = dev.dev.lock().hca.query_qp(qpn).map_err(Refusal::Verbs)?;
+                ok(Response::QpInfo(info))
+            }
+            Request::DestroyQp { qpn } => {
+                let qpn = Qpn::new(qpn);
+                if svc.qps.get(&qpn).map(|q| q.client) != Some(me) {
+                    return Err(nso());
+                }
+                {
+                    let mut st = dev.dev.lock();
+                    st.hca.destroy_qp(qpn).map_err(Refusal::Verbs)?;
+                    if let Some(m) = st.qp_traffic.as_mut() {
+                        m.remove(&qpn);
+                    }
+                }
+                svc.qps.remove(&qpn);
+                count(svc, -1);
+                ok(Response::Ok)
+            }
+            _ => Err(Refusal::InvalidArgument("request not valid here".into())),
+        }
+    }
+}
