@@ -6,6 +6,7 @@ use std::process::ExitCode;
 mod demo;
 mod devinfo;
 mod pcap;
+mod perf;
 mod pingpong;
 mod service;
 
@@ -30,6 +31,8 @@ enum Command {
     Devinfo(devinfo::DevinfoArgs),
     /// RC ping-pong between two hosts (like `ibv_rc_pingpong`; server without a host name).
     Pingpong(pingpong::PingpongArgs),
+    /// Bandwidth and latency tests with perftest's flags and output (ib_write_bw, ib_send_lat, ...).
+    Perf(perf::PerfArgs),
     /// Work with packet captures.
     Pcap {
         #[command(subcommand)]
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
         Command::Devices => devinfo::run_devices(),
         Command::Devinfo(args) => devinfo::run_devinfo(args),
         Command::Pcap { command } => pcap::run(command),
+        Command::Perf(args) => perf::run(args),
         Command::Pingpong(args) => pingpong::run(args),
         Command::Daemon(args) => service::run_daemon(args),
         Command::Link { command } => service::run_link(command),

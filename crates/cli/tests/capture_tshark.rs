@@ -64,6 +64,9 @@ fn captured_traffic_decodes_in_tshark_and_passes_pcap_check() {
     if !have_tshark.is_ok_and(|s| s.success()) {
         return skip("tshark is not installed (Debian package tshark)");
     }
+    // One captured frame per IB packet: without this, runs of equal-size packets leave as UDP GSO
+    // sends, which a capture on `lo` (a GSO-capable device) records as one super-datagram each.
+    std::env::set_var("SOFTRDMA_NO_GSO", "1");
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("softrdma.pcap");
     let (addr_a, addr_b) = pick_addrs();

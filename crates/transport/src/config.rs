@@ -18,9 +18,20 @@ pub struct Config {
     pub port_mtu: Mtu,
     /// Largest message (rxe `max_msg_sz`: 2^31).
     pub max_msg_size: u64,
+    /// Adapt the window to loss (AIMD): a retransmission round halves the requester's window (down
+    /// to [`Config::MIN_WINDOW`] packets), acknowledged packets grow it back by a quarter of their
+    /// number each, up to `max_inflight_packets`. Go-back-N resends everything after a lost packet,
+    /// so a window far above what the path needs turns 1 % loss into mostly retransmissions; a
+    /// halved window bounds that. Purely local: the peer sees the same packets, only fewer at once.
+    pub adaptive_window: bool,
     /// Work per `poll_transmit`-driven requester step: at most this many packets from one QP before
     /// another QP gets a turn.
     pub burst: u32,
+}
+
+impl Config {
+    /// Smallest adaptive window, in packets.
+    pub const MIN_WINDOW: u32 = 16;
 }
 
 impl Default for Config {
@@ -32,6 +43,7 @@ impl Default for Config {
             port_mtu: Mtu::M4096,
             max_msg_size: 1 << 31,
             burst: 16,
+            adaptive_window: false,
         }
     }
 }

@@ -14,19 +14,25 @@ use std::io::{self, ErrorKind};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use softrdma_device::DeviceInfo;
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, UdpVerdict, VerifyStats};
+use softrdma_wire::roce::{seal_udp_payload, seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats};
 
 use crate::cm::CmState;
 use crate::error::{Error, Result};
-use crate::io::UdpPort;
+use crate::io::{self as udp, UdpPort};
 use crate::memory::MrTable;
+
+/// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
+const TX_SLOT: usize = 4096 + 512;
+/// Bytes per receive slot: a whole GRO batch (up to 64 KiB of coalesced datagrams); larger
+/// datagrams are truncated by the kernel and dropped as malformed.
+const RX_SLOT: usize = 65536;
 
 /// One QP's share of the device's traffic and engine counters (daemon mode).
 #[derive(Debug, Clone, Copy, Default)]
@@ -126,7 +132,14 @@ pub(crate) struct Device {
     wake_rx: UnixDatagram,
     stop: AtomicBool,
     epoch: std::time::Instant,
+    /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
+    app_progress: AtomicU64,
 }
+
+/// An application thread that polled within this window is busy polling (see `io_loop`).
+const BUSY_WINDOW: Duration = Duration::from_micros(200);
+/// How long the I/O thread sleeps before checking again while an application thread busy-polls.
+const BUSY_SLEEP: Duration = Duration::from_micros(500);
 
 /// The IP address a GID stands for (IPv4-mapped GIDs are IPv4).
 pub(crate) fn gid_ip(gid: &[u8; 16]) -> IpAddr {
@@ -196,7 +209,8 @@ impl Device {
         let cm = CmState::new(cm_agent(&info, &port));
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
-        let config = Config { port_mtu, max_rd_atomic, ..Config::default() };
+        // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
+        let config = Config { port_mtu, max_rd_atomic, adaptive_window: true, ..Config::default() };
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
         wake_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         wake_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
@@ -214,8 +228,8 @@ impl Device {
             next_pd: 1,
             qp_traffic: None,
             cm,
-            tx_buf: vec![0; 4096 + 512],
-            rx_buf: vec![0; 65536],
+            tx_buf: vec![0; udp::BATCH * TX_SLOT],
+            rx_buf: vec![0; udp::BATCH * RX_SLOT],
         };
         Ok(Device {
             info,
@@ -228,6 +242,7 @@ impl Device {
             wake_rx,
             stop: AtomicBool::new(false),
             epoch: std::time::Instant::now(),
+            app_progress: AtomicU64::new(0),
         })
     }
 
@@ -254,33 +269,82 @@ impl Device {
 
     /// Send every packet the engine has, and hand out completion and async events.
     fn flush(&self, st: &mut State, now: Instant) {
-        let st = &mut *st;
-        st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
-            let dst = SocketAddr::new(gid_ip(&dgid), self.port.port());
-            let sent = self.port.local_for(&dst).is_some_and(|src| {
-                seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok()
+        // Packets go out in batches of up to udp::BATCH per sendmmsg, each built in its own slot of
+        // the transmit buffer. Consecutive packets of one size to one peer go as one UDP GSO send
+        // (a multi-packet message's middle and last packets, for instance); the kernel numbers the
+        // IPv4 identifications of the segments 0, 1, 2, ..., so packet k of a group is sealed for
+        // identification k.
+        {
+            let st = &mut *st;
+            st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
+                let dst = SocketAddr::new(gid_ip(&dgid), self.port.port());
+                let sent = self.port.local_for(&dst).is_some_and(|src| {
+                    seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok()
+                });
+                if !sent {
+                    st.tx_errors += 1;
+                }
             });
-            if !sent {
-                st.tx_errors += 1;
-            }
-        });
+        }
+        let State { hca, mem, tx_buf, tx_errors, qp_traffic, .. } = &mut *st;
+        let gso = self.port.gso();
         loop {
-            let before = *st.hca.counters();
-            let Some(t) = st.hca.poll_transmit(now, &mut st.mem, &mut st.tx_buf) else { break };
-            if let Some(q) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn)) {
-                add_delta(&mut q.engine, &before, st.hca.counters());
+            let mut meta = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            let mut slots = [0usize; udp::BATCH];
+            let (mut n, mut k) = (0, 0);
+            for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
+                // Daemon mode attributes engine counters and packets to QPs (packets when built:
+                // a batch's send errors are not attributed).
+                let before = qp_traffic.is_some().then(|| *hca.counters());
+                let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
+                n += 1;
+                if let (Some(before), Some(q)) = (before, qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn))) {
+                    add_delta(&mut q.engine, &before, hca.counters());
+                    q.pkts[0] += 1;
+                    q.pkts[1] += t.len as u64;
+                }
+                let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
+                let Some(src) = self.port.local_for(&dst) else {
+                    *tx_errors += 1;
+                    continue;
+                };
+                meta[k] = (t.len, dst, src);
+                slots[k] = i;
+                k += 1;
             }
-            let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
-            let Some(src) = self.port.local_for(&dst) else {
-                st.tx_errors += 1;
-                continue;
+            let mut groups = [(0usize, 0usize); udp::BATCH];
+            let ng = if gso {
+                let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+                for (l, m) in lens.iter_mut().zip(&meta[..k]) {
+                    *l = (m.0, m.1);
+                }
+                udp::gso_groups(&lens[..k], &mut groups)
+            } else {
+                for (i, g) in groups.iter_mut().enumerate().take(k) {
+                    *g = (i, i + 1);
+                }
+                k
             };
-            let pkt = &mut st.tx_buf[..t.len];
-            if seal_udp_payload(src, dst, pkt).is_err() || self.port.send_to(pkt, dst).is_err() {
-                st.tx_errors += 1;
-            } else if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn)) {
-                c.pkts[0] += 1;
-                c.pkts[1] += t.len as u64;
+            let mut ok = [true; udp::BATCH];
+            for &(a, b) in &groups[..ng] {
+                for j in a..b {
+                    let (len, dst, src) = meta[j];
+                    let pkt = &mut tx_buf[slots[j] * TX_SLOT..][..len];
+                    if seal_udp_payload_ident(src, dst, pkt, (j - a) as u16).is_err() {
+                        ok[j] = false;
+                    }
+                }
+            }
+            let mut pkts: [(&[u8], SocketAddr); udp::BATCH] = [(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            for j in 0..k {
+                pkts[j] = (&tx_buf[slots[j] * TX_SLOT..][..meta[j].0], meta[j].1);
+            }
+            // A packet that could not be sealed is sent anyway (the peer drops it, the transport
+            // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
+            *tx_errors += ok[..k].iter().filter(|o| !**o).count() as u64;
+            *tx_errors += self.port.send_batch(&pkts[..k], &groups[..ng]) as u64;
+            if n < udp::BATCH {
+                break;
             }
         }
         while let Some(cq) = st.hca.poll_cq_event() {
@@ -328,9 +392,9 @@ impl Device {
     }
 
     /// One received datagram.
-    fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr) {
+    fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr, ident: u16) {
         let counters = st.hca.counters_mut();
-        match verify_udp_payload(src, local, payload) {
+        match verify_udp_payload_ident(src, local, payload, ident) {
             Err(_) => {
                 counters.rcvd_pkts += 1;
                 counters.drop_malformed += 1;
@@ -364,15 +428,44 @@ impl Device {
     }
 
     /// Receive what is waiting on the sockets, fire due timers, send what that produced. Called by
-    /// the I/O thread after a wake-up, and by a thread polling an empty CQ (busy polling then makes
-    /// progress itself instead of waiting for the I/O thread to be scheduled).
+    /// a thread polling an empty CQ (busy polling then makes progress itself instead of waiting for
+    /// the I/O thread to be scheduled); the I/O thread then stays out of its way (see `io_loop`).
     pub fn progress(&self, st: &mut State) {
         let now = self.now();
+        self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
+        self.progress_at(st, now);
+    }
+
+    fn progress_at(&self, st: &mut State, now: Instant) {
         let mut buf = std::mem::take(&mut st.rx_buf);
+        let mut meta = [None; udp::BATCH];
         for (sock, local) in self.port.sockets() {
-            for _ in 0..256 {
-                match sock.recv_from(&mut buf) {
-                    Ok((n, src)) => self.receive(st, now, &buf[..n], src, *local),
+            // Up to 256 datagrams per socket and call, udp::BATCH per recvmmsg.
+            for _ in 0..256 / udp::BATCH {
+                match udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) {
+                    Ok(k) => {
+                        for (i, m) in meta.iter().take(k).enumerate() {
+                            match m {
+                                &Some((n, src, seg)) => {
+                                    // A GRO batch is several datagrams back to back, each `seg`
+                                    // bytes but the last: segment k of a GSO send (identification k).
+                                    let data = &buf[i * RX_SLOT..i * RX_SLOT + n];
+                                    let seg = seg.map_or(n, usize::from).max(1);
+                                    for (k, d) in data.chunks(seg).enumerate() {
+                                        self.receive(st, now, d, src, *local, k as u16);
+                                    }
+                                }
+                                None => {
+                                    let c = st.hca.counters_mut();
+                                    c.rcvd_pkts += 1;
+                                    c.drop_malformed += 1;
+                                }
+                            }
+                        }
+                        if k < udp::BATCH {
+                            break;
+                        }
+                    }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     // ICMP errors (peer port closed) surface here; the transport's timers handle
@@ -401,7 +494,21 @@ impl Device {
             .chain(std::iter::once(self.wake_rx.as_raw_fd()))
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
+        let nsock = fds.len() - 1;
         while !self.stop.load(Ordering::Acquire) {
+            // While an application thread busy-polls a CQ it drives the device itself; this thread
+            // then sleeps (waking for its wake-up socket or every BUSY_SLEEP) instead of waking for
+            // every datagram and competing for the cores and the lock. On a machine with as many
+            // busy threads as cores that competition costs milliseconds of preemption.
+            if self.app_polling() {
+                let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
+                // SAFETY: one live pollfd (the wake-up socket, the last entry); `ts` outlives the call.
+                unsafe { libc::ppoll(fds[nsock..].as_mut_ptr(), 1, &ts, std::ptr::null()) };
+                while self.wake_rx.recv(&mut buf).is_ok() {}
+                if self.app_polling() {
+                    continue;
+                }
+            }
             let wait = {
                 let mut st = self.lock();
                 let now = self.now();
@@ -414,11 +521,19 @@ impl Device {
             // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
             unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
             while self.wake_rx.recv(&mut buf).is_ok() {}
-            self.progress(&mut self.lock());
+            let mut st = self.lock();
+            let now = self.now();
+            self.progress_at(&mut st, now);
             for f in fds.iter_mut() {
                 f.revents = 0;
             }
         }
+    }
+
+    /// An application thread made progress within the last BUSY_WINDOW.
+    fn app_polling(&self) -> bool {
+        let last = self.app_progress.load(Ordering::Relaxed);
+        last != 0 && self.now().as_nanos().saturating_sub(last) < BUSY_WINDOW.as_nanos() as u64
     }
 
     /// Wake the thread sleeping on [`Device::wake_fd`].

@@ -645,6 +645,23 @@ impl QueuePair {
         }
     }
 
+    /// Post a list of send work requests under one lock (`ibv_post_send` with a chained list): the
+    /// packets they produce leave in `sendmmsg` batches before this returns. On the first refused
+    /// request the error is returned; the requests before it stay posted (verbs' `bad_wr`).
+    pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
+        match &self.imp {
+            QpImp::Embedded { h, .. } => {
+                h.dev.run(|st, now| {
+                    let st = &mut *st;
+                    wrs.into_iter().try_for_each(|wr| st.hca.post_send(self.qpn, wr, now, &mut st.mem))
+                })?;
+                Ok(())
+            }
+            // The daemon's rings take one WR at a time; the daemon batches on its side.
+            QpImp::Daemon(q) => wrs.into_iter().try_for_each(|wr| q.post_send(&wr)),
+        }
+    }
+
     /// Post a receive work request.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         match &self.imp {

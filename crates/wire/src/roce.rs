@@ -392,6 +392,37 @@ pub fn seal_udp_payload(src: SocketAddr, dst: SocketAddr, ib: &mut [u8]) -> Resu
     icrc::store(ib, crc)
 }
 
+/// Sender rule for datagram `ident` of a UDP GSO send (`UDP_SEGMENT`) from the same kind of socket
+/// as [`seal_udp_payload`]: Linux numbers the segments' IPv4 identifications 0, 1, 2, ... (the
+/// super-datagram gets 0, and segmentation increments it per segment), so segment `k` carries
+/// identification `k`. Over IPv6 `ident` plays no part. `ident` 0 is [`seal_udp_payload`].
+pub fn seal_udp_payload_ident(src: SocketAddr, dst: SocketAddr, ib: &mut [u8], ident: u16) -> Result<()> {
+    let (h, ip_len) = socket_headers(src, dst, ib.len(), ident, true)?;
+    let (covered, _) = icrc::split(ib)?;
+    let crc = icrc::roce_v2(&h[..ip_len], &h[ip_len..ip_len + udp::HEADER_LEN], covered)?;
+    icrc::store(ib, crc)
+}
+
+/// [`verify_udp_payload`] for a datagram expected to carry IPv4 identification `ident` with DF
+/// (segment `ident` of a GSO send that arrived as one GRO batch, see
+/// [`seal_udp_payload_ident`]): that header is tried first, and a match is a full 32-bit check
+/// ([`UdpVerdict::Verified`]). Anything else falls back to [`verify_udp_payload`].
+pub fn verify_udp_payload_ident(
+    src: SocketAddr,
+    dst: SocketAddr,
+    payload: &[u8],
+    ident: u16,
+) -> Result<(IbPacket<&[u8]>, UdpVerdict)> {
+    if ident != 0 && matches!(family(src.ip(), dst.ip())?, IpFamily::V4(..)) {
+        let ib = IbPacket::new_checked(payload)?;
+        let (h, ip_len) = socket_headers(src, dst, payload.len(), ident, true)?;
+        if icrc::roce_v2(&h[..ip_len], &h[ip_len..ip_len + udp::HEADER_LEN], ib.covered())? == ib.icrc() {
+            return Ok((ib, UdpVerdict::Verified));
+        }
+    }
+    verify_udp_payload(src, dst, payload)
+}
+
 /// What [`verify_udp_payload`] concluded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum UdpVerdict {
@@ -708,6 +739,32 @@ mod tests {
             assert_eq!(p.ib().as_bytes(), &buf[..n]);
             buf[14] ^= 0x10;
             assert_eq!(verify_udp_payload(src, dst, &buf[..n]).unwrap().1, UdpVerdict::Bad);
+        }
+    }
+
+    #[test]
+    fn gso_segments_sealed_for_their_identification() {
+        let (src, dst) = (sa("10.0.0.1", ROCE_V2_PORT), sa("10.0.0.2", ROCE_V2_PORT));
+        let ib = send_only(7);
+        for ident in [0u16, 1, 2, 13, 63] {
+            let mut buf = [0u8; 64];
+            let n = ib.emit(&mut buf).unwrap();
+            seal_udp_payload_ident(src, dst, &mut buf[..n], ident).unwrap();
+            // The frame the kernel puts on the wire for segment `ident` of a GSO send.
+            let mut roce = RoceV2Repr::new(src.ip(), dst.ip(), src.port());
+            roce.ident = ident;
+            roce.dont_frag = true;
+            let mut frame = [0u8; 128];
+            let m = roce.emit_ib(&ib, &buf[ib.payload_range()], &mut frame).unwrap();
+            assert_eq!(&frame[28..m], &buf[..n]);
+            assert!(RoceV2Packet::parse_verified(&frame[..m]).is_ok());
+            // With the hint: a full check; without: recovered (or verified for 0).
+            assert_eq!(verify_udp_payload_ident(src, dst, &buf[..n], ident).unwrap().1, UdpVerdict::Verified);
+            let plain = verify_udp_payload(src, dst, &buf[..n]).unwrap().1;
+            assert_eq!(plain == UdpVerdict::Verified, ident == 0);
+            // A wrong hint falls back to recovery.
+            let (_, v) = verify_udp_payload_ident(src, dst, &buf[..n], ident.wrapping_add(1)).unwrap();
+            assert_ne!(v, UdpVerdict::Bad);
         }
     }
 

@@ -16,6 +16,10 @@ use crate::wr::{Payload, SendOp};
 use softrdma_wire::opcode::Flags;
 use softrdma_wire::{IbPacket, NakCode, Psn, Syndrome};
 
+/// How long a retransmission round waits for progress before resending once more (adaptive
+/// window only; see `start_retry`). Several loopback or LAN round trips.
+const RETRY_PROBE: core::time::Duration = core::time::Duration::from_millis(2);
+
 /// What implicit acknowledgement found.
 enum Implicit {
     /// Everything before the PSN is complete.
@@ -93,6 +97,9 @@ impl Qp {
     /// Forward progress to `una`: reset the retry budgets and the retransmit timer.
     fn progress(&mut self, una: Psn, ctx: &mut Ctx<'_>) {
         if una.after(self.sq.una) {
+            self.sq.probe_armed = false;
+            let k = una.diff(self.sq.una) as u32;
+            self.sq.on_acked(k, ctx.config);
             self.sq.una = una;
             self.sq.retrying_from = None;
         }
@@ -123,10 +130,21 @@ impl Qp {
             self.sq.retry_left -= 1;
         }
         ctx.stats.retry_rounds += 1;
+        self.sq.on_loss(ctx.config);
         let una = self.sq.una;
         self.sq.retrying_from = Some(una);
         self.sq.rewind(una);
-        let at = self.ack_timeout().map(|d| ctx.now + d);
+        // With an adaptive window, a retransmission that is lost again is probed for after
+        // RETRY_PROBE instead of the whole local ACK timeout: the responder already NAKed that PSN
+        // and stays silent until it arrives (IBA 9.7.5.1.1), so nothing else would tell us.
+        let full = self.ack_timeout();
+        let at = match full {
+            Some(d) if ctx.config.adaptive_window && d > RETRY_PROBE => {
+                self.sq.probe_armed = true;
+                Some(ctx.now + RETRY_PROBE)
+            }
+            d => d.map(|d| ctx.now + d),
+        };
         self.set_timer(Timer::Retransmit, at);
         ctx.mark_ready(self.qpn);
     }
@@ -141,6 +159,17 @@ impl Qp {
 
     pub(super) fn on_ack_timeout(&mut self, ctx: &mut Ctx<'_>) {
         if !self.sq.unacked() || self.sq.rnr_paused {
+            return;
+        }
+        if std::mem::take(&mut self.sq.probe_armed) {
+            // No progress since the retry began: resend from `una` once more, without spending the
+            // retry budget, then wait the full timeout.
+            ctx.stats.retry_rounds += 1;
+            let una = self.sq.una;
+            self.sq.rewind(una);
+            let at = self.ack_timeout().map(|d| ctx.now + d);
+            self.set_timer(Timer::Retransmit, at);
+            ctx.mark_ready(self.qpn);
             return;
         }
         ctx.stats.ack_timeouts += 1;

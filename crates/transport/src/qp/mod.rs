@@ -419,10 +419,7 @@ impl Qp {
     pub fn enter_error(&mut self, ctx: &mut Ctx<'_>) {
         self.state = QpState::Err;
         self.timers = [None; TIMERS];
-        for (wr_id, op) in self.sq.drain() {
-            let wc = self.wc(wr_id, WcStatus::WrFlushErr, op, 0);
-            ctx.push_send_wc(self.init.send_cq, wc);
-        }
+        self.flush_sq(ctx);
         if let Some(wr) = self.resp.take_in_progress() {
             let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
             ctx.push_recv_wc(self.init.recv_cq, wc);
@@ -437,13 +434,18 @@ impl Qp {
         }
     }
 
+    /// Complete every send WQE with WR_FLUSH_ERR, oldest first.
+    fn flush_sq(&mut self, ctx: &mut Ctx<'_>) {
+        let (qpn, cq) = (self.qpn, self.init.send_cq);
+        for (wr_id, op) in self.sq.drain() {
+            ctx.push_send_wc(cq, flushed_wc(qpn, wr_id, op));
+        }
+    }
+
     /// A UC/UD send failed locally: SQE, the rest of the send queue flushed, receives go on.
     pub fn enter_sq_error(&mut self, ctx: &mut Ctx<'_>) {
         self.state = QpState::Sqe;
-        for (wr_id, op) in self.sq.drain() {
-            let wc = self.wc(wr_id, WcStatus::WrFlushErr, op, 0);
-            ctx.push_send_wc(self.init.send_cq, wc);
-        }
+        self.flush_sq(ctx);
     }
 
     /// Report `SqDrained` once the send queue has nothing in flight after entering SQD.
@@ -452,6 +454,21 @@ impl Qp {
             self.sqd_notify = false;
             ctx.events.push_back(AsyncEvent::SqDrained(self.qpn));
         }
+    }
+}
+
+/// A flushed completion of `wr_id` on `qpn` (as [`Qp::wc`] with WR_FLUSH_ERR and no bytes).
+fn flushed_wc(qpn: Qpn, wr_id: u64, opcode: WcOpcode) -> WorkCompletion {
+    WorkCompletion {
+        wr_id,
+        status: WcStatus::WrFlushErr,
+        opcode,
+        byte_len: 0,
+        imm: 0,
+        invalidated_rkey: 0,
+        qp_num: qpn,
+        src_qp: Qpn::new(0),
+        flags: WcFlags::NONE,
     }
 }
 

@@ -75,6 +75,10 @@ pub(crate) struct SendQueue {
     /// A retry from this PSN is under way: further signs of the same loss are ignored until
     /// progress or a timeout (as rxe's `started_retry`), so one loss costs one retransmission round.
     pub retrying_from: Option<Psn>,
+    /// Adaptive window in packets (`Config::adaptive_window`); `u32::MAX` while no loss was seen.
+    pub cwnd: u32,
+    /// The retransmit timer is a short probe after a retry (see the completer's `start_retry`).
+    pub probe_armed: bool,
 }
 
 impl SendQueue {
@@ -93,11 +97,35 @@ impl SendQueue {
             noack: 0,
             rnr_paused: false,
             retrying_from: None,
+            cwnd: u32::MAX,
+            probe_armed: false,
         }
     }
 
     pub fn len(&self) -> usize {
         self.wqes.len()
+    }
+
+    /// The window in packets: the configured one, or less after loss with an adaptive window.
+    pub fn window(&self, config: &crate::config::Config) -> u32 {
+        config.max_inflight_packets.min(self.cwnd)
+    }
+
+    /// A retransmission round started: halve the adaptive window.
+    pub fn on_loss(&mut self, config: &crate::config::Config) {
+        if config.adaptive_window {
+            self.cwnd = (self.window(config) / 2).max(crate::config::Config::MIN_WINDOW);
+        }
+    }
+
+    /// `k` packets were newly acknowledged: grow the adaptive window back.
+    pub fn on_acked(&mut self, k: u32, config: &crate::config::Config) {
+        if self.cwnd != u32::MAX {
+            self.cwnd = self.cwnd.saturating_add((k / 4).max(1));
+            if self.cwnd >= config.max_inflight_packets {
+                self.cwnd = u32::MAX;
+            }
+        }
     }
 
     pub fn reset_psn(&mut self, psn: Psn) {
@@ -134,7 +162,9 @@ impl SendQueue {
     }
 
     /// Remove every WQE, returning `(wr_id, opcode)` in order, for flushing.
-    pub fn drain(&mut self) -> Vec<(u64, WcOpcode)> {
+    /// Empty the queue, oldest first, without collecting into a new vector (flushing a deep
+    /// queue allocates nothing).
+    pub fn drain(&mut self) -> impl Iterator<Item = (u64, WcOpcode)> + '_ {
         self.cur = 0;
         self.cur_pkt = 0;
         self.rd_atomic_inflight = 0;
@@ -142,7 +172,6 @@ impl SendQueue {
         self.wqes
             .drain(..)
             .map(|w| (w.wr.wr_id, send_wc_opcode(&w.wr.op)))
-            .collect()
     }
 
     /// Remove the head WQE after its completion.
@@ -259,7 +288,7 @@ impl Qp {
         self.sq.send_psn = w.first_psn.add(self.sq.cur_pkt);
         // Window: keep at most max_inflight_packets PSNs outstanding (a lone large read may exceed).
         let rc = self.init.qp_type == QpType::Rc;
-        let window = ctx.config.max_inflight_packets;
+        let window = self.sq.window(ctx.config);
         let inflight = self.sq.send_psn.diff(self.sq.una).max(0) as u32;
         if rc && inflight >= window {
             return None;
@@ -384,10 +413,21 @@ impl Qp {
                     | SendOp::SendWithInv(_)
                     | SendOp::WriteWithImm { .. }
             );
-        let window_full = self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32
-            >= ctx.config.max_inflight_packets;
-        let ack_req = qp_type == QpType::Rc
-            && (message_end || self.sq.noack > ctx.config.ack_req_every || window_full);
+        let window_full =
+            self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32 >= self.sq.window(ctx.config);
+        // With an adaptive window, ask for an ACK at least twice per window: a lost last packet of a
+        // full window then costs a NAK round trip (the ACK of the middle opens the window, the
+        // packets that follow show the gap) instead of the local ACK timeout.
+        let every = if ctx.config.adaptive_window {
+            ctx.config
+                .ack_req_every
+                .min(self.sq.window(ctx.config) / 2)
+                .max(1)
+        } else {
+            ctx.config.ack_req_every
+        };
+        let ack_req =
+            qp_type == QpType::Rc && (message_end || self.sq.noack > every || window_full);
         let dest_qp = match (&w.wr.ud, qp_type) {
             (Some(ud), QpType::Ud) => ud.remote_qpn,
             _ => self.attr.dest_qpn,

@@ -1,0 +1,1848 @@
+//! `softrdma perf`: perftest's `ib_{write,read,send,atomic}_{bw,lat}` on softrdma.
+//!
+//! Same main flags as perftest (`-d -i -x -s -a -n -D -q -c -m -t -r -Q -o -A -N -p --report_gbits`,
+//! `-R` accepted) and the same output: the test banner, the local/remote address lines and the result
+//! tables with perftest's own printf formats (perftest 4.5/24.x, `src/perftest_parameters.h`), so
+//! scripts that parse perftest parse this. Server and client run in two processes and exchange
+//! their queue pair data over TCP (port 18515 by default), as perftest does without `-R`;
+//! `--loopback` runs both sides in one command on two embedded devices on 127.0.77.1 and
+//! 127.0.77.2.
+//!
+//! Two figures perftest does not print follow the table:
+//! * CPU time per GB moved: user + system time of both sides (`getrusage(RUSAGE_SELF)` around each
+//!   size, the server's sent to the client over the TCP connection), divided by the payload bytes;
+//! * copies per payload byte, counted from the code path (see [`COPIES`]).
+//!
+//! Measurement follows perftest: bandwidth tests keep `-t` work requests in flight per QP and
+//! signal every `-Q`-th; the average is payload bytes over the time from the first post to the last
+//! completion, the peak the best rate over any window of completions (perftest's formula, sampled
+//! on long runs); latency tests time consecutive posts of a ping-pong (halved for SEND and WRITE,
+//! whose round trip is two messages) and report min, max, median ("typical"), mean, standard
+//! deviation and the 99 % and 99.9 % points after dropping the two largest samples, or with `-D`
+//! the mean and transactions per second. Every poll of an empty CQ drives the device (busy
+//! polling): latencies are busy-polling latencies.
+
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use softrdma_verbs::{
+    devices, open_device, Access, AddressHandle, AhAttr, CompletionQueue, ConnectParams, Context,
+    DeviceBuilder, Gid, MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr,
+    QpType, Qpn, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+
+/// How a payload byte travels on the path these tests use, one entry per copy. Keep it in step
+/// with the data path (crates/transport requester/responder, crates/verbs runtime/io):
+/// the requester gathers from registered memory into the packet buffer; `sendmsg` copies the
+/// datagram into a kernel buffer; `recvmsg` copies it out into the receive buffer; the responder
+/// scatters it into registered memory. The ICRC reads the payload once on each side (not copies).
+pub const COPIES: &[(&str, u32)] = &[
+    ("gather into the packet buffer", 1),
+    ("kernel sendmsg", 1),
+    ("kernel recvmsg", 1),
+    ("scatter into registered memory", 1),
+];
+
+const RESULT_LINE: &str =
+    "---------------------------------------------------------------------------------------";
+const DEF_QKEY: u32 = 0x1111_1111;
+const UD_GRH: usize = 40;
+/// perftest's `MSG_SIZE_CQ_MOD_LIMIT`: above it CQ moderation defaults to 1.
+const CQ_MOD_SIZE_LIMIT: u64 = 8192;
+const LAT_MEASURE_TAIL: usize = 2;
+
+/// The test to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Test {
+    /// RDMA WRITE bandwidth (ib_write_bw).
+    WriteBw,
+    /// RDMA READ bandwidth (ib_read_bw).
+    ReadBw,
+    /// SEND bandwidth (ib_send_bw).
+    SendBw,
+    /// Atomic bandwidth (ib_atomic_bw).
+    AtomicBw,
+    /// RDMA WRITE latency (ib_write_lat).
+    WriteLat,
+    /// RDMA READ latency (ib_read_lat).
+    ReadLat,
+    /// SEND latency (ib_send_lat).
+    SendLat,
+    /// Atomic latency (ib_atomic_lat).
+    AtomicLat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verb {
+    Send,
+    Write,
+    Read,
+    Atomic,
+}
+
+impl Test {
+    fn verb(self) -> Verb {
+        match self {
+            Test::WriteBw | Test::WriteLat => Verb::Write,
+            Test::ReadBw | Test::ReadLat => Verb::Read,
+            Test::SendBw | Test::SendLat => Verb::Send,
+            Test::AtomicBw | Test::AtomicLat => Verb::Atomic,
+        }
+    }
+
+    fn is_bw(self) -> bool {
+        matches!(
+            self,
+            Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw
+        )
+    }
+
+    fn name(self) -> String {
+        self.to_possible_value()
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_default()
+    }
+}
+
+/// Flags of `softrdma perf` (perftest's, plus `--loopback`, `--bind`, `--netdev`, `--udp-port`).
+#[derive(Args, Debug, Clone)]
+pub struct PerfArgs {
+    /// Test to run.
+    #[arg(value_enum)]
+    test: Test,
+    /// Server to connect to (no server name: act as the server).
+    servername: Option<String>,
+    /// Use IB device (default: the first device found; with --loopback or --bind: the name given
+    /// to the embedded device).
+    #[arg(short = 'd', long = "ib-dev")]
+    ib_dev: Option<String>,
+    /// Use port of IB device.
+    #[arg(short = 'i', long = "ib-port", default_value_t = 1)]
+    ib_port: u8,
+    /// GID index to use (perftest's -x).
+    #[arg(short = 'x', long = "gid-index", default_value_t = 1)]
+    gid_index: u8,
+    /// Multicast (perftest's -g): not supported; the GID index is -x.
+    #[arg(short = 'g', long = "mcg")]
+    mcg: bool,
+    /// Size of message to exchange (default 65536 for bandwidth, 2 for latency, 8 for atomics).
+    #[arg(short = 's', long = "size")]
+    size: Option<u64>,
+    /// Run sizes from 2 till 2^23.
+    #[arg(short = 'a', long = "all")]
+    all: bool,
+    /// Number of exchanges (default 5000 for bandwidth, 1000 for latency).
+    #[arg(short = 'n', long = "iters")]
+    iters: Option<u64>,
+    /// Run the test for a customized period of seconds.
+    #[arg(short = 'D', long = "duration")]
+    duration: Option<f64>,
+    /// Num of QPs running in the process.
+    #[arg(short = 'q', long = "qp", default_value_t = 1)]
+    qps: u32,
+    /// Connection type RC/UC/UD.
+    #[arg(short = 'c', long = "connection", default_value = "RC")]
+    connection: String,
+    /// MTU size: 256 - 4096 (default: the port's active MTU).
+    #[arg(short = 'm', long = "mtu")]
+    mtu: Option<usize>,
+    /// Size of tx queue (default 128 for bandwidth, 1 for latency).
+    #[arg(short = 't', long = "tx-depth")]
+    tx_depth: Option<u32>,
+    /// Rx queue size (SEND tests).
+    #[arg(short = 'r', long = "rx-depth", default_value_t = 512)]
+    rx_depth: u32,
+    /// Generate a completion every N work requests (default 100, 1 above 8 KiB messages).
+    #[arg(short = 'Q', long = "cq-mod")]
+    cq_mod: Option<u32>,
+    /// Number of outstanding reads/atomics (default: the device's maximum).
+    #[arg(short = 'o', long = "outs")]
+    outs: Option<u32>,
+    /// Atomic type: CMP_AND_SWAP or FETCH_AND_ADD.
+    #[arg(short = 'A', long = "atomic_type", default_value = "FETCH_AND_ADD")]
+    atomic_type: String,
+    /// Cancel peak-bandwidth calculation.
+    #[arg(short = 'N', long = "noPeak")]
+    no_peak: bool,
+    /// Report max/average bandwidth in Gbit/s instead of MB/s.
+    #[arg(long = "report_gbits")]
+    report_gbits: bool,
+    /// Connect QPs with rdma_cm: not supported yet by this tool (softrdma_verbs::cm is the API to use); the TCP
+    /// exchange is used instead.
+    #[arg(short = 'R', long = "rdma_cm")]
+    rdma_cm: bool,
+    /// Post a list of N work requests at a time (one lock and batched sends per list).
+    #[arg(short = 'l', long = "post_list", default_value_t = 1)]
+    post_list: u32,
+    /// Do not print the CPU frequency warning (accepted for compatibility; no effect).
+    #[arg(short = 'F', long = "CPU-freq")]
+    cpu_freq: bool,
+    /// TCP port of the out-of-band exchange.
+    #[arg(short = 'p', long = "port", default_value_t = 18515)]
+    port: u16,
+    /// Run server and client in this process, on two embedded devices at 127.0.77.1 and 127.0.77.2.
+    #[arg(long)]
+    loopback: bool,
+    /// Open an embedded device on this address (of --netdev) instead of a registry device.
+    #[arg(long)]
+    bind: Option<IpAddr>,
+    /// Network interface of --bind and --loopback devices.
+    #[arg(long, default_value = "lo")]
+    netdev: String,
+    /// UDP port of the devices (default 4791, or $SOFTRDMA_UDP_PORT).
+    #[arg(long = "udp-port")]
+    udp_port: Option<u16>,
+}
+
+/// What both sides agree to run.
+#[derive(Debug, Clone)]
+struct Plan {
+    test: Test,
+    verb: Verb,
+    bw: bool,
+    conn: QpType,
+    sizes: Vec<u64>,
+    iters: u64,
+    duration: Option<Duration>,
+    qps: usize,
+    tx_depth: u32,
+    rx_depth: u32,
+    cq_mod: u32,
+    post_list: u32,
+    outs: u8,
+    cas: bool,
+    gbits: bool,
+    no_peak: bool,
+    gid_index: u8,
+    mtu: Option<Mtu>,
+}
+
+impl Plan {
+    fn from_args(a: &PerfArgs) -> Result<Plan, String> {
+        let verb = a.test.verb();
+        let bw = a.test.is_bw();
+        let conn = match a.connection.to_ascii_uppercase().as_str() {
+            "RC" => QpType::Rc,
+            "UC" => QpType::Uc,
+            "UD" => QpType::Ud,
+            c => {
+                return Err(format!(
+                    " Unsupported connection type {c}: use RC, UC or UD"
+                ))
+            }
+        };
+        match (conn, verb) {
+            (QpType::Uc, Verb::Read | Verb::Atomic) => {
+                return Err(" UC connection not possible in READ/ATOMIC verbs".into())
+            }
+            (QpType::Ud, Verb::Write | Verb::Read | Verb::Atomic) => {
+                return Err(" UD connection only possible in SEND verb".into())
+            }
+            _ => {}
+        }
+        if a.mcg {
+            return Err(" Multicast (-g/--mcg) is not supported; the GID index is -x".into());
+        }
+        if a.qps == 0 || a.qps > 1024 {
+            return Err(" Number of QPs should be between 1 and 1024".into());
+        }
+        if !bw && a.qps > 1 {
+            return Err(" Latency tests run on one QP (-q 1)".into());
+        }
+        let cas = match a.atomic_type.as_str() {
+            "CMP_AND_SWAP" => true,
+            "FETCH_AND_ADD" => false,
+            t => {
+                return Err(format!(
+                    " Invalid atomic type {t}: use CMP_AND_SWAP or FETCH_AND_ADD"
+                ))
+            }
+        };
+        let sizes: Vec<u64> = if verb == Verb::Atomic {
+            if a.size.is_some_and(|s| s != 8) {
+                return Err(" Message size for atomics is 8 bytes".into());
+            }
+            vec![8]
+        } else if a.all {
+            (1..=23).map(|e| 1u64 << e).collect()
+        } else {
+            vec![a.size.unwrap_or(if bw { 65536 } else { 2 })]
+        };
+        if sizes.iter().any(|&s| s == 0 || s > 1 << 31) {
+            return Err(" Size should be between 1 and 2^31".into());
+        }
+        let mtu = match a.mtu {
+            None => None,
+            Some(m) => Some(
+                Mtu::from_bytes(m)
+                    .ok_or_else(|| format!(" Invalid MTU {m}: use 256, 512, 1024, 2048 or 4096"))?,
+            ),
+        };
+        let iters = a.iters.unwrap_or(if bw { 5000 } else { 1000 });
+        if iters < 5 && a.duration.is_none() {
+            return Err(" Iteration num must be at least 5".into());
+        }
+        let duration = match a.duration {
+            Some(d) if d > 0.0 => Some(Duration::from_secs_f64(d)),
+            Some(_) => return Err(" Duration must be positive".into()),
+            None => None,
+        };
+        let mut tx_depth = a.tx_depth.unwrap_or(if bw { 128 } else { 1 }).max(1);
+        if duration.is_none() && u64::from(tx_depth) > iters {
+            tx_depth = iters as u32;
+        }
+        let mut cq_mod = match a.cq_mod {
+            Some(q) => q.max(1),
+            None if sizes[0] > CQ_MOD_SIZE_LIMIT && conn != QpType::Ud && !a.all => 1,
+            None => 100,
+        };
+        cq_mod = cq_mod.min(tx_depth);
+        Ok(Plan {
+            test: a.test,
+            verb,
+            bw,
+            conn,
+            sizes,
+            iters,
+            duration,
+            qps: a.qps as usize,
+            tx_depth,
+            rx_depth: a.rx_depth.max(1),
+            cq_mod,
+            post_list: a.post_list.clamp(1, 1024),
+            outs: a.outs.unwrap_or(128).clamp(1, 128) as u8,
+            cas,
+            gbits: a.report_gbits,
+            no_peak: a.no_peak || duration.is_some(),
+            gid_index: a.gid_index,
+            mtu,
+        })
+    }
+
+    fn max_size(&self) -> usize {
+        *self.sizes.iter().max().expect("at least one size") as usize
+    }
+
+    /// What the client sends first; the server refuses a mismatch instead of hanging on it.
+    fn hello(&self) -> String {
+        format!(
+            "HELLO softrdma-perf-1 {} {:?} qps={} sizes={:?} iters={} duration={:?}",
+            self.test.name(),
+            self.conn,
+            self.qps,
+            self.sizes,
+            self.iters,
+            self.duration.map(|d| d.as_millis())
+        )
+    }
+}
+
+/// One QP's connection data, exchanged as perftest's `KEY_PRINT_FMT_GID` text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Dest {
+    lid: u16,
+    out_reads: u16,
+    qpn: u32,
+    psn: u32,
+    rkey: u32,
+    vaddr: u64,
+    gid: Gid,
+}
+
+impl Dest {
+    fn to_line(self) -> String {
+        let g: Vec<String> = self.gid.0.iter().map(|b| format!("{b:02x}")).collect();
+        format!(
+            "{:04x}:{:04x}:{:06x}:{:06x}:{:08x}:{:016x}:{}:{:08x}:",
+            self.lid,
+            self.out_reads,
+            self.qpn,
+            self.psn,
+            self.rkey,
+            self.vaddr,
+            g.join(":"),
+            0
+        )
+    }
+
+    fn from_line(s: &str) -> Option<Dest> {
+        let f: Vec<&str> = s.trim_end().split(':').collect();
+        if f.len() < 23 {
+            return None;
+        }
+        let mut gid = [0u8; 16];
+        for (i, b) in gid.iter_mut().enumerate() {
+            *b = u8::from_str_radix(f[6 + i], 16).ok()?;
+        }
+        Some(Dest {
+            lid: u16::from_str_radix(f[0], 16).ok()?,
+            out_reads: u16::from_str_radix(f[1], 16).ok()?,
+            qpn: u32::from_str_radix(f[2], 16).ok()?,
+            psn: u32::from_str_radix(f[3], 16).ok()?,
+            rkey: u32::from_str_radix(f[4], 16).ok()?,
+            vaddr: u64::from_str_radix(f[5], 16).ok()?,
+            gid: Gid(gid),
+        })
+    }
+}
+
+/// C's `%#0Nx`: `0x` and zero padding to N characters, but no prefix for zero.
+fn hash_hex(v: u64, width: usize) -> String {
+    if v == 0 {
+        format!("{:0width$x}", 0)
+    } else {
+        format!("{v:#0width$x}")
+    }
+}
+
+/// The out-of-band channel: newline-terminated text lines over TCP.
+struct Ctl {
+    sock: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Ctl {
+    fn new(sock: TcpStream) -> Result<Ctl, String> {
+        sock.set_nodelay(true).map_err(|e| e.to_string())?;
+        sock.set_nonblocking(true).map_err(|e| e.to_string())?;
+        Ok(Ctl {
+            sock,
+            buf: Vec::new(),
+        })
+    }
+
+    fn send(&mut self, line: &str) -> Result<(), String> {
+        let mut data = line.as_bytes().to_vec();
+        data.push(b'\n');
+        let mut off = 0;
+        while off < data.len() {
+            match self.sock.write(&data[off..]) {
+                Ok(0) => return Err("the peer closed the connection".into()),
+                Ok(n) => off += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait(libc::POLLOUT, 100),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("Couldn't send to the peer: {e}")),
+            }
+        }
+        Ok(())
+    }
+
+    fn wait(&self, events: libc::c_short, ms: i32) {
+        let mut p = libc::pollfd {
+            fd: self.sock.as_raw_fd(),
+            events,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) };
+    }
+
+    /// A line if one is complete (reading what the socket has, without blocking).
+    fn try_recv(&mut self) -> Result<Option<String>, String> {
+        loop {
+            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=i).collect();
+                return Ok(Some(String::from_utf8_lossy(&line[..i]).into_owned()));
+            }
+            let mut chunk = [0u8; 4096];
+            match self.sock.read(&mut chunk) {
+                Ok(0) => return Err("the peer closed the connection".into()),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("Couldn't read from the peer: {e}")),
+            }
+        }
+    }
+
+    fn recv(&mut self) -> Result<String, String> {
+        loop {
+            if let Some(l) = self.try_recv()? {
+                return Ok(l);
+            }
+            self.wait(libc::POLLIN, 100);
+        }
+    }
+
+    fn expect(&mut self, word: &str) -> Result<String, String> {
+        let l = self.recv()?;
+        if l.split_whitespace().next() == Some(word) {
+            Ok(l)
+        } else if let Some(e) = l.strip_prefix("ERR ") {
+            Err(e.to_string())
+        } else {
+            Err(format!("protocol error: expected {word}, got {l:?}"))
+        }
+    }
+}
+
+/// CPU time of this process so far (user, system).
+fn cpu_times() -> (Duration, Duration) {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
+    (tv(ru.ru_utime), tv(ru.ru_stime))
+}
+
+/// One side: device, PD, CQ, QPs, one region (receive area, then send area), peers.
+struct Side {
+    ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    qps: Vec<QueuePair>,
+    mr: MemoryRegion,
+    psns: Vec<u32>,
+    remote: Vec<Dest>,
+    ahs: Vec<AddressHandle>,
+    /// Receives posted per QP (SEND tests).
+    rx_posted: Vec<u32>,
+    /// Bytes per receive buffer slot (UD: message + GRH).
+    slot: usize,
+    dev_name: String,
+    mtu: Mtu,
+}
+
+fn random_psn(salt: u32) -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let x = (t.as_nanos() as u64)
+        ^ (u64::from(std::process::id()) << 32)
+        ^ u64::from(salt).wrapping_mul(0x2545_f491);
+    ((x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as u32) & 0xff_ffff
+}
+
+impl Side {
+    fn open(ctx: Context, plan: &Plan) -> Result<Side, String> {
+        let port = ctx
+            .query_port(1)
+            .map_err(|e| format!("Couldn't query port: {e}"))?;
+        let port_mtu = Mtu::from_bytes(port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
+        let mtu = plan.mtu.unwrap_or(port_mtu);
+        if plan.conn == QpType::Ud && plan.max_size() > mtu.bytes() {
+            return Err(format!(" Max msg size in UD is MTU {}", mtu.bytes()));
+        }
+        let pd = ctx.alloc_pd();
+        let depth = (plan.tx_depth + plan.rx_depth) * plan.qps as u32 + 16;
+        let cq = ctx
+            .create_cq(depth.min(ctx.query_device().max_cqe), None)
+            .map_err(|e| format!("Couldn't create CQ: {e}"))?;
+        let slot = plan.max_size() + if plan.conn == QpType::Ud { UD_GRH } else { 0 };
+        let rights = Access::LOCAL_WRITE
+            .with(Access::REMOTE_WRITE)
+            .with(Access::REMOTE_READ)
+            .with(Access::REMOTE_ATOMIC);
+        let mr = pd
+            .reg_mr(2 * slot.max(8), rights)
+            .map_err(|e| format!("Couldn't allocate MR: {e}"))?;
+        let cap = QpCap {
+            max_send_wr: plan.tx_depth.max(16),
+            max_recv_wr: plan.rx_depth,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let mut qps = Vec::new();
+        let mut psns = Vec::new();
+        for i in 0..plan.qps {
+            let qp = pd
+                .create_qp(&QpInitAttr {
+                    qp_type: plan.conn,
+                    send_cq: &cq,
+                    recv_cq: &cq,
+                    srq: None,
+                    cap,
+                    sq_sig_all: false,
+                })
+                .map_err(|e| format!("Couldn't create QP: {e}"))?;
+            let psn = random_psn(i as u32);
+            match plan.conn {
+                QpType::Ud => qp
+                    .bring_up_ud(DEF_QKEY, Psn::new(psn))
+                    .map_err(|e| format!("Failed to modify QP to RTS: {e}"))?,
+                _ => qp
+                    .init(rights)
+                    .map_err(|e| format!("Failed to modify QP to INIT: {e}"))?,
+            }
+            qps.push(qp);
+            psns.push(psn);
+        }
+        let dev_name = ctx.name().to_string();
+        Ok(Side {
+            ctx,
+            pd,
+            cq,
+            qps,
+            mr,
+            psns,
+            remote: Vec::new(),
+            ahs: Vec::new(),
+            rx_posted: vec![0; plan.qps],
+            slot,
+            dev_name,
+            mtu,
+        })
+    }
+
+    fn dests(&self, plan: &Plan) -> Result<Vec<Dest>, String> {
+        let gid = self
+            .ctx
+            .query_gid(1, usize::from(plan.gid_index))
+            .map_err(|e| format!("Couldn't read GID {}: {e}", plan.gid_index))?;
+        Ok(self
+            .qps
+            .iter()
+            .zip(&self.psns)
+            .map(|(qp, &psn)| Dest {
+                lid: 0,
+                out_reads: u16::from(plan.outs),
+                qpn: qp.qpn().value(),
+                psn,
+                rkey: self.mr.rkey(),
+                vaddr: self.mr.addr(),
+                gid,
+            })
+            .collect())
+    }
+
+    fn connect(&mut self, plan: &Plan, remote: Vec<Dest>) -> Result<(), String> {
+        if remote.len() != self.qps.len() {
+            return Err(format!(
+                "the peer has {} QPs, this side {}",
+                remote.len(),
+                self.qps.len()
+            ));
+        }
+        for ((qp, &psn), r) in self.qps.iter().zip(&self.psns).zip(&remote) {
+            match plan.conn {
+                QpType::Ud => {
+                    let ah = self
+                        .pd
+                        .create_ah(&AhAttr::new(r.gid, plan.gid_index))
+                        .map_err(|e| format!("Failed to create AH: {e}"))?;
+                    self.ahs.push(ah);
+                }
+                _ => {
+                    let mut p =
+                        ConnectParams::new(Qpn::new(r.qpn), Psn::new(r.psn), r.gid, Psn::new(psn));
+                    p.mtu = self.mtu;
+                    p.sgid_index = plan.gid_index;
+                    p.rd_atomic = plan.outs.min(r.out_reads.min(255) as u8).max(1);
+                    qp.connect(&self.pd, &p)
+                        .map_err(|e| format!("Failed to modify QP to RTR/RTS: {e}"))?;
+                }
+            }
+        }
+        self.remote = remote;
+        Ok(())
+    }
+
+    /// Top up every QP's receive queue to `rx_depth` (SEND tests).
+    fn fill_receives(&mut self, plan: &Plan) -> Result<(), String> {
+        for i in 0..self.qps.len() {
+            while self.rx_posted[i] < plan.rx_depth {
+                self.post_recv(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post_recv(&mut self, i: usize) -> Result<(), String> {
+        let sge = self.mr.sge(0, self.slot).map_err(|e| e.to_string())?;
+        self.qps[i]
+            .post_recv(RecvWr {
+                wr_id: i as u64,
+                sgl: vec![sge],
+            })
+            .map_err(|e| format!("Couldn't post receive: {e}"))?;
+        self.rx_posted[i] += 1;
+        Ok(())
+    }
+
+    /// The send work request of this test on QP `i`.
+    fn send_wr(
+        &self,
+        plan: &Plan,
+        i: usize,
+        size: u64,
+        wr_id: u64,
+        signaled: bool,
+    ) -> Result<SendWr, String> {
+        let r = &self.remote[i];
+        let (op, sge_off) = match plan.verb {
+            Verb::Send => (SendOp::Send, self.slot),
+            Verb::Write => (
+                SendOp::Write {
+                    remote_addr: r.vaddr,
+                    rkey: r.rkey,
+                },
+                self.slot,
+            ),
+            Verb::Read => (
+                SendOp::Read {
+                    remote_addr: r.vaddr + self.slot as u64,
+                    rkey: r.rkey,
+                },
+                0,
+            ),
+            Verb::Atomic if plan.cas => (
+                SendOp::CompareSwap {
+                    remote_addr: r.vaddr,
+                    rkey: r.rkey,
+                    compare: 0,
+                    swap: 0,
+                },
+                self.slot,
+            ),
+            Verb::Atomic => (
+                SendOp::FetchAdd {
+                    remote_addr: r.vaddr,
+                    rkey: r.rkey,
+                    add: 1,
+                },
+                self.slot,
+            ),
+        };
+        let sge = self
+            .mr
+            .sge(sge_off, size as usize)
+            .map_err(|e| e.to_string())?;
+        Ok(SendWr {
+            wr_id,
+            op,
+            payload: Payload::Sgl(vec![sge]),
+            flags: if signaled {
+                SendFlags::SIGNALED
+            } else {
+                SendFlags::NONE
+            },
+            ud: self.ahs.get(i).map(|ah| ah.ud(Qpn::new(r.qpn), DEF_QKEY)),
+        })
+    }
+
+    fn qp_index(&self, qpn: Qpn) -> Option<usize> {
+        self.qps.iter().position(|q| q.qpn() == qpn)
+    }
+}
+
+fn check(wc: &WorkCompletion) -> Result<(), String> {
+    if wc.status == WcStatus::Success {
+        Ok(())
+    } else {
+        Err(format!(
+            " Completion with error at {}:\n Failed status {}: wr_id {} syndrom 0x{:x}",
+            if matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+                "server"
+            } else {
+                "client"
+            },
+            wc.status as u32,
+            wc.wr_id,
+            0
+        ))
+    }
+}
+
+/// Nanoseconds since `t0`.
+fn ns(t0: Instant) -> u64 {
+    t0.elapsed().as_nanos() as u64
+}
+
+// ---- results ---------------------------------------------------------------------------------
+
+struct BwResult {
+    iters: u64,
+    peak: f64,
+    avg: f64,
+    msg_rate: f64,
+    bytes: u64,
+}
+
+fn bw_row(plan: &Plan, size: u64, r: &BwResult) -> String {
+    let _ = plan;
+    format!(
+        " {:<7}    {:<10}       {:<7.2}            {:<7.2}\t\t   {:<7.6}",
+        size, r.iters, r.peak, r.avg, r.msg_rate
+    )
+}
+
+/// Units per byte/s: MB/s (2^20, as perftest's "MB") or Gbit/s.
+fn bw_factor(plan: &Plan) -> f64 {
+    if plan.gbits {
+        125_000_000.0
+    } else {
+        1_048_576.0
+    }
+}
+
+/// perftest's bandwidth figures from per-WR post and completion times (ns).
+fn bw_from_times(plan: &Plan, size: u64, posted: &[u64], completed: &[u64]) -> BwResult {
+    let n = posted.len().min(completed.len());
+    if n == 0 {
+        return BwResult {
+            iters: 0,
+            peak: 0.0,
+            avg: 0.0,
+            msg_rate: 0.0,
+            bytes: 0,
+        };
+    }
+    let total_ns = (completed[n - 1].saturating_sub(posted[0])).max(1) as f64;
+    let secs = total_ns / 1e9;
+    let avg = size as f64 * n as f64 / secs / bw_factor(plan);
+    let msg_rate = n as f64 / secs / 1e6;
+    let mut peak = 0.0;
+    if !plan.no_peak {
+        // perftest: min over i, j of (completed[j] - posted[i]) / (j - i + 1), j at completion points.
+        let cq_mod = plan.cq_mod.max(1) as usize;
+        let mut best = total_ns / n as f64;
+        let step_i = (n / 2000).max(1);
+        let step_j = cq_mod.max(n / 2000);
+        let mut i = 0;
+        while i < n {
+            let mut j = (i + 1).div_ceil(cq_mod) * cq_mod - 1;
+            while j < n {
+                let t = completed[j].saturating_sub(posted[i]) as f64 / (j - i + 1) as f64;
+                if t > 0.0 && t < best {
+                    best = t;
+                }
+                j += step_j;
+            }
+            i += step_i;
+        }
+        peak = size as f64 / (best / 1e9) / bw_factor(plan);
+    }
+    BwResult {
+        iters: n as u64,
+        peak,
+        avg,
+        msg_rate,
+        bytes: size * n as u64,
+    }
+}
+
+struct LatResult {
+    row: String,
+    bytes: u64,
+}
+
+/// RTT factor: SEND and WRITE latency is half a ping-pong; READ and atomics one round trip.
+fn rtt_factor(plan: &Plan) -> f64 {
+    match plan.verb {
+        Verb::Read | Verb::Atomic => 1.0,
+        Verb::Send | Verb::Write => 2.0,
+    }
+}
+
+fn lat_row(plan: &Plan, size: u64, posts: &[u64], elapsed_ns: u64) -> LatResult {
+    let rtt = rtt_factor(plan);
+    let moved = if rtt == 2.0 { 2 } else { 1 };
+    let n = posts.len();
+    if plan.duration.is_some() {
+        let iters = n.max(1) as f64;
+        let lat = elapsed_ns as f64 / 1e3 / rtt / iters;
+        let tps = iters / (elapsed_ns.max(1) as f64 / 1e9);
+        return LatResult {
+            row: format!(
+                " {:<7}       {}            {:<7.2}        {:<7.2}",
+                size, n, lat, tps
+            ),
+            bytes: size * n as u64 * moved,
+        };
+    }
+    let mut d: Vec<f64> = posts
+        .windows(2)
+        .map(|w| (w[1] - w[0]) as f64 / 1e3 / rtt)
+        .collect();
+    d.sort_by(|a, b| a.total_cmp(b));
+    if d.len() <= LAT_MEASURE_TAIL + 1 {
+        return LatResult {
+            row: format!(" {:<7} {}          (too few iterations)", size, n),
+            bytes: 0,
+        };
+    }
+    let cnt = d.len() - LAT_MEASURE_TAIL;
+    let median = if (cnt - 1) % 2 == 1 {
+        (d[cnt / 2] + d[cnt / 2 - 1]) / 2.0
+    } else {
+        d[cnt / 2]
+    };
+    let avg = d[..cnt].iter().sum::<f64>() / cnt as f64;
+    let stdev = (d[..cnt].iter().map(|x| (x - avg).powi(2)).sum::<f64>() / cnt as f64).sqrt();
+    let i99 = ((cnt as f64 * 0.99).ceil() as usize).min(d.len() - 1);
+    let i999 = ((cnt as f64 * 0.999).ceil() as usize).min(d.len() - 1);
+    let row = format!(
+        " {:<7} {}          {:<7.2}        {:<7.2}      {:<7.2}  \t       {:<7.2}     \t{:<7.2}\t\t{:<7.2} \t\t{:<7.2}",
+        size, n, d[0], d[cnt], median, avg, stdev, d[i99], d[i999]
+    );
+    LatResult {
+        row,
+        bytes: size * n as u64 * moved,
+    }
+}
+
+// ---- the runs --------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Client,
+    Server,
+}
+
+/// Check the control channel every this many idle polls.
+const CTL_EVERY: u32 = 256;
+
+/// Bandwidth, the active side: keep tx_depth WRs in flight per QP, signal every cq_mod-th.
+fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String> {
+    let nqp = side.qps.len();
+    let iters = plan.iters;
+    let timed = plan.duration.is_none();
+    let cap = if timed { iters as usize * nqp } else { 0 };
+    let (mut tposted, mut tcompleted) = (vec![0u64; cap], vec![0u64; cap]);
+    let (mut posted, mut done, mut stopped) = (vec![0u64; nqp], vec![0u64; nqp], vec![false; nqp]);
+    let cq_mod = u64::from(plan.cq_mod);
+    let t0 = Instant::now();
+    let deadline = plan.duration.map(|d| t0 + d);
+    let mut wcs = Vec::with_capacity(64);
+    let mut list = Vec::with_capacity(plan.post_list as usize);
+    loop {
+        let past = deadline.is_some_and(|d| Instant::now() >= d);
+        for q in 0..nqp {
+            while !stopped[q] && posted[q] - done[q] < u64::from(plan.tx_depth) {
+                // Up to post_list WRs go in one post (perftest's -l).
+                list.clear();
+                while list.len() < plan.post_list as usize
+                    && !stopped[q]
+                    && posted[q] + (list.len() as u64) - done[q] < u64::from(plan.tx_depth)
+                {
+                    let seq = posted[q] + list.len() as u64;
+                    let last = if timed { seq + 1 == iters } else { past };
+                    let signaled = (seq + 1) % cq_mod == 0 || last;
+                    list.push(side.send_wr(plan, q, size, ((q as u64) << 48) | seq, signaled)?);
+                    if timed {
+                        tposted[q * iters as usize + seq as usize] = ns(t0);
+                    }
+                    if last {
+                        stopped[q] = true;
+                    }
+                }
+                let n = list.len() as u64;
+                let r = if n == 1 {
+                    side.qps[q].post_send(list.pop().expect("one WR"))
+                } else {
+                    side.qps[q].post_send_list(list.drain(..))
+                };
+                r.map_err(|e| format!("Couldn't post send: qp {q} scnt={}: {e}", posted[q]))?;
+                posted[q] += n;
+            }
+        }
+        wcs.clear();
+        side.cq
+            .poll(64, &mut wcs)
+            .map_err(|e| format!("poll CQ failed: {e}"))?;
+        if !wcs.is_empty() {
+            let now = ns(t0);
+            for wc in &wcs {
+                check(wc)?;
+                let q = (wc.wr_id >> 48) as usize;
+                let seq = wc.wr_id & 0xffff_ffff_ffff;
+                if timed {
+                    for k in done[q]..=seq {
+                        tcompleted[q * iters as usize + k as usize] = now;
+                    }
+                }
+                done[q] = seq + 1;
+            }
+        }
+        if (0..nqp).all(|q| stopped[q] && done[q] == posted[q]) {
+            break;
+        }
+    }
+    if timed {
+        // perftest orders the samples as posted; with several QPs, merge by time.
+        if nqp > 1 {
+            tposted.sort_unstable();
+            tcompleted.sort_unstable();
+        }
+        Ok(bw_from_times(plan, size, &tposted, &tcompleted))
+    } else {
+        let n: u64 = done.iter().sum();
+        let secs = t0.elapsed().as_secs_f64();
+        Ok(BwResult {
+            iters: n,
+            peak: 0.0,
+            avg: size as f64 * n as f64 / secs / bw_factor(plan),
+            msg_rate: n as f64 / secs / 1e6,
+            bytes: size * n,
+        })
+    }
+}
+
+/// Bandwidth, the passive side: drive the device until the client says DONE; for SEND, count and
+/// re-post receives and time them.
+fn bw_server(
+    side: &mut Side,
+    plan: &Plan,
+    size: u64,
+    ctl: &mut Ctl,
+) -> Result<Option<BwResult>, String> {
+    let t0 = Instant::now();
+    let mut wcs = Vec::with_capacity(64);
+    let mut times: Vec<u64> = Vec::new();
+    let mut spins = 0u32;
+    loop {
+        wcs.clear();
+        side.cq
+            .poll(64, &mut wcs)
+            .map_err(|e| format!("poll CQ failed: {e}"))?;
+        if !wcs.is_empty() {
+            let now = ns(t0);
+            for wc in &wcs {
+                check(wc)?;
+                if let Some(i) = side.qp_index(wc.qp_num) {
+                    side.rx_posted[i] -= 1;
+                    side.post_recv(i)?;
+                }
+                times.push(now);
+            }
+        }
+        spins += 1;
+        if spins.is_multiple_of(CTL_EVERY) {
+            if let Some(l) = ctl.try_recv()? {
+                if l == "DONE" {
+                    break;
+                }
+                return Err(format!("protocol error: expected DONE, got {l:?}"));
+            }
+        }
+    }
+    if plan.verb != Verb::Send {
+        return Ok(None);
+    }
+    let n = times.len();
+    if n < 2 {
+        return Ok(Some(BwResult {
+            iters: n as u64,
+            peak: 0.0,
+            avg: 0.0,
+            msg_rate: 0.0,
+            bytes: size * n as u64,
+        }));
+    }
+    // The receiver's view: from the first to the last receive completion.
+    let secs = (times[n - 1] - times[0]).max(1) as f64 / 1e9;
+    Ok(Some(BwResult {
+        iters: n as u64,
+        peak: 0.0,
+        avg: size as f64 * n as f64 / secs / bw_factor(plan),
+        msg_rate: n as f64 / secs / 1e6,
+        bytes: size * n as u64,
+    }))
+}
+
+/// Poll until a completion arrives, or (passive side) the client says DONE.
+fn wait_wc(
+    side: &Side,
+    wcs: &mut Vec<WorkCompletion>,
+    ctl: Option<&mut Ctl>,
+) -> Result<bool, String> {
+    let mut spins = 0u32;
+    let mut ctl = ctl;
+    loop {
+        side.cq
+            .poll(16, wcs)
+            .map_err(|e| format!("poll CQ failed: {e}"))?;
+        if !wcs.is_empty() {
+            return Ok(true);
+        }
+        spins += 1;
+        if spins.is_multiple_of(CTL_EVERY) {
+            if let Some(c) = ctl.as_deref_mut() {
+                if let Some(l) = c.try_recv()? {
+                    if l == "DONE" {
+                        return Ok(false);
+                    }
+                    return Err(format!("protocol error: expected DONE, got {l:?}"));
+                }
+            }
+        }
+    }
+}
+
+/// Latency. Returns the post times and the elapsed time; `None` if the client said DONE first
+/// (duration mode, passive side) — then the DONE is consumed.
+fn lat_run(
+    side: &mut Side,
+    plan: &Plan,
+    size: u64,
+    role: Role,
+    ctl: &mut Ctl,
+) -> Result<(Vec<u64>, u64, bool), String> {
+    let t0 = Instant::now();
+    let deadline = plan.duration.map(|d| t0 + d);
+    let iters = if plan.duration.is_some() {
+        u64::MAX
+    } else {
+        plan.iters
+    };
+    let mut posts = Vec::with_capacity(plan.iters.min(1 << 24) as usize);
+    let mut wcs = Vec::with_capacity(16);
+    let mut done_seen = false;
+    let poll_at = size as usize - 1;
+    let send_at = side.slot;
+    match (plan.verb, role) {
+        (Verb::Read | Verb::Atomic, Role::Server) => {
+            // Passive: the client reads or updates our memory.
+            bw_server(side, plan, size, ctl)?;
+            return Ok((posts, 0, true));
+        }
+        (Verb::Read | Verb::Atomic, Role::Client) => {
+            let mut i = 0u64;
+            while i < iters && deadline.is_none_or(|d| Instant::now() < d) {
+                posts.push(ns(t0));
+                let wr = side.send_wr(plan, 0, size, i, true)?;
+                side.qps[0]
+                    .post_send(wr)
+                    .map_err(|e| format!("Couldn't post send: {e}"))?;
+                wcs.clear();
+                wait_wc(side, &mut wcs, None)?;
+                wcs.iter().try_for_each(check)?;
+                i += 1;
+            }
+        }
+        (Verb::Send, _) => {
+            let mut i = 0u64;
+            let mut sends_out = 0u32;
+            while i < iters {
+                if role == Role::Client && deadline.is_some_and(|d| Instant::now() >= d) {
+                    break;
+                }
+                if role == Role::Server {
+                    // Wait for the ping.
+                    let mut got = false;
+                    while !got {
+                        wcs.clear();
+                        if !wait_wc(side, &mut wcs, Some(ctl))? {
+                            done_seen = true;
+                            break;
+                        }
+                        for wc in &wcs {
+                            check(wc)?;
+                            if wc.opcode == WcOpcode::Recv {
+                                side.rx_posted[0] -= 1;
+                                side.post_recv(0)?;
+                                got = true;
+                            } else {
+                                sends_out -= 1;
+                            }
+                        }
+                    }
+                    if done_seen {
+                        break;
+                    }
+                }
+                posts.push(ns(t0));
+                while sends_out >= plan.tx_depth.max(8) {
+                    wcs.clear();
+                    wait_wc(side, &mut wcs, None)?;
+                    for wc in &wcs {
+                        check(wc)?;
+                        if wc.opcode == WcOpcode::Recv {
+                            return Err(
+                                "unexpected receive while waiting for a send completion".into()
+                            );
+                        }
+                        sends_out -= 1;
+                    }
+                }
+                let wr = side.send_wr(plan, 0, size, i, true)?;
+                side.qps[0]
+                    .post_send(wr)
+                    .map_err(|e| format!("Couldn't post send: {e}"))?;
+                sends_out += 1;
+                if role == Role::Client {
+                    let mut got = false;
+                    while !got {
+                        wcs.clear();
+                        wait_wc(side, &mut wcs, None)?;
+                        for wc in &wcs {
+                            check(wc)?;
+                            if wc.opcode == WcOpcode::Recv {
+                                side.rx_posted[0] -= 1;
+                                side.post_recv(0)?;
+                                got = true;
+                            } else {
+                                sends_out -= 1;
+                            }
+                        }
+                    }
+                }
+                i += 1;
+            }
+            // Reap the last send completions.
+            while sends_out > 0 {
+                wcs.clear();
+                side.cq
+                    .poll(16, &mut wcs)
+                    .map_err(|e| format!("poll CQ failed: {e}"))?;
+                for wc in &wcs {
+                    check(wc)?;
+                    if wc.opcode == WcOpcode::Recv {
+                        side.rx_posted[0] -= 1;
+                        side.post_recv(0)?;
+                    } else {
+                        sends_out -= 1;
+                    }
+                }
+            }
+        }
+        (Verb::Write, _) => {
+            let mut i = 0u64;
+            let mut writes_out = 0u32;
+            let mut byte = [0u8; 1];
+            while i < iters {
+                if role == Role::Client && deadline.is_some_and(|d| Instant::now() >= d) {
+                    break;
+                }
+                let v = (i % 255) as u8 + 1;
+                if role == Role::Server {
+                    // Wait for the peer's write to change our last byte.
+                    let mut spins = 0u32;
+                    loop {
+                        side.mr
+                            .read(poll_at, &mut byte)
+                            .map_err(|e| e.to_string())?;
+                        if byte[0] == v {
+                            break;
+                        }
+                        wcs.clear();
+                        side.cq
+                            .poll(16, &mut wcs)
+                            .map_err(|e| format!("poll CQ failed: {e}"))?;
+                        for wc in &wcs {
+                            check(wc)?;
+                            writes_out -= 1;
+                        }
+                        spins += 1;
+                        if spins.is_multiple_of(CTL_EVERY) {
+                            if let Some(l) = ctl.try_recv()? {
+                                if l != "DONE" {
+                                    return Err(format!(
+                                        "protocol error: expected DONE, got {l:?}"
+                                    ));
+                                }
+                                done_seen = true;
+                                break;
+                            }
+                        }
+                    }
+                    if done_seen {
+                        break;
+                    }
+                }
+                posts.push(ns(t0));
+                side.mr
+                    .write(send_at + poll_at, &[v])
+                    .map_err(|e| e.to_string())?;
+                while writes_out >= plan.tx_depth.max(8) {
+                    wcs.clear();
+                    wait_wc(side, &mut wcs, None)?;
+                    for wc in &wcs {
+                        check(wc)?;
+                        writes_out -= 1;
+                    }
+                }
+                let wr = side.send_wr(plan, 0, size, i, true)?;
+                side.qps[0]
+                    .post_send(wr)
+                    .map_err(|e| format!("Couldn't post send: {e}"))?;
+                writes_out += 1;
+                if role == Role::Client {
+                    loop {
+                        side.mr
+                            .read(poll_at, &mut byte)
+                            .map_err(|e| e.to_string())?;
+                        if byte[0] == v {
+                            break;
+                        }
+                        wcs.clear();
+                        side.cq
+                            .poll(16, &mut wcs)
+                            .map_err(|e| format!("poll CQ failed: {e}"))?;
+                        for wc in &wcs {
+                            check(wc)?;
+                            writes_out -= 1;
+                        }
+                    }
+                }
+                i += 1;
+            }
+            while writes_out > 0 {
+                wcs.clear();
+                side.cq
+                    .poll(16, &mut wcs)
+                    .map_err(|e| format!("poll CQ failed: {e}"))?;
+                for wc in &wcs {
+                    check(wc)?;
+                    writes_out -= 1;
+                }
+            }
+        }
+    }
+    Ok((posts, ns(t0), done_seen))
+}
+
+// ---- printing --------------------------------------------------------------------------------
+
+struct Out {
+    quiet: bool,
+}
+
+impl Out {
+    fn line(&self, s: &str) {
+        if !self.quiet {
+            println!("{s}");
+        }
+    }
+}
+
+fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
+    out.line(RESULT_LINE);
+    let verb = match plan.verb {
+        Verb::Send => "Send",
+        Verb::Write => "RDMA_Write",
+        Verb::Read => "RDMA_Read",
+        Verb::Atomic => "Atomic",
+    };
+    let atomic = match (plan.verb, plan.cas) {
+        (Verb::Atomic, true) => "CMP_AND_SWAP ",
+        (Verb::Atomic, false) => "FETCH_AND_ADD ",
+        _ => "",
+    };
+    let kind = match (plan.bw, plan.post_list > 1) {
+        (true, true) => "Post List BW ",
+        (true, false) => "BW ",
+        (false, _) => "Latency ",
+    };
+    out.line(&format!("                    {verb} {atomic}{kind}Test"));
+    out.line(&format!(
+        " Dual-port       : OFF\t\tDevice         : {}",
+        side.dev_name
+    ));
+    out.line(&format!(
+        " Number of qps   : {}\t\tTransport type : IB",
+        plan.qps
+    ));
+    let conn = match plan.conn {
+        QpType::Rc => "RC",
+        QpType::Uc => "UC",
+        QpType::Ud => "UD",
+    };
+    out.line(&format!(
+        " Connection type : {conn}\t\tUsing SRQ      : OFF"
+    ));
+    out.line(" PCIe relax order: Unsupported");
+    out.line(" ibv_wr* API     : OFF");
+    if role == Role::Client {
+        out.line(&format!(" TX depth        : {}", plan.tx_depth));
+    }
+    if plan.post_list > 1 && role == Role::Client {
+        out.line(&format!(" Post List       : {}", plan.post_list));
+    }
+    if plan.verb == Verb::Send && role == Role::Server {
+        out.line(&format!(" RX depth        : {}", plan.rx_depth));
+    }
+    if plan.bw {
+        out.line(&format!(" CQ Moderation   : {}", plan.cq_mod));
+    }
+    out.line(&format!(" Mtu             : {}[B]", side.mtu.bytes()));
+    out.line(" Link type       : Ethernet");
+    out.line(&format!(" GID index       : {}", plan.gid_index));
+    if matches!(plan.verb, Verb::Read | Verb::Atomic) {
+        out.line(&format!(" Outstand reads  : {}", plan.outs));
+    } else {
+        out.line(" Max inline data : 0[B]");
+    }
+    out.line(" rdma_cm QPs\t : OFF");
+    out.line(" Data ex. method : Ethernet");
+    out.line(RESULT_LINE);
+}
+
+fn print_dest(out: &Out, plan: &Plan, side: &str, d: &Dest) {
+    let mut s = format!(
+        " {side} address: LID {} QPN {} PSN {}",
+        hash_hex(u64::from(d.lid), 4),
+        hash_hex(u64::from(d.qpn), 6),
+        hash_hex(u64::from(d.psn), 6)
+    );
+    if plan.verb == Verb::Read {
+        s += &format!(" OUT {}", hash_hex(u64::from(d.out_reads), 4));
+    }
+    if matches!(plan.verb, Verb::Read | Verb::Write) {
+        s += &format!(
+            " RKey {} VAddr {}",
+            hash_hex(u64::from(d.rkey), 8),
+            hash_hex(d.vaddr, 16)
+        );
+    }
+    out.line(&s);
+    let g: Vec<String> = d.gid.0.iter().map(|b| format!("{b:02}")).collect();
+    out.line(&format!(" GID: {}", g.join(":")));
+}
+
+fn table_header(plan: &Plan) -> &'static str {
+    match (plan.bw, plan.gbits, plan.duration.is_some()) {
+        (true, false, _) => " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]",
+        (true, true, _) => " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]",
+        (false, _, false) => " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ",
+        (false, _, true) => " #bytes        #iterations       t_avg[usec]    tps average",
+    }
+}
+
+/// One size's extra figures, printed after the table.
+struct CpuLine {
+    size: u64,
+    user: Duration,
+    sys: Duration,
+    bytes: u64,
+}
+
+fn print_extras(out: &Out, cpu: &[CpuLine]) {
+    for c in cpu {
+        let cpu = (c.user + c.sys).as_secs_f64();
+        let gb = c.bytes as f64 / 1e9;
+        let per_gb = if gb > 0.0 {
+            format!("{:.3} s", cpu / gb)
+        } else {
+            "n/a".into()
+        };
+        out.line(&format!(
+            " CPU time per GB : {per_gb} (#bytes {}: user {:.3} s + system {:.3} s, both sides, for {:.3} GB)",
+            c.size,
+            c.user.as_secs_f64(),
+            c.sys.as_secs_f64(),
+            gb
+        ));
+    }
+    let total: u32 = COPIES.iter().map(|c| c.1).sum();
+    let parts: Vec<String> = COPIES
+        .iter()
+        .map(|(what, n)| format!("{what} {n}"))
+        .collect();
+    out.line(&format!(
+        " Copies per byte : {total} ({}; plus one ICRC pass over the payload on each side)",
+        parts.join(", ")
+    ));
+}
+
+// ---- one side, end to end ---------------------------------------------------------------------
+
+fn run_side(
+    ctx: Context,
+    plan: &Plan,
+    role: Role,
+    mut ctl: Ctl,
+    out: &Out,
+    count_cpu: bool,
+) -> Result<(), String> {
+    let mut side = Side::open(ctx, plan)?;
+    if plan.verb == Verb::Send {
+        side.fill_receives(plan)?;
+    }
+    print_banner(out, plan, role, &side);
+    let mine = side.dests(plan)?;
+    // Client first, as perftest's exchange: client sends, server answers.
+    let theirs = match role {
+        Role::Client => {
+            ctl.send(&plan.hello())?;
+            ctl.expect("OK")?;
+            for d in &mine {
+                ctl.send(&d.to_line())?;
+            }
+            let mut r = Vec::new();
+            for _ in 0..mine.len() {
+                r.push(Dest::from_line(&ctl.recv()?).ok_or("Couldn't parse the remote address")?);
+            }
+            side.connect(plan, r.clone())?;
+            r
+        }
+        Role::Server => {
+            let hello = ctl.recv()?;
+            if hello != plan.hello() {
+                let msg = format!(
+                    "the client runs a different test: {hello:?}, this side {:?}",
+                    plan.hello()
+                );
+                let _ = ctl.send(&format!("ERR {msg}"));
+                return Err(msg);
+            }
+            ctl.send("OK")?;
+            let mut r = Vec::new();
+            for _ in 0..mine.len() {
+                r.push(Dest::from_line(&ctl.recv()?).ok_or("Couldn't parse the remote address")?);
+            }
+            side.connect(plan, r.clone())?;
+            for d in &mine {
+                ctl.send(&d.to_line())?;
+            }
+            r
+        }
+    };
+    for d in &mine {
+        print_dest(out, plan, "local", d);
+    }
+    for d in &theirs {
+        print_dest(out, plan, "remote", d);
+    }
+    out.line(RESULT_LINE);
+    let passive_lat =
+        !plan.bw && matches!(plan.verb, Verb::Read | Verb::Atomic) && role == Role::Server;
+    if !passive_lat {
+        out.line(table_header(plan));
+    }
+    let mut cpu = Vec::new();
+    for &size in &plan.sizes {
+        // Barrier: the server has its receives posted before the client starts.
+        match role {
+            Role::Client => {
+                ctl.send(&format!("SIZE {size}"))?;
+                ctl.expect("READY")?;
+            }
+            Role::Server => {
+                let l = ctl.expect("SIZE")?;
+                if l != format!("SIZE {size}") {
+                    return Err(format!("protocol error: {l:?} for size {size}"));
+                }
+                if plan.verb == Verb::Send {
+                    side.fill_receives(plan)?;
+                }
+                ctl.send("READY")?;
+            }
+        }
+        let (u0, s0) = cpu_times();
+        let mut row: Option<String> = None;
+        let mut bytes = 0u64;
+        if plan.bw {
+            match role {
+                Role::Client => {
+                    let r = bw_client(&mut side, plan, size)?;
+                    bytes = r.bytes;
+                    row = Some(bw_row(plan, size, &r));
+                    ctl.send("DONE")?;
+                }
+                Role::Server => {
+                    if let Some(r) = bw_server(&mut side, plan, size, &mut ctl)? {
+                        row = Some(bw_row(plan, size, &r));
+                    }
+                }
+            }
+        } else {
+            let (posts, elapsed, done_seen) = lat_run(&mut side, plan, size, role, &mut ctl)?;
+            if !passive_lat {
+                let r = lat_row(plan, size, &posts, elapsed);
+                bytes = r.bytes;
+                row = Some(r.row);
+            }
+            match role {
+                Role::Client => ctl.send("DONE")?,
+                Role::Server if !done_seen => {
+                    ctl.expect("DONE")?;
+                }
+                Role::Server => {}
+            }
+        }
+        let (u1, s1) = cpu_times();
+        let (du, ds) = if count_cpu {
+            (u1 - u0, s1 - s0)
+        } else {
+            (Duration::ZERO, Duration::ZERO)
+        };
+        // Results: the server sends its CPU time; the client sends its row (the passive server of
+        // WRITE/READ/atomic bandwidth prints the client's figures, as perftest's does).
+        match role {
+            Role::Server => {
+                ctl.send(&format!("RESULT {} {}", du.as_nanos(), ds.as_nanos()))?;
+                let l = ctl.expect("ROW")?;
+                let theirs = l.strip_prefix("ROW ").unwrap_or("").to_string();
+                let (bytes_s, text) = theirs.split_once(' ').unwrap_or(("0", ""));
+                if plan.bw && plan.verb != Verb::Send {
+                    row = Some(text.to_string());
+                }
+                cpu.push(CpuLine {
+                    size,
+                    user: du,
+                    sys: ds,
+                    bytes: bytes_s.parse().unwrap_or(0),
+                });
+            }
+            Role::Client => {
+                let l = ctl.expect("RESULT")?;
+                let f: Vec<u128> = l
+                    .split_whitespace()
+                    .skip(1)
+                    .filter_map(|x| x.parse().ok())
+                    .collect();
+                let su = Duration::from_nanos(*f.first().unwrap_or(&0) as u64);
+                let ss = Duration::from_nanos(*f.get(1).unwrap_or(&0) as u64);
+                ctl.send(&format!("ROW {bytes} {}", row.clone().unwrap_or_default()))?;
+                cpu.push(CpuLine {
+                    size,
+                    user: du + su,
+                    sys: ds + ss,
+                    bytes,
+                });
+            }
+        }
+        if let Some(r) = row {
+            if !passive_lat {
+                out.line(&r);
+            }
+        }
+    }
+    out.line(RESULT_LINE);
+    if !passive_lat {
+        print_extras(out, &cpu);
+    }
+    if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
+        let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
+        eprintln!(
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {}; ICRC verified {} recovered-id {} bad {}",
+            side.dev_name, c.sent_pkts, c.rcvd_pkts, c.retransmits, c.rcvd_seq_err, c.ack_timeouts, v.verified, v.recovered, v.bad
+        );
+    }
+    Ok(())
+}
+
+fn open_ctx(a: &PerfArgs, name: &str, ip: Option<IpAddr>) -> Result<Context, String> {
+    match ip {
+        Some(ip) => {
+            let mut b = DeviceBuilder::new(name, &a.netdev).addr(ip);
+            if let Some(p) = a.udp_port {
+                b = b.udp_port(p);
+            }
+            b.open()
+                .map_err(|e| format!("Couldn't open device {name} on {ip}: {e}"))
+        }
+        None => match &a.ib_dev {
+            Some(n) => open_device(n).map_err(|e| format!("Couldn't get context for {n}: {e}")),
+            None => {
+                let list = devices().map_err(|e| format!("Failed to get IB devices list: {e}"))?;
+                let first = list.first().ok_or(" No IB devices found")?;
+                open_device(&first.name)
+                    .map_err(|e| format!("Couldn't get context for {}: {e}", first.name))
+            }
+        },
+    }
+}
+
+fn perf(a: &PerfArgs) -> Result<(), String> {
+    let plan = Plan::from_args(a)?;
+    if a.rdma_cm {
+        eprintln!(
+            " rdma_cm (-R) is not supported yet by softrdma perf (to be built on softrdma_verbs::cm); using the TCP exchange"
+        );
+    }
+    if a.loopback {
+        return loopback(a, &plan);
+    }
+    let name = a.ib_dev.clone().unwrap_or_else(|| "softrdma0".into());
+    match &a.servername {
+        Some(host) => {
+            let ctx = open_ctx(a, &name, a.bind)?;
+            let addrs = (host.as_str(), a.port)
+                .to_socket_addrs()
+                .map_err(|e| format!("{host}: {e}"))?;
+            let sock = addrs
+                .into_iter()
+                .find_map(|ad| connect_retry(ad, Duration::from_secs(5)))
+                .ok_or_else(|| format!("Couldn't connect to {host}:{}", a.port))?;
+            run_side(
+                ctx,
+                &plan,
+                Role::Client,
+                Ctl::new(sock)?,
+                &Out { quiet: false },
+                true,
+            )
+        }
+        None => {
+            let ctx = open_ctx(a, &name, a.bind)?;
+            let listener = TcpListener::bind(("0.0.0.0", a.port))
+                .map_err(|e| format!("Couldn't listen to port {}: {e}", a.port))?;
+            println!();
+            println!("************************************");
+            println!("* Waiting for client to connect... *");
+            println!("************************************");
+            let (sock, _) = listener
+                .accept()
+                .map_err(|e| format!("accept() failed: {e}"))?;
+            run_side(
+                ctx,
+                &plan,
+                Role::Server,
+                Ctl::new(sock)?,
+                &Out { quiet: false },
+                true,
+            )
+        }
+    }
+}
+
+fn connect_retry(addr: SocketAddr, total: Duration) -> Option<TcpStream> {
+    let until = Instant::now() + total;
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(s) => return Some(s),
+            Err(_) if Instant::now() < until => std::thread::sleep(Duration::from_millis(50)),
+            Err(_) => return None,
+        }
+    }
+}
+
+/// Both sides in this process: the server on a thread (quiet), the client printing. CPU time is
+/// the whole process's, so the server reports none of its own.
+fn loopback(a: &PerfArgs, plan: &Plan) -> Result<(), String> {
+    let name = a.ib_dev.clone().unwrap_or_else(|| "softrdma".into());
+    let ip_s = IpAddr::V4(Ipv4Addr::new(127, 0, 77, 1));
+    let ip_c = IpAddr::V4(Ipv4Addr::new(127, 0, 77, 2));
+    let ctx_s = open_ctx(a, &format!("{name}0"), Some(ip_s))?;
+    let ctx_c = open_ctx(a, &format!("{name}1"), Some(ip_c))?;
+    let listener =
+        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("Couldn't listen: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let splan = plan.clone();
+    let server = std::thread::Builder::new()
+        .name("perf-server".into())
+        .spawn(move || -> Result<(), String> {
+            let (sock, _) = listener
+                .accept()
+                .map_err(|e| format!("accept() failed: {e}"))?;
+            run_side(
+                ctx_s,
+                &splan,
+                Role::Server,
+                Ctl::new(sock)?,
+                &Out { quiet: true },
+                false,
+            )
+        })
+        .map_err(|e| e.to_string())?;
+    let sock = connect_retry(addr, Duration::from_secs(5))
+        .ok_or("Couldn't connect to the loopback server")?;
+    let res = run_side(
+        ctx_c,
+        plan,
+        Role::Client,
+        Ctl::new(sock)?,
+        &Out { quiet: false },
+        true,
+    );
+    let sres = server
+        .join()
+        .map_err(|_| "the server thread panicked".to_string())?;
+    res.and(sres)
+}
+
+/// Run `softrdma perf`.
+pub fn run(args: PerfArgs) -> ExitCode {
+    match perf(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dest_line_round_trips_in_perftest_format() {
+        let d = Dest {
+            lid: 0,
+            out_reads: 0x80,
+            qpn: 0x1a,
+            psn: 0xaf11f2,
+            rkey: 0x1094,
+            vaddr: 0x7f58_afae_f000,
+            gid: Gid([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 10, 77, 9, 2]),
+        };
+        let l = d.to_line();
+        assert_eq!(l.len() + 1, 108, "KEY_MSG_SIZE_GID with its NUL");
+        assert!(l.starts_with("0000:0080:00001a:af11f2:00001094:00007f58afaef000:00:00:"));
+        assert_eq!(Dest::from_line(&l), Some(d));
+    }
+
+    #[test]
+    fn c_hash_hex() {
+        assert_eq!(hash_hex(0, 4), "0000");
+        assert_eq!(hash_hex(0x1a, 6), "0x001a");
+        assert_eq!(hash_hex(0x97f01, 6), "0x97f01");
+        assert_eq!(hash_hex(0x7f58_afae_f000, 16), "0x007f58afaef000");
+    }
+
+    #[test]
+    fn rows_match_perftest_spacing() {
+        let a = PerfArgs {
+            test: Test::WriteBw,
+            servername: None,
+            ib_dev: None,
+            ib_port: 1,
+            gid_index: 1,
+            mcg: false,
+            size: None,
+            all: false,
+            iters: None,
+            duration: Some(5.0),
+            qps: 1,
+            connection: "RC".into(),
+            mtu: None,
+            tx_depth: None,
+            rx_depth: 512,
+            cq_mod: None,
+            outs: None,
+            atomic_type: "FETCH_AND_ADD".into(),
+            no_peak: false,
+            report_gbits: false,
+            rdma_cm: false,
+            post_list: 1,
+            cpu_freq: false,
+            port: 18515,
+            loopback: false,
+            bind: None,
+            netdev: "lo".into(),
+            udp_port: None,
+        };
+        let plan = Plan::from_args(&a).unwrap();
+        let r = BwResult {
+            iters: 2464,
+            peak: 0.0,
+            avg: 51.31,
+            msg_rate: 0.000821,
+            bytes: 0,
+        };
+        // From golden/tool-output/20-ib_write_bw-rxe0.txt.
+        assert_eq!(
+            bw_row(&plan, 65536, &r),
+            " 65536      2464             0.00               51.31  \t\t   0.000821"
+        );
+        let mut lp = plan.clone();
+        lp.verb = Verb::Send;
+        lp.bw = false;
+        let posts: Vec<u64> = (0..=137017u64).map(|i| i * 21900).collect();
+        let row = lat_row(&lp, 2, &posts[..137017], 137017 * 21900).row;
+        // From golden/tool-output/22-ib_write_lat-rxe0.txt (t_avg 10.95, tps 45662).
+        assert!(
+            row.starts_with(" 2             137017            10.95          45662.1"),
+            "{row:?}"
+        );
+    }
+}
