@@ -81,7 +81,46 @@ fn rc_pingpong_and_write_bw_share_one_daemon_device() {
     let (_, c) = run_shared(&d, "ib_write_bw", &["-x", "1", "-F", "-n", "200"], "-p");
     let out = String::from_utf8_lossy(&c.stdout);
     assert!(out.contains("#bytes"), "{out}");
-    let row = out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no result row:\n{out}"));
+    let row =
+        out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no result row:\n{out}"));
     assert_eq!(row.split_whitespace().nth(1), Some("200"), "{row}");
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// rdma-core's unmodified `rping`, server and client as two processes on the one daemon device:
+/// the RDMA CM (listen, resolve, connect, accept, disconnect) runs in softrdmad.
+#[test]
+fn rping_through_one_daemon_device() {
+    if program("rping").is_none() {
+        eprintln!("SKIP: rping not installed (apt-get install rdmacm-utils)");
+        return;
+    }
+    let d = start_daemon("rping");
+    let prog = program("rping").unwrap();
+    let port = free_tcp_port().to_string();
+    let cmd = |args: &[&str]| {
+        let mut c = std::process::Command::new(&prog);
+        c.env("LD_LIBRARY_PATH", lib_dir())
+            .env("SOFTRDMA_CONFIG", &d.config)
+            .env("SOFTRDMA_SOCKET", &d.socket)
+            .env("SOFTRDMA_UDP_PORT", d.udp.to_string())
+            .args(args)
+            .args(["-a", "127.0.0.9", "-p", &port, "-C", "10", "-v", "-V"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c
+    };
+    let server = cmd(&["-s"]).spawn().expect("server");
+    std::thread::sleep(Duration::from_millis(500));
+    let client = cmd(&["-c"]).spawn().expect("client");
+    let (c, ck) = wait_limit(client, Duration::from_secs(60));
+    let (s, sk) = wait_limit(server, Duration::from_secs(if ck { 1 } else { 60 }));
+    let text = |o: &Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!ck && !sk && c.status.success() && s.status.success(), "server:\n{}\nclient:\n{}", text(&s), text(&c));
+    let (so, co) = (text(&s), text(&c));
+    assert_eq!(co.matches("ping data: rdma-ping-").count(), 10, "{co}");
+    assert_eq!(so.matches("server ping data: rdma-ping-").count(), 10, "{so}");
+    assert!(so.contains("server DISCONNECT EVENT..."), "{so}");
     let _ = std::fs::remove_dir_all(&d.dir);
 }
