@@ -285,6 +285,63 @@ fn try_foreign_handles(d: &Daemon, qpn: u32, keys: &[u32]) {
     }
 }
 
+/// Another session names a client's CM ID, its event channel and its QP: every request is refused
+/// as if they did not exist, and a connection of its own cannot drive the foreign QP.
+fn try_foreign_cm_handles(d: &Daemon, id: u32, channel: u32, qpn: u32) {
+    use softrdma_abi::msg::{Refusal, Request, Response};
+    use softrdma_transport::VerbsError;
+    use std::os::fd::AsRawFd;
+    let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
+    let call = |r: Request, fds: &[i32]| {
+        conn.send(&r.encode(), fds).unwrap();
+        Response::decode(&conn.recv().unwrap().unwrap().0).unwrap()
+    };
+    assert!(matches!(
+        call(
+            Request::OpenDevice {
+                name: "rxe0".into()
+            },
+            &[]
+        ),
+        Response::Opened(_)
+    ));
+    let refused = Response::Error(Refusal::Verbs(VerbsError::NoSuchObject));
+    assert_eq!(call(Request::CmQuery { id }, &[]), refused);
+    assert_eq!(call(Request::CmDisconnect { id }, &[]), refused);
+    assert_eq!(call(Request::CmDestroyId { id }, &[]), refused);
+    assert_eq!(call(Request::CmGetEvent { channel }, &[]), refused);
+    assert_eq!(call(Request::CmDestroyChannel { channel }, &[]), refused);
+    let (tx, _rx) = std::os::unix::net::UnixDatagram::pair().unwrap();
+    let Response::Id(mine) = call(Request::CmCreateChannel, &[tx.as_raw_fd()]) else {
+        panic!("no channel")
+    };
+    assert_eq!(
+        call(
+            Request::CmCreateId {
+                channel,
+                ps: PortSpace::Tcp
+            },
+            &[]
+        ),
+        refused
+    );
+    let Response::Id(my_id) = call(
+        Request::CmCreateId {
+            channel: mine,
+            ps: PortSpace::Tcp,
+        },
+        &[],
+    ) else {
+        panic!("no id")
+    };
+    assert_eq!(
+        call(Request::CmMigrate { id: my_id, channel }, &[]),
+        refused
+    );
+    let param = CmConnParam::new(softrdma_verbs::Qpn::new(qpn));
+    assert_eq!(call(Request::CmConnect { id: my_id, param }, &[]), refused);
+}
+
 // ---- what the clients run -----------------------------------------------------------------------
 
 fn out(s: &str) {
@@ -1406,6 +1463,17 @@ fn rdma_cm_ids_of_a_dead_process_are_destroyed() {
     cid.connect(p).unwrap();
     cm_expect(&ch, &ctx, CmEventKind::Established);
     assert_eq!(ctx.cm_id_count().unwrap(), 3);
+    // The server's channel is the daemon's first, ours the second.
+    try_foreign_cm_handles(&d, cid.handle(), 2, qp.qpn().value());
+    // The foreign session's own ID goes with its connection.
+    let t = Instant::now();
+    while ctx.cm_id_count().unwrap() != 3 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the foreign session's CM ID is left"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let _ = server.child.kill();
     let _ = server.child.wait();
     cm_expect(&ch, &ctx, CmEventKind::Disconnected);
