@@ -10,9 +10,10 @@
 //! The data path does not use these messages: work requests and completions go through the rings.
 
 use std::collections::HashSet;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 
+use softrdma_cm::{CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, PortSpace, Route, UdInfo};
 use softrdma_device::netdev::{IfAddr, IfFlags, MacAddr, Netdev};
 use softrdma_device::DeviceConfig;
 use softrdma_transport::hca::QueuePairInfo;
@@ -95,6 +96,45 @@ pub enum Request {
     Rename { name: String, new_name: String },
     /// `roce-mode NAME PORT v1|v2`.
     RoceMode { name: String, port: u8, v1: bool },
+    /// An RDMA CM event channel; the datagram socket the daemon wakes it on comes as a descriptor
+    /// (one byte per event; the events themselves are fetched with [`Request::CmGetEvent`]).
+    CmCreateChannel,
+    /// Close a CM event channel (its queued events are dropped).
+    CmDestroyChannel { channel: u32 },
+    /// `rdma_create_id`, reporting to `channel`.
+    CmCreateId { channel: u32, ps: PortSpace },
+    /// `rdma_destroy_id`.
+    CmDestroyId { id: u32 },
+    /// `rdma_bind_addr`.
+    CmBind { id: u32, addr: SocketAddr },
+    /// `rdma_resolve_addr`.
+    CmResolveAddr {
+        id: u32,
+        src: Option<IpAddr>,
+        dst: SocketAddr,
+    },
+    /// `rdma_resolve_route`.
+    CmResolveRoute { id: u32 },
+    /// `rdma_listen`.
+    CmListen { id: u32, backlog: u32 },
+    /// `rdma_connect`.
+    CmConnect { id: u32, param: ConnParam },
+    /// `rdma_accept`.
+    CmAccept { id: u32, param: ConnParam },
+    /// `rdma_reject`.
+    CmReject { id: u32, private_data: Vec<u8> },
+    /// `rdma_disconnect`.
+    CmDisconnect { id: u32 },
+    /// `rdma_migrate_id`: later events of `id` go to `channel`.
+    CmMigrate { id: u32, channel: u32 },
+    /// An ID's route and addresses.
+    CmQuery { id: u32 },
+    /// The next event queued on `channel`, if any.
+    CmGetEvent { channel: u32 },
+    /// CM IDs alive on the device (all clients).
+    CmIdCount,
+    /// [`softrdma_cm::AgentConfig::no_listener_retries`] of the device's CM.
+    CmSetNoListenerRetries { retries: u8 },
 }
 
 /// Why the daemon refused.
@@ -190,6 +230,14 @@ pub enum Response {
     QpInfo(QueuePairInfo),
     /// Statistics.
     Stats(Vec<DeviceStats>),
+    /// A CM ID's route and addresses (local, peer).
+    CmInfo {
+        route: Option<Route>,
+        local: Option<SocketAddr>,
+        peer: Option<SocketAddr>,
+    },
+    /// The next CM event of a channel (none queued: `None`), and whether more are queued.
+    CmEvent { event: Option<CmEvent>, more: bool },
 }
 
 // ---- helpers ---------------------------------------------------------------------------------
@@ -625,6 +673,169 @@ fn read_header(r: &mut Reader<'_>) -> DResult<u16> {
     r.u16()
 }
 
+// ---- RDMA CM values ---------------------------------------------------------------------------
+
+/// Private data and similar byte strings: at most this long.
+const MAX_BYTES: usize = 4096;
+
+fn put_bytes(w: &mut Writer, b: &[u8]) {
+    w.u32(b.len() as u32).raw(b);
+}
+fn bytes_from(r: &mut Reader<'_>) -> DResult<Vec<u8>> {
+    let n = r.u32()? as usize;
+    if n > MAX_BYTES {
+        return Err(DecodeError("byte string too long"));
+    }
+    Ok(r.raw(n)?.to_vec())
+}
+fn put_sa(w: &mut Writer, a: &SocketAddr) {
+    w.ip(a.ip()).u16(a.port());
+}
+fn sa_from(r: &mut Reader<'_>) -> DResult<SocketAddr> {
+    Ok(SocketAddr::new(r.ip()?, r.u16()?))
+}
+fn put_opt_sa(w: &mut Writer, a: &Option<SocketAddr>) {
+    match a {
+        Some(a) => {
+            w.u8(1);
+            put_sa(w, a);
+        }
+        None => {
+            w.u8(0);
+        }
+    }
+}
+fn opt_sa_from(r: &mut Reader<'_>) -> DResult<Option<SocketAddr>> {
+    Ok(if r.bool()? { Some(sa_from(r)?) } else { None })
+}
+fn ps_code(ps: PortSpace) -> u8 {
+    match ps {
+        PortSpace::Tcp => 0,
+        PortSpace::Udp => 1,
+        PortSpace::Ib => 2,
+    }
+}
+fn ps_from(r: &mut Reader<'_>) -> DResult<PortSpace> {
+    match r.u8()? {
+        0 => Ok(PortSpace::Tcp),
+        1 => Ok(PortSpace::Udp),
+        2 => Ok(PortSpace::Ib),
+        _ => Err(DecodeError("bad port space")),
+    }
+}
+fn put_param(w: &mut Writer, p: &ConnParam) {
+    w.u32(p.qpn.value());
+    put_bytes(w, &p.private_data);
+    w.u8(p.responder_resources)
+        .u8(p.initiator_depth)
+        .u8(p.retry_count)
+        .u8(p.rnr_retry_count)
+        .bool(p.srq)
+        .u32(p.qkey);
+}
+fn param_from(r: &mut Reader<'_>) -> DResult<ConnParam> {
+    Ok(ConnParam {
+        qpn: Qpn::new(r.u32()?),
+        private_data: bytes_from(r)?,
+        responder_resources: r.u8()?,
+        initiator_depth: r.u8()?,
+        retry_count: r.u8()?,
+        rnr_retry_count: r.u8()?,
+        srq: r.bool()?,
+        qkey: r.u32()?,
+    })
+}
+fn put_route(w: &mut Writer, rt: &Route) {
+    w.u8(rt.sgid_index)
+        .raw(&rt.sgid)
+        .raw(&rt.dgid)
+        .u8(rt.mtu as u8);
+}
+fn route_from(r: &mut Reader<'_>) -> DResult<Route> {
+    Ok(Route {
+        sgid_index: r.u8()?,
+        sgid: r.array()?,
+        dgid: r.array()?,
+        mtu: mtu_from(r)?,
+    })
+}
+fn put_kind(w: &mut Writer, k: &EventKind) {
+    match k {
+        EventKind::AddrResolved => w.u8(0),
+        EventKind::AddrError => w.u8(1),
+        EventKind::RouteResolved => w.u8(2),
+        EventKind::RouteError => w.u8(3),
+        EventKind::ConnectRequest { listener } => w.u8(4).u32(listener.0),
+        EventKind::ConnectError => w.u8(5),
+        EventKind::Unreachable => w.u8(6),
+        EventKind::Rejected { reason } => w.u8(7).u16(*reason),
+        EventKind::Established => w.u8(8),
+        EventKind::Disconnected => w.u8(9),
+        EventKind::TimewaitExit => w.u8(10),
+        #[allow(unreachable_patterns)]
+        _ => w.u8(255),
+    };
+}
+fn kind_from(r: &mut Reader<'_>) -> DResult<EventKind> {
+    Ok(match r.u8()? {
+        0 => EventKind::AddrResolved,
+        1 => EventKind::AddrError,
+        2 => EventKind::RouteResolved,
+        3 => EventKind::RouteError,
+        4 => EventKind::ConnectRequest {
+            listener: IdHandle(r.u32()?),
+        },
+        5 => EventKind::ConnectError,
+        6 => EventKind::Unreachable,
+        7 => EventKind::Rejected { reason: r.u16()? },
+        8 => EventKind::Established,
+        9 => EventKind::Disconnected,
+        10 => EventKind::TimewaitExit,
+        _ => return Err(DecodeError("bad CM event kind")),
+    })
+}
+fn put_cm_event(w: &mut Writer, e: &CmEvent) {
+    w.u32(e.id.0);
+    put_kind(w, &e.kind);
+    let c = &e.conn;
+    put_bytes(w, &c.private_data);
+    w.u8(c.responder_resources)
+        .u8(c.initiator_depth)
+        .u32(c.remote_qpn.value());
+    put_opt_sa(w, &c.remote_addr);
+    put_opt_sa(w, &c.local_addr);
+    match &e.ud {
+        Some(u) => {
+            w.u8(1).raw(&u.dgid).u32(u.remote_qpn.value()).u32(u.qkey);
+        }
+        None => {
+            w.u8(0);
+        }
+    }
+}
+fn cm_event_from(r: &mut Reader<'_>) -> DResult<CmEvent> {
+    let id = IdHandle(r.u32()?);
+    let kind = kind_from(r)?;
+    let conn = ConnInfo {
+        private_data: bytes_from(r)?,
+        responder_resources: r.u8()?,
+        initiator_depth: r.u8()?,
+        remote_qpn: Qpn::new(r.u32()?),
+        remote_addr: opt_sa_from(r)?,
+        local_addr: opt_sa_from(r)?,
+    };
+    let ud = if r.bool()? {
+        Some(UdInfo {
+            dgid: r.array()?,
+            remote_qpn: Qpn::new(r.u32()?),
+            qkey: r.u32()?,
+        })
+    } else {
+        None
+    };
+    Ok(CmEvent { id, kind, conn, ud })
+}
+
 impl Request {
     /// Encode.
     pub fn encode(&self) -> Vec<u8> {
@@ -744,6 +955,77 @@ impl Request {
                 header(&mut w, 23);
                 w.str(name).u8(*port).bool(*v1);
             }
+            Request::CmCreateChannel => header(&mut w, 40),
+            Request::CmDestroyChannel { channel } => {
+                header(&mut w, 41);
+                w.u32(*channel);
+            }
+            Request::CmCreateId { channel, ps } => {
+                header(&mut w, 42);
+                w.u32(*channel).u8(ps_code(*ps));
+            }
+            Request::CmDestroyId { id } => {
+                header(&mut w, 43);
+                w.u32(*id);
+            }
+            Request::CmBind { id, addr } => {
+                header(&mut w, 44);
+                w.u32(*id);
+                put_sa(&mut w, addr);
+            }
+            Request::CmResolveAddr { id, src, dst } => {
+                header(&mut w, 45);
+                w.u32(*id);
+                match src {
+                    Some(a) => w.u8(1).ip(*a),
+                    None => w.u8(0),
+                };
+                put_sa(&mut w, dst);
+            }
+            Request::CmResolveRoute { id } => {
+                header(&mut w, 46);
+                w.u32(*id);
+            }
+            Request::CmListen { id, backlog } => {
+                header(&mut w, 47);
+                w.u32(*id).u32(*backlog);
+            }
+            Request::CmConnect { id, param } => {
+                header(&mut w, 48);
+                w.u32(*id);
+                put_param(&mut w, param);
+            }
+            Request::CmAccept { id, param } => {
+                header(&mut w, 49);
+                w.u32(*id);
+                put_param(&mut w, param);
+            }
+            Request::CmReject { id, private_data } => {
+                header(&mut w, 50);
+                w.u32(*id);
+                put_bytes(&mut w, private_data);
+            }
+            Request::CmDisconnect { id } => {
+                header(&mut w, 51);
+                w.u32(*id);
+            }
+            Request::CmMigrate { id, channel } => {
+                header(&mut w, 52);
+                w.u32(*id).u32(*channel);
+            }
+            Request::CmQuery { id } => {
+                header(&mut w, 53);
+                w.u32(*id);
+            }
+            Request::CmGetEvent { channel } => {
+                header(&mut w, 54);
+                w.u32(*channel);
+            }
+            Request::CmIdCount => header(&mut w, 55),
+            Request::CmSetNoListenerRetries { retries } => {
+                header(&mut w, 56);
+                w.u8(*retries);
+            }
         }
         w.buf
     }
@@ -820,6 +1102,48 @@ impl Request {
                 port: r.u8()?,
                 v1: r.bool()?,
             },
+            40 => Request::CmCreateChannel,
+            41 => Request::CmDestroyChannel { channel: r.u32()? },
+            42 => Request::CmCreateId {
+                channel: r.u32()?,
+                ps: ps_from(&mut r)?,
+            },
+            43 => Request::CmDestroyId { id: r.u32()? },
+            44 => Request::CmBind {
+                id: r.u32()?,
+                addr: sa_from(&mut r)?,
+            },
+            45 => Request::CmResolveAddr {
+                id: r.u32()?,
+                src: if r.bool()? { Some(r.ip()?) } else { None },
+                dst: sa_from(&mut r)?,
+            },
+            46 => Request::CmResolveRoute { id: r.u32()? },
+            47 => Request::CmListen {
+                id: r.u32()?,
+                backlog: r.u32()?,
+            },
+            48 => Request::CmConnect {
+                id: r.u32()?,
+                param: param_from(&mut r)?,
+            },
+            49 => Request::CmAccept {
+                id: r.u32()?,
+                param: param_from(&mut r)?,
+            },
+            50 => Request::CmReject {
+                id: r.u32()?,
+                private_data: bytes_from(&mut r)?,
+            },
+            51 => Request::CmDisconnect { id: r.u32()? },
+            52 => Request::CmMigrate {
+                id: r.u32()?,
+                channel: r.u32()?,
+            },
+            53 => Request::CmQuery { id: r.u32()? },
+            54 => Request::CmGetEvent { channel: r.u32()? },
+            55 => Request::CmIdCount,
+            56 => Request::CmSetNoListenerRetries { retries: r.u8()? },
             _ => return Err(DecodeError("unknown request")),
         };
         r.finish()?;
@@ -901,6 +1225,33 @@ impl Response {
                     }
                 }
             }
+            Response::CmInfo { route, local, peer } => {
+                header(&mut w, 40);
+                match route {
+                    Some(rt) => {
+                        w.u8(1);
+                        put_route(&mut w, rt);
+                    }
+                    None => {
+                        w.u8(0);
+                    }
+                }
+                put_opt_sa(&mut w, local);
+                put_opt_sa(&mut w, peer);
+            }
+            Response::CmEvent { event, more } => {
+                header(&mut w, 41);
+                match event {
+                    Some(e) => {
+                        w.u8(1);
+                        put_cm_event(&mut w, e);
+                    }
+                    None => {
+                        w.u8(0);
+                    }
+                }
+                w.bool(*more);
+            }
         }
         w.buf
     }
@@ -957,6 +1308,23 @@ impl Response {
                 }
                 Response::Stats(list)
             }
+            40 => Response::CmInfo {
+                route: if r.bool()? {
+                    Some(route_from(&mut r)?)
+                } else {
+                    None
+                },
+                local: opt_sa_from(&mut r)?,
+                peer: opt_sa_from(&mut r)?,
+            },
+            41 => Response::CmEvent {
+                event: if r.bool()? {
+                    Some(cm_event_from(&mut r)?)
+                } else {
+                    None
+                },
+                more: r.bool()?,
+            },
             _ => return Err(DecodeError("unknown response")),
         };
         r.finish()?;
@@ -1073,6 +1441,27 @@ mod tests {
                 addr: Some("127.0.0.2".parse().unwrap()),
             },
             Request::Stats { device: None },
+            Request::CmCreateId {
+                channel: 3,
+                ps: PortSpace::Udp,
+            },
+            Request::CmResolveAddr {
+                id: 9,
+                src: None,
+                dst: "127.0.0.1:7471".parse().unwrap(),
+            },
+            Request::CmConnect {
+                id: 9,
+                param: ConnParam {
+                    private_data: b"hello".to_vec(),
+                    ..ConnParam::new(Qpn::new(0x11))
+                },
+            },
+            Request::CmReject {
+                id: 4,
+                private_data: b"no".to_vec(),
+            },
+            Request::CmSetNoListenerRetries { retries: 3 },
         ];
         for q in reqs {
             let b = q.encode();
@@ -1092,5 +1481,39 @@ mod tests {
             "more SGEs than max_sge",
         )));
         assert_eq!(Response::decode(&e.encode()).unwrap(), e);
+        let ev = Response::CmEvent {
+            event: Some(CmEvent {
+                id: IdHandle(7),
+                kind: EventKind::ConnectRequest {
+                    listener: IdHandle(2),
+                },
+                conn: ConnInfo {
+                    private_data: b"hi".to_vec(),
+                    responder_resources: 1,
+                    initiator_depth: 2,
+                    remote_qpn: Qpn::new(0x12),
+                    remote_addr: Some("127.0.0.1:5000".parse().unwrap()),
+                    local_addr: None,
+                },
+                ud: Some(UdInfo {
+                    dgid: [3; 16],
+                    remote_qpn: Qpn::new(5),
+                    qkey: 9,
+                }),
+            }),
+            more: true,
+        };
+        assert_eq!(Response::decode(&ev.encode()).unwrap(), ev);
+        let info = Response::CmInfo {
+            route: Some(Route {
+                sgid_index: 1,
+                sgid: [1; 16],
+                dgid: [2; 16],
+                mtu: Mtu::M1024,
+            }),
+            local: Some("127.0.0.1:1".parse().unwrap()),
+            peer: None,
+        };
+        assert_eq!(Response::decode(&info.encode()).unwrap(), info);
     }
 }

@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use softrdma_verbs::daemon::admin::Admin;
 use softrdma_verbs::{
-    open_device, Access, AhAttr, AsyncEvent, CompletionQueue, ConnectParams, Context, Gid,
-    MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, QueuePair,
-    RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    open_device, Access, AhAttr, AsyncEvent, CmConnParam, CmEventChannel, CmEventKind,
+    CompletionQueue, ConnectParams, Context, Gid, MemoryRegion, Mtu, Payload, PortSpace,
+    ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr,
+    WcOpcode, WcStatus, WorkCompletion,
 };
 
 // ---- the daemon ---------------------------------------------------------------------------------
@@ -282,6 +283,63 @@ fn try_foreign_handles(d: &Daemon, qpn: u32, keys: &[u32]) {
     for &key in keys {
         assert_eq!(call(Request::DeregMr { key }), refused);
     }
+}
+
+/// Another session names a client's CM ID, its event channel and its QP: every request is refused
+/// as if they did not exist, and a connection of its own cannot drive the foreign QP.
+fn try_foreign_cm_handles(d: &Daemon, id: u32, channel: u32, qpn: u32) {
+    use softrdma_abi::msg::{Refusal, Request, Response};
+    use softrdma_transport::VerbsError;
+    use std::os::fd::AsRawFd;
+    let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
+    let call = |r: Request, fds: &[i32]| {
+        conn.send(&r.encode(), fds).unwrap();
+        Response::decode(&conn.recv().unwrap().unwrap().0).unwrap()
+    };
+    assert!(matches!(
+        call(
+            Request::OpenDevice {
+                name: "rxe0".into()
+            },
+            &[]
+        ),
+        Response::Opened(_)
+    ));
+    let refused = Response::Error(Refusal::Verbs(VerbsError::NoSuchObject));
+    assert_eq!(call(Request::CmQuery { id }, &[]), refused);
+    assert_eq!(call(Request::CmDisconnect { id }, &[]), refused);
+    assert_eq!(call(Request::CmDestroyId { id }, &[]), refused);
+    assert_eq!(call(Request::CmGetEvent { channel }, &[]), refused);
+    assert_eq!(call(Request::CmDestroyChannel { channel }, &[]), refused);
+    let (tx, _rx) = std::os::unix::net::UnixDatagram::pair().unwrap();
+    let Response::Id(mine) = call(Request::CmCreateChannel, &[tx.as_raw_fd()]) else {
+        panic!("no channel")
+    };
+    assert_eq!(
+        call(
+            Request::CmCreateId {
+                channel,
+                ps: PortSpace::Tcp
+            },
+            &[]
+        ),
+        refused
+    );
+    let Response::Id(my_id) = call(
+        Request::CmCreateId {
+            channel: mine,
+            ps: PortSpace::Tcp,
+        },
+        &[],
+    ) else {
+        panic!("no id")
+    };
+    assert_eq!(
+        call(Request::CmMigrate { id: my_id, channel }, &[]),
+        refused
+    );
+    let param = CmConnParam::new(softrdma_verbs::Qpn::new(qpn));
+    assert_eq!(call(Request::CmConnect { id: my_id, param }, &[]), refused);
 }
 
 // ---- what the clients run -----------------------------------------------------------------------
@@ -851,8 +909,143 @@ fn child() {
         "selftest" => selftest_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
         "portwatch" => portwatch_role(&ctx),
+        "cmserver" => cm_server_role(&ctx),
+        "cmclient" => cm_client_role(&ctx),
         r => panic!("unknown role {r}"),
     }
+}
+
+// ---- RDMA CM through the daemon ------------------------------------------------------------------
+
+const CM_WAIT: Option<Duration> = Some(Duration::from_secs(10));
+
+fn cm_expect(ch: &CmEventChannel, ctx: &Context, kind: CmEventKind) -> softrdma_verbs::CmEvent {
+    let ev = ch
+        .get_event(ctx, CM_WAIT)
+        .unwrap_or_else(|| panic!("no event, expected {kind:?}"));
+    assert_eq!(ev.kind, kind, "{ev:?}");
+    ev
+}
+
+/// Listens on the device's address: accepts the first request (private data carries the address
+/// and rkey of a region for the peer's RDMA WRITE), checks the SEND and the WRITE, sees the
+/// peer's disconnect; rejects the second request.
+fn cm_server_role(ctx: &Context) {
+    let ch = CmEventChannel::new().unwrap();
+    let listener = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
+    listener
+        .bind_addr("127.0.0.1:7471".parse().unwrap())
+        .unwrap();
+    listener.listen(4).unwrap();
+    assert_eq!(listener.addrs().0, Some("127.0.0.1:7471".parse().unwrap()));
+    out("LISTENING");
+    let (pd, cq, qp) = rc_qp(ctx);
+    let mr = pd.reg_mr(16384, RW).unwrap();
+    qp.init(RW).unwrap();
+    qp.post_recv(RecvWr {
+        wr_id: 1,
+        sgl: vec![mr.sge(0, 8192).unwrap()],
+    })
+    .unwrap();
+    let req = ch.get_event(ctx, CM_WAIT).expect("connect request");
+    assert!(
+        matches!(req.kind, CmEventKind::ConnectRequest { .. }),
+        "{req:?}"
+    );
+    assert_eq!(&req.conn.private_data[..21], b"hello from the client");
+    let sid = req.new_id.expect("a new id");
+    let mut p = CmConnParam::new(qp.qpn());
+    p.private_data = b"welcome".to_vec();
+    p.private_data
+        .extend_from_slice(&(mr.addr() + 10000).to_le_bytes());
+    p.private_data.extend_from_slice(&mr.rkey().to_le_bytes());
+    sid.accept(p).unwrap();
+    cm_expect(&ch, ctx, CmEventKind::Established);
+    let w = wait_wcs(&cq, 1, 10);
+    assert_eq!((w[0].status, w[0].byte_len), (WcStatus::Success, 5000));
+    assert_eq!(mr.to_vec(0, 5000).unwrap(), pattern(1, b'C', 5000));
+    cm_expect(&ch, ctx, CmEventKind::Disconnected);
+    assert_eq!(mr.to_vec(10000, 100).unwrap(), pattern(1, b'C', 100));
+    assert_eq!(qp.query().unwrap().state, softrdma_verbs::QpState::Err);
+    drop(sid);
+    // The second request: rejected with private data.
+    let req = ch.get_event(ctx, CM_WAIT).expect("second connect request");
+    assert!(
+        matches!(req.kind, CmEventKind::ConnectRequest { .. }),
+        "{req:?}"
+    );
+    req.new_id.unwrap().reject(b"not today").unwrap();
+    out("DONE");
+    assert_eq!(input(), "bye");
+    drop(listener);
+    assert_eq!(ctx.cm_id_count().unwrap(), 0);
+    out("OK");
+}
+
+/// Connects to the server's listener with private data, SENDs and WRITEs over the connected QP,
+/// disconnects; then is rejected on a second attempt.
+fn cm_client_role(ctx: &Context) {
+    assert_eq!(input(), "go");
+    let ch = CmEventChannel::new().unwrap();
+    let cid = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
+    let dst: std::net::SocketAddr = "127.0.0.1:7471".parse().unwrap();
+    cid.resolve_addr(None, dst).unwrap();
+    cm_expect(&ch, ctx, CmEventKind::AddrResolved);
+    cid.resolve_route().unwrap();
+    cm_expect(&ch, ctx, CmEventKind::RouteResolved);
+    assert!(cid.route().is_some());
+    assert_eq!(cid.addrs().1, Some(dst));
+    let (pd, cq, qp) = rc_qp(ctx);
+    let mr = pd.reg_mr(8192, Access::LOCAL_WRITE).unwrap();
+    mr.write(0, &pattern(1, b'C', 5000)).unwrap();
+    qp.init(RW).unwrap();
+    let mut p = CmConnParam::new(qp.qpn());
+    p.private_data = b"hello from the client".to_vec();
+    cid.connect(p).unwrap();
+    let est = cm_expect(&ch, ctx, CmEventKind::Established);
+    let pd_ = &est.conn.private_data;
+    assert_eq!(&pd_[..7], b"welcome");
+    let raddr = u64::from_le_bytes(pd_[7..15].try_into().unwrap());
+    let rkey = u32::from_le_bytes(pd_[15..19].try_into().unwrap());
+    qp.post_send(send(1, SendOp::Send, &mr, 0, 5000)).unwrap();
+    qp.post_send(send(
+        2,
+        SendOp::Write {
+            remote_addr: raddr,
+            rkey,
+        },
+        &mr,
+        0,
+        100,
+    ))
+    .unwrap();
+    let w = wait_wcs(&cq, 2, 10);
+    assert!(w.iter().all(|w| w.status == WcStatus::Success), "{w:?}");
+    cid.disconnect().unwrap();
+    cm_expect(&ch, ctx, CmEventKind::Disconnected);
+    assert_eq!(qp.query().unwrap().state, softrdma_verbs::QpState::Err);
+    drop(cid);
+    // Again, on a fresh QP: the server rejects.
+    let (_pd2, _cq2, qp2) = rc_qp(ctx);
+    qp2.init(RW).unwrap();
+    let cid = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
+    cid.resolve_addr(None, dst).unwrap();
+    cm_expect(&ch, ctx, CmEventKind::AddrResolved);
+    cid.resolve_route().unwrap();
+    cm_expect(&ch, ctx, CmEventKind::RouteResolved);
+    cid.connect(CmConnParam::new(qp2.qpn())).unwrap();
+    let ev = cm_expect(&ch, ctx, CmEventKind::Rejected { reason: 28 });
+    assert_eq!(&ev.conn.private_data[..9], b"not today");
+    // Nobody listens on another port: the CM itself rejects ("invalid service ID").
+    let cid2 = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
+    cid2.resolve_addr(None, "127.0.0.1:7472".parse().unwrap())
+        .unwrap();
+    cm_expect(&ch, ctx, CmEventKind::AddrResolved);
+    cid2.resolve_route().unwrap();
+    cm_expect(&ch, ctx, CmEventKind::RouteResolved);
+    cid2.connect(CmConnParam::new(qp2.qpn())).unwrap();
+    cm_expect(&ch, ctx, CmEventKind::Rejected { reason: 8 });
+    out("OK");
 }
 
 // ---- the tests ----------------------------------------------------------------------------------
@@ -1220,4 +1413,74 @@ fn link_management_survives_restart() {
     );
     let (ok, _, err) = d.cli(&["link", "show", "rxe7"]);
     assert!(!ok && err.contains("rxe7"), "{err}");
+}
+
+/// The RDMA CM on a daemon device: two processes, each its own session, connect through the
+/// daemon's CM (listen, connect and accept with private data), move data over the connected QPs
+/// and disconnect; a second request is rejected, one to a port nobody listens on too; the daemon
+/// is left holding nothing, CM IDs included.
+#[test]
+fn rdma_cm_between_two_processes() {
+    let dir = Daemon::dir("cm", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18968, None);
+    let mut server = Client::spawn(&d, "cmserver", false);
+    let mut client = Client::spawn(&d, "cmclient", false);
+    assert_eq!(server.line(), "LISTENING");
+    client.send("go");
+    assert_eq!(client.finish(), "OK");
+    assert_eq!(server.line(), "DONE");
+    server.send("bye");
+    assert_eq!(server.finish(), "OK");
+    d.wait_idle();
+    assert_eq!(d.counter("objects_cm_ids"), 0);
+}
+
+/// A process that dies holding CM IDs (a listener, an established connection) has them destroyed
+/// by the daemon: its peer sees DISCONNECTED, and no CM ID is left.
+#[test]
+fn rdma_cm_ids_of_a_dead_process_are_destroyed() {
+    let dir = Daemon::dir("cmkill", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18969, None);
+    let mut server = Client::spawn(&d, "cmserver", false);
+    assert_eq!(server.line(), "LISTENING");
+    let ctx = {
+        std::env::set_var("SOFTRDMA_SOCKET", d.socket());
+        std::env::set_var("SOFTRDMA_CONFIG", d.dir.join("devices.conf"));
+        open_device("rxe0").unwrap()
+    };
+    assert!(ctx.is_daemon());
+    let ch = CmEventChannel::new().unwrap();
+    let cid = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
+    cid.resolve_addr(None, "127.0.0.1:7471".parse().unwrap())
+        .unwrap();
+    cm_expect(&ch, &ctx, CmEventKind::AddrResolved);
+    cid.resolve_route().unwrap();
+    cm_expect(&ch, &ctx, CmEventKind::RouteResolved);
+    let (_pd, _cq, qp) = rc_qp(&ctx);
+    qp.init(RW).unwrap();
+    let mut p = CmConnParam::new(qp.qpn());
+    p.private_data = b"hello from the client".to_vec();
+    cid.connect(p).unwrap();
+    cm_expect(&ch, &ctx, CmEventKind::Established);
+    assert_eq!(ctx.cm_id_count().unwrap(), 3);
+    // The server's channel is the daemon's first, ours the second.
+    try_foreign_cm_handles(&d, cid.handle(), 2, qp.qpn().value());
+    // The foreign session's own ID goes with its connection.
+    let t = Instant::now();
+    while ctx.cm_id_count().unwrap() != 3 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the foreign session's CM ID is left"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    cm_expect(&ch, &ctx, CmEventKind::Disconnected);
+    drop(cid);
+    let t = Instant::now();
+    while ctx.cm_id_count().unwrap() != 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "CM IDs left");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

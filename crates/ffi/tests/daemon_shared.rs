@@ -81,7 +81,80 @@ fn rc_pingpong_and_write_bw_share_one_daemon_device() {
     let (_, c) = run_shared(&d, "ib_write_bw", &["-x", "1", "-F", "-n", "200"], "-p");
     let out = String::from_utf8_lossy(&c.stdout);
     assert!(out.contains("#bytes"), "{out}");
-    let row = out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no result row:\n{out}"));
+    let row =
+        out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no result row:\n{out}"));
     assert_eq!(row.split_whitespace().nth(1), Some("200"), "{row}");
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// A server and a client of an rdmacm-utils program, two processes on the one daemon device.
+fn run_cm_shared(d: &Daemon, prog: &str, server: &[&str], client: &[&str]) -> (String, String) {
+    let prog = program(prog).unwrap();
+    let cmd = |args: &[&str]| {
+        let mut c = std::process::Command::new(&prog);
+        c.env("LD_LIBRARY_PATH", lib_dir())
+            .env("SOFTRDMA_CONFIG", &d.config)
+            .env("SOFTRDMA_SOCKET", &d.socket)
+            .env("SOFTRDMA_UDP_PORT", d.udp.to_string())
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c
+    };
+    let server = cmd(server).spawn().expect("server");
+    std::thread::sleep(Duration::from_millis(500));
+    let client = cmd(client).spawn().expect("client");
+    let (c, ck) = wait_limit(client, Duration::from_secs(60));
+    let (s, sk) = wait_limit(server, Duration::from_secs(if ck { 1 } else { 60 }));
+    let text = |o: &Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!ck && !sk && c.status.success() && s.status.success(), "server:\n{}\nclient:\n{}", text(&s), text(&c));
+    (text(&s), text(&c))
+}
+
+/// rdma-core's unmodified `rping`, server and client as two processes on the one daemon device:
+/// the RDMA CM (listen, resolve, connect, accept, disconnect) runs in softrdmad.
+#[test]
+fn rping_through_one_daemon_device() {
+    if program("rping").is_none() {
+        eprintln!("SKIP: rping not installed (apt-get install rdmacm-utils)");
+        return;
+    }
+    let d = start_daemon("rping");
+    let port = free_tcp_port().to_string();
+    let common = ["-a", "127.0.0.9", "-p", &port, "-C", "10", "-v", "-V"];
+    let (so, co) = run_cm_shared(&d, "rping", &[&["-s"][..], &common].concat(), &[&["-c"][..], &common].concat());
+    assert_eq!(co.matches("ping data: rdma-ping-").count(), 10, "{co}");
+    assert_eq!(so.matches("server ping data: rdma-ping-").count(), 10, "{so}");
+    assert!(so.contains("server DISCONNECT EVENT..."), "{so}");
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// `ucmatose` (two RC connections, sends both ways) and `udaddy` (UD, resolved with SIDR) on the
+/// one daemon device.
+#[test]
+fn ucmatose_and_udaddy_through_one_daemon_device() {
+    if program("ucmatose").is_none() || program("udaddy").is_none() {
+        eprintln!("SKIP: ucmatose / udaddy not installed (apt-get install rdmacm-utils)");
+        return;
+    }
+    let d = start_daemon("cmatose");
+    let port = free_tcp_port().to_string();
+    let runs = [
+        run_cm_shared(
+            &d,
+            "ucmatose",
+            &["-b", "127.0.0.9", "-p", &port, "-c", "2", "-C", "20", "-S", "4000"],
+            &["-s", "127.0.0.9", "-p", &port, "-c", "2", "-C", "20", "-S", "4000"],
+        ),
+        run_cm_shared(&d, "udaddy", &["-b", "127.0.0.9", "-C", "20"], &["-s", "127.0.0.9", "-C", "20"]),
+    ];
+    for (s, c) in &runs {
+        for out in [s, c] {
+            for want in ["data transfers complete", "test complete", "return status 0"] {
+                assert!(out.contains(want), "missing {want:?}\nserver:\n{s}\nclient:\n{c}");
+            }
+        }
+    }
     let _ = std::fs::remove_dir_all(&d.dir);
 }

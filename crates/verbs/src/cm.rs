@@ -13,13 +13,18 @@ use std::os::unix::net::UnixDatagram;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use softrdma_cm::{CmAgent, CmError, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand, Route, UdInfo};
+use softrdma_cm::{
+    CmAgent, CmError, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand, Route, UdInfo,
+};
 use softrdma_transport::{AddressVector, Hca, Instant, MemoryAccess, ModifyQp, QpState};
 use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::mad::{GSI_QKEY, MAD_LEN};
 use softrdma_wire::opcode::base;
 use softrdma_wire::{BthRepr, DethRepr, IbPacket, IbRepr, Opcode, Psn, QpType, Qpn};
 
+use softrdma_abi::msg::{Request, Response};
+
+use crate::daemon::client;
 use crate::error::{Error, Result};
 use crate::runtime::DeviceHandle;
 
@@ -43,13 +48,22 @@ impl std::fmt::Debug for CmEvent {
     }
 }
 
-/// The queue behind an event channel: raw agent events until the application takes them.
-#[derive(Debug)]
+/// The queue behind an event channel: raw agent events until the application takes them (embedded
+/// devices), and the channels this one stands for at softrdmad sessions (daemon devices: the
+/// daemon queues the events and writes a byte to `tx` for each; [`CmEventChannel::get_event`]
+/// fetches them).
 pub(crate) struct ChannelShared {
     queue: Mutex<VecDeque<softrdma_cm::CmEvent>>,
     cv: Condvar,
     tx: UnixDatagram,
     rx: UnixDatagram,
+    daemon: Mutex<Vec<(Arc<client::Session>, u32)>>,
+}
+
+impl std::fmt::Debug for ChannelShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChannelShared").field("queue", &self.queue).finish()
+    }
 }
 
 impl ChannelShared {
@@ -57,6 +71,28 @@ impl ChannelShared {
         self.queue.lock().expect("cm channel lock").push_back(ev);
         let _ = self.tx.send(&[1]);
         self.cv.notify_all();
+    }
+
+    /// This channel's id at the daemon of session `s`, created on first use.
+    fn daemon_channel(&self, s: &Arc<client::Session>) -> Result<u32> {
+        let mut b = self.daemon.lock().expect("cm channel lock");
+        if let Some((_, id)) = b.iter().find(|(x, _)| Arc::ptr_eq(x, s)) {
+            return Ok(*id);
+        }
+        let id = match s.call(&Request::CmCreateChannel, &[self.tx.as_raw_fd()])?.0 {
+            Response::Id(id) => id,
+            _ => return Err(Error::Daemon("unexpected answer from softrdmad".into())),
+        };
+        b.push((Arc::clone(s), id));
+        Ok(id)
+    }
+}
+
+impl Drop for ChannelShared {
+    fn drop(&mut self) {
+        for (s, id) in self.daemon.get_mut().expect("cm channel lock").drain(..) {
+            s.call_quiet(&Request::CmDestroyChannel { channel: id });
+        }
     }
 }
 
@@ -72,12 +108,24 @@ impl CmEventChannel {
         let (tx, rx) = UnixDatagram::pair().map_err(|e| Error::io("creating an event channel", e))?;
         tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
-        Ok(CmEventChannel { shared: Arc::new(ChannelShared { queue: Mutex::new(VecDeque::new()), cv: Condvar::new(), tx, rx }) })
+        Ok(CmEventChannel {
+            shared: Arc::new(ChannelShared {
+                queue: Mutex::new(VecDeque::new()),
+                cv: Condvar::new(),
+                tx,
+                rx,
+                daemon: Mutex::new(Vec::new()),
+            }),
+        })
     }
 
     /// Wait for the next event (`rdma_get_cm_event`), up to `timeout` or forever with `None`.
-    /// `ctx` is the device the channel's IDs live on (it makes the IDs of new connections).
+    /// `ctx` is the device the channel's IDs live on (it makes the IDs of new connections; events
+    /// of IDs on softrdmad devices carry their own).
     pub fn get_event(&self, ctx: &crate::Context, timeout: Option<Duration>) -> Option<CmEvent> {
+        if !self.shared.daemon.lock().expect("cm channel lock").is_empty() {
+            return self.get_event_daemon(ctx, timeout);
+        }
         let q = self.shared.queue.lock().expect("cm channel lock");
         let mut q = match timeout {
             Some(t) => self.shared.cv.wait_timeout_while(q, t, |q| q.is_empty()).expect("cm channel lock").0,
@@ -87,14 +135,66 @@ impl CmEventChannel {
         drop(q);
         let mut b = [0u8; 1];
         let _ = self.shared.rx.recv(&mut b);
-        // Only embedded devices have CM IDs, so a connection request comes with one.
+        Some(self.wrap_embedded(ctx, ev))
+    }
+
+    fn wrap_embedded(&self, ctx: &crate::Context, ev: softrdma_cm::CmEvent) -> CmEvent {
         let new_id = match (&ev.kind, ctx.embedded()) {
             (EventKind::ConnectRequest { .. }, Ok(h)) => {
-                Some(CmId { h: Arc::clone(h), id: ev.id, _channel: Arc::clone(&self.shared) })
+                Some(CmId { imp: IdImp::Embedded { h: Arc::clone(h), id: ev.id }, _channel: Arc::clone(&self.shared) })
             }
             _ => None,
         };
-        Some(CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id })
+        CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id }
+    }
+
+    /// `get_event` for a channel with IDs on softrdmad devices: the descriptor wakes us, the
+    /// events come from the daemon (and from this process's queue, for embedded IDs).
+    fn get_event_daemon(&self, ctx: &crate::Context, timeout: Option<Duration>) -> Option<CmEvent> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let sh = &self.shared;
+        loop {
+            // Wake-ups first: an event arriving after this leaves a byte to wake the wait below.
+            let mut b = [0u8; 16];
+            while sh.rx.recv(&mut b).is_ok() {}
+            let binds = sh.daemon.lock().expect("cm channel lock").clone();
+            let mut q = sh.queue.lock().expect("cm channel lock");
+            if let Some(ev) = q.pop_front() {
+                drop(q);
+                let _ = sh.tx.send(&[1]);
+                return Some(self.wrap_embedded(ctx, ev));
+            }
+            drop(q);
+            for (s, ch) in &binds {
+                if let Ok((Response::CmEvent { event: Some(ev), more }, _)) =
+                    s.call(&Request::CmGetEvent { channel: *ch }, &[])
+                {
+                    if more || binds.len() > 1 {
+                        // Keep the descriptor readable while events may be pending.
+                        let _ = sh.tx.send(&[1]);
+                    }
+                    let new_id = match ev.kind {
+                        EventKind::ConnectRequest { .. } => Some(CmId {
+                            imp: IdImp::Daemon { s: Arc::clone(s), id: ev.id.0 },
+                            _channel: Arc::clone(sh),
+                        }),
+                        _ => None,
+                    };
+                    return Some(CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id });
+                }
+            }
+            let wait = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    Some(left)
+                }
+                None => None,
+            };
+            client::wait_readable(sh.rx.as_raw_fd(), wait);
+        }
     }
 }
 
@@ -108,12 +208,15 @@ impl AsRawFd for CmEventChannel {
 pub(crate) struct CmState {
     pub agent: CmAgent,
     channels: HashMap<IdHandle, Arc<ChannelShared>>,
+    /// In the daemon: events of IDs without an in-process channel (all of them), for the daemon
+    /// to route to the owning client. `None` (embedded mode): such events are dropped.
+    pub unrouted: Option<VecDeque<softrdma_cm::CmEvent>>,
     gsi_psn: Psn,
 }
 
 impl CmState {
     pub fn new(agent: CmAgent) -> CmState {
-        CmState { agent, channels: HashMap::new(), gsi_psn: Psn::new(0) }
+        CmState { agent, channels: HashMap::new(), unrouted: None, gsi_psn: Psn::new(0) }
     }
 
     /// A packet for QP1 carrying a MAD: hand it to the agent. Returns whether it was one.
@@ -135,7 +238,13 @@ impl CmState {
 
     /// Apply the agent's outputs in order (QP changes to the engine, MADs through `send`) and hand
     /// its events to their channels.
-    pub fn drain(&mut self, hca: &mut Hca, mem: &mut dyn MemoryAccess, now: Instant, mut send: impl FnMut([u8; 16], &mut [u8])) {
+    pub fn drain(
+        &mut self,
+        hca: &mut Hca,
+        mem: &mut dyn MemoryAccess,
+        now: Instant,
+        mut send: impl FnMut([u8; 16], &mut [u8]),
+    ) {
         while let Some(o) = self.agent.poll_output() {
             match o {
                 Output::Qp(cmd) => {
@@ -165,6 +274,8 @@ impl CmState {
             };
             if let Some(ch) = ch {
                 ch.push(ev);
+            } else if let Some(q) = self.unrouted.as_mut() {
+                q.push_back(ev);
             }
         }
     }
@@ -200,7 +311,12 @@ fn modify_for(cmd: QpCommand) -> (Qpn, ModifyQp) {
             qpn,
             ModifyQp {
                 state: Some(QpState::Rtr),
-                av: Some(AddressVector { dgid: route.dgid, sgid_index: route.sgid_index, hop_limit: 64, ..Default::default() }),
+                av: Some(AddressVector {
+                    dgid: route.dgid,
+                    sgid_index: route.sgid_index,
+                    hop_limit: 64,
+                    ..Default::default()
+                }),
                 path_mtu: Some(route.mtu),
                 dest_qpn: Some(dest_qpn),
                 rq_psn: Some(rq_psn),
@@ -228,6 +344,9 @@ fn modify_for(cmd: QpCommand) -> (Qpn, ModifyQp) {
 impl crate::Context {
     /// RDMA CM IDs alive on this device (listeners, connections, IDs in time-wait): for leak checks.
     pub fn cm_id_count(&self) -> Result<usize> {
+        if let Some(s) = self.daemon_session() {
+            return Ok(s.call_id(&Request::CmIdCount)? as usize);
+        }
         Ok(self.embedded()?.dev.lock().cm.agent.id_count())
     }
 
@@ -235,7 +354,12 @@ impl crate::Context {
     /// ([`softrdma_cm::NO_LISTENER_RETRY_DELAY`] apart), before reporting REJECTED
     /// ([`softrdma_cm::AgentConfig::no_listener_retries`]; the default, 0, is the kernel's
     /// behaviour).
+    /// On a softrdmad device the setting is the device's, for every client.
     pub fn set_cm_no_listener_retries(&self, retries: u8) -> Result<()> {
+        if let Some(s) = self.daemon_session() {
+            s.call(&Request::CmSetNoListenerRetries { retries }, &[])?;
+            return Ok(());
+        }
         self.embedded()?.dev.lock().cm.agent.set_no_listener_retries(retries);
         Ok(())
     }
@@ -243,9 +367,15 @@ impl crate::Context {
 
 /// A communication identifier (`struct rdma_cm_id`) on a device.
 pub struct CmId {
-    h: Arc<DeviceHandle>,
-    id: IdHandle,
+    imp: IdImp,
     _channel: Arc<ChannelShared>,
+}
+
+enum IdImp {
+    /// On an embedded device: the agent runs in this process.
+    Embedded { h: Arc<DeviceHandle>, id: IdHandle },
+    /// On a softrdmad device: the agent runs in the daemon; `id` is its handle there.
+    Daemon { s: Arc<client::Session>, id: u32 },
 }
 
 fn cm_err(e: CmError) -> Error {
@@ -258,81 +388,129 @@ impl CmId {
         let id = st.cm.agent.create_id(ps);
         st.cm.channels.insert(id, Arc::clone(&channel.shared));
         drop(st);
-        CmId { h, id, _channel: Arc::clone(&channel.shared) }
+        CmId { imp: IdImp::Embedded { h, id }, _channel: Arc::clone(&channel.shared) }
     }
 
-    fn run<R>(&self, f: impl FnOnce(&mut CmAgent, Instant) -> core::result::Result<R, CmError>) -> Result<R> {
-        self.h.dev.run(|st, now| f(&mut st.cm.agent, now)).map_err(cm_err)
+    pub(crate) fn create_daemon(s: &Arc<client::Session>, channel: &CmEventChannel, ps: PortSpace) -> Result<CmId> {
+        let ch = channel.shared.daemon_channel(s)?;
+        let id = s.call_id(&Request::CmCreateId { channel: ch, ps })?;
+        Ok(CmId { imp: IdImp::Daemon { s: Arc::clone(s), id }, _channel: Arc::clone(&channel.shared) })
+    }
+
+    /// Run `f` on the embedded agent, or send `req` to the daemon.
+    fn run(
+        &self,
+        f: impl FnOnce(&mut CmAgent, IdHandle, Instant) -> core::result::Result<(), CmError>,
+        req: impl FnOnce(u32) -> Request,
+    ) -> Result<()> {
+        match &self.imp {
+            IdImp::Embedded { h, id } => h.dev.run(|st, now| f(&mut st.cm.agent, *id, now)).map_err(cm_err),
+            IdImp::Daemon { s, id } => s.call(&req(*id), &[]).map(|_| ()),
+        }
     }
 
     /// The ID's number (what events report).
     pub fn handle(&self) -> u32 {
-        self.id.0
+        match &self.imp {
+            IdImp::Embedded { id, .. } => id.0,
+            IdImp::Daemon { id, .. } => *id,
+        }
     }
 
     /// Bind to a local address (`rdma_bind_addr`); port 0 picks one.
     pub fn bind_addr(&self, addr: SocketAddr) -> Result<()> {
-        self.run(|a, _| a.bind(self.id, addr))
+        self.run(|a, id, _| a.bind(id, addr), |id| Request::CmBind { id, addr })
     }
 
     /// Resolve the destination (`rdma_resolve_addr`); ADDR_RESOLVED follows.
     pub fn resolve_addr(&self, src: Option<IpAddr>, dst: SocketAddr) -> Result<()> {
-        self.run(|a, _| a.resolve_addr(self.id, src, dst))
+        self.run(|a, id, _| a.resolve_addr(id, src, dst), |id| Request::CmResolveAddr { id, src, dst })
     }
 
     /// Resolve the route (`rdma_resolve_route`); ROUTE_RESOLVED follows.
     pub fn resolve_route(&self) -> Result<()> {
-        self.run(|a, _| a.resolve_route(self.id))
+        self.run(|a, id, _| a.resolve_route(id), |id| Request::CmResolveRoute { id })
     }
 
     /// Listen (`rdma_listen`).
     pub fn listen(&self, backlog: u32) -> Result<()> {
-        self.run(|a, _| a.listen(self.id, backlog))
+        self.run(|a, id, _| a.listen(id, backlog), |id| Request::CmListen { id, backlog })
     }
 
     /// Connect (`rdma_connect`); ESTABLISHED, REJECTED or UNREACHABLE follows.
     pub fn connect(&self, param: ConnParam) -> Result<()> {
-        self.run(|a, now| a.connect(self.id, param, now))
+        let p = param.clone();
+        self.run(|a, id, now| a.connect(id, param, now), |id| Request::CmConnect { id, param: p })
     }
 
     /// Accept a connection request (`rdma_accept`).
     pub fn accept(&self, param: ConnParam) -> Result<()> {
-        self.run(|a, now| a.accept(self.id, param, now))
+        let p = param.clone();
+        self.run(|a, id, now| a.accept(id, param, now), |id| Request::CmAccept { id, param: p })
     }
 
     /// Reject a connection request (`rdma_reject`).
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
-        self.run(|a, _| a.reject(self.id, private_data))
+        self.run(
+            |a, id, _| a.reject(id, private_data),
+            |id| Request::CmReject { id, private_data: private_data.to_vec() },
+        )
     }
 
     /// Disconnect (`rdma_disconnect`).
     pub fn disconnect(&self) -> Result<()> {
-        self.run(|a, now| a.disconnect(self.id, now))
+        self.run(|a, id, now| a.disconnect(id, now), |id| Request::CmDisconnect { id })
+    }
+
+    fn query(s: &client::Session, id: u32) -> Option<(Option<Route>, Option<SocketAddr>, Option<SocketAddr>)> {
+        match s.call(&Request::CmQuery { id }, &[]) {
+            Ok((Response::CmInfo { route, local, peer }, _)) => Some((route, local, peer)),
+            _ => None,
+        }
     }
 
     /// The resolved route.
     pub fn route(&self) -> Option<Route> {
-        self.h.dev.lock().cm.agent.route(self.id)
+        match &self.imp {
+            IdImp::Embedded { h, id } => h.dev.lock().cm.agent.route(*id),
+            IdImp::Daemon { s, id } => Self::query(s, *id).and_then(|q| q.0),
+        }
     }
 
     /// Local and peer addresses.
     pub fn addrs(&self) -> (Option<SocketAddr>, Option<SocketAddr>) {
-        self.h.dev.lock().cm.agent.addrs(self.id)
+        match &self.imp {
+            IdImp::Embedded { h, id } => h.dev.lock().cm.agent.addrs(*id),
+            IdImp::Daemon { s, id } => Self::query(s, *id).map_or((None, None), |q| (q.1, q.2)),
+        }
     }
 
     /// Report this ID's later events to `channel` (`rdma_migrate_id`). Events already queued on
     /// the old channel stay there.
     pub fn migrate(&mut self, channel: &CmEventChannel) {
-        self.h.dev.lock().cm.channels.insert(self.id, Arc::clone(&channel.shared));
+        match &self.imp {
+            IdImp::Embedded { h, id } => {
+                h.dev.lock().cm.channels.insert(*id, Arc::clone(&channel.shared));
+            }
+            IdImp::Daemon { s, id } => {
+                let Ok(ch) = channel.shared.daemon_channel(s) else { return };
+                if s.call(&Request::CmMigrate { id: *id, channel: ch }, &[]).is_err() {
+                    return;
+                }
+            }
+        }
         self._channel = Arc::clone(&channel.shared);
     }
 }
 
 impl Drop for CmId {
     fn drop(&mut self) {
-        self.h.dev.run(|st, now| {
-            let _ = st.cm.agent.destroy_id(self.id, now);
-            st.cm.channels.remove(&self.id);
-        });
+        match &self.imp {
+            IdImp::Embedded { h, id } => h.dev.run(|st, now| {
+                let _ = st.cm.agent.destroy_id(*id, now);
+                st.cm.channels.remove(id);
+            }),
+            IdImp::Daemon { s, id } => s.call_quiet(&Request::CmDestroyId { id: *id }),
+        }
     }
 }

@@ -54,10 +54,32 @@ macro_rules! add_delta {
 /// `acc += after - before`, field by field.
 fn add_delta(acc: &mut Counters, before: &Counters, after: &Counters) {
     add_delta!(
-        acc, before, after, rcvd_pkts, sent_pkts, rcvd_bytes, sent_bytes, drop_malformed, drop_unknown_qp,
-        drop_bad_state, drop_pkey, drop_qkey, drop_no_recv, drop_uc_msg, drop_stray_resp, duplicate_request,
-        out_of_seq_request, rcvd_seq_err, send_rnr_nak, rcvd_rnr_err, send_err_nak, rcvd_err_nak, retry_rounds,
-        retransmits, ack_timeouts, cq_overflow
+        acc,
+        before,
+        after,
+        rcvd_pkts,
+        sent_pkts,
+        rcvd_bytes,
+        sent_bytes,
+        drop_malformed,
+        drop_unknown_qp,
+        drop_bad_state,
+        drop_pkey,
+        drop_qkey,
+        drop_no_recv,
+        drop_uc_msg,
+        drop_stray_resp,
+        duplicate_request,
+        out_of_seq_request,
+        rcvd_seq_err,
+        send_rnr_nak,
+        rcvd_rnr_err,
+        send_err_nak,
+        rcvd_err_nak,
+        retry_rounds,
+        retransmits,
+        ack_timeouts,
+        cq_overflow
     );
 }
 
@@ -268,7 +290,7 @@ impl Device {
     }
 
     /// Send every packet the engine has, and hand out completion and async events.
-    fn flush(&self, st: &mut State, now: Instant) {
+    pub(crate) fn flush(&self, st: &mut State, now: Instant) {
         // Packets go out in batches of up to udp::BATCH per sendmmsg, each built in its own slot of
         // the transmit buffer. Consecutive packets of one size to one peer go as one UDP GSO send
         // (a multi-packet message's middle and last packets, for instance); the kernel numbers the
@@ -374,10 +396,8 @@ impl Device {
     /// Wait up to `timeout` for an async event.
     pub fn wait_async_event(&self, timeout: Duration) -> Option<AsyncEvent> {
         let st = self.lock();
-        let (mut st, _) = self
-            .async_cv
-            .wait_timeout_while(st, timeout, |s| s.async_events.is_empty())
-            .expect("device lock poisoned");
+        let (mut st, _) =
+            self.async_cv.wait_timeout_while(st, timeout, |s| s.async_events.is_empty()).expect("device lock poisoned");
         let ev = st.async_events.pop_front();
         if ev.is_some() {
             let mut b = [0u8; 1];
@@ -517,7 +537,8 @@ impl Device {
                 st.io_wake_at = Some(wake_at);
                 wake_at.saturating_since(now)
             };
-            let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+            let ts =
+                libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
             // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
             unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
             while self.wake_rx.recv(&mut buf).is_ok() {}

@@ -139,9 +139,9 @@ impl Context {
     /// Create a completion channel.
     pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
         match &self.h {
-            Dev::Embedded(h) => {
-                Ok(CompletionChannel { imp: ChannelImp::Embedded { _h: Arc::clone(h), shared: Arc::new(ChannelShared::new()?) } })
-            }
+            Dev::Embedded(h) => Ok(CompletionChannel {
+                imp: ChannelImp::Embedded { _h: Arc::clone(h), shared: Arc::new(ChannelShared::new()?) },
+            }),
             Dev::Daemon(s) => Ok(CompletionChannel { imp: ChannelImp::Daemon(client::Channel::create(s)?) }),
         }
     }
@@ -221,33 +221,44 @@ impl Context {
             Dev::Daemon(s) => {
                 let c = Self::daemon_counters(s);
                 let get = |k: &str| c.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
-                VerifyStats { verified: get("icrc_verified"), recovered: get("icrc_recovered_id"), bad: get("icrc_errors") }
+                VerifyStats {
+                    verified: get("icrc_verified"),
+                    recovered: get("icrc_recovered_id"),
+                    bad: get("icrc_errors"),
+                }
             }
         }
     }
 
-    /// The running embedded device (for the CM's IDs).
-    ///
-    /// # Panics
-    /// On a softrdmad device: the daemon's CM agent is not exposed to clients yet.
-    /// The embedded device behind this context; the RDMA CM runs on embedded devices only.
+    /// The embedded device behind this context (for the CM's IDs); an error on a softrdmad device.
     pub(crate) fn embedded(&self) -> Result<&Arc<DeviceHandle>> {
         match &self.h {
             Dev::Embedded(h) => Ok(h),
-            Dev::Daemon(_) => Err(Error::InvalidArgument(
-                "the RDMA CM is not available on softrdmad devices yet (embedded devices only)".into(),
-            )),
+            Dev::Daemon(_) => {
+                Err(Error::InvalidArgument("not an embedded device (this one belongs to softrdmad)".into()))
+            }
         }
     }
 
-    /// Create an RDMA CM ID on this device (`rdma_create_id`), reporting to `channel`. Fails on a
-    /// softrdmad device ([`Context::is_daemon`]): the CM runs on embedded devices only for now.
+    /// The softrdmad session behind this context, if the device is the daemon's.
+    pub(crate) fn daemon_session(&self) -> Option<&Arc<client::Session>> {
+        match &self.h {
+            Dev::Daemon(s) => Some(s),
+            Dev::Embedded(_) => None,
+        }
+    }
+
+    /// Create an RDMA CM ID on this device (`rdma_create_id`), reporting to `channel`. On a
+    /// softrdmad device the ID lives in the daemon's CM (owned by this context's session).
     pub fn create_cm_id(
         &self,
         channel: &crate::cm::CmEventChannel,
         ps: softrdma_cm::PortSpace,
     ) -> Result<crate::cm::CmId> {
-        Ok(crate::cm::CmId::create(Arc::clone(self.embedded()?), channel, ps))
+        match &self.h {
+            Dev::Embedded(h) => Ok(crate::cm::CmId::create(Arc::clone(h), channel, ps)),
+            Dev::Daemon(s) => crate::cm::CmId::create_daemon(s, channel, ps),
+        }
     }
 
     /// Memory regions currently registered (in daemon mode: on the device, all clients together).
@@ -761,7 +772,10 @@ impl ConnectParams {
             local_psn,
             sgid_index: 1,
             mtu: Mtu::M1024,
-            access: Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC),
+            access: Access::LOCAL_WRITE
+                .with(Access::REMOTE_WRITE)
+                .with(Access::REMOTE_READ)
+                .with(Access::REMOTE_ATOMIC),
             rd_atomic: 16,
             timeout: 14,
             retry_cnt: 7,
@@ -817,7 +831,13 @@ impl QueuePair {
 
     /// Take a UD QP from RESET to RTS with Q_Key `qkey`.
     pub fn bring_up_ud(&self, qkey: u32, psn: Psn) -> Result<()> {
-        self.modify(&ModifyQp { state: Some(QpState::Init), pkey_index: Some(0), port: Some(1), qkey: Some(qkey), ..Default::default() })?;
+        self.modify(&ModifyQp {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            qkey: Some(qkey),
+            ..Default::default()
+        })?;
         self.modify(&ModifyQp { state: Some(QpState::Rtr), ..Default::default() })?;
         self.modify(&ModifyQp { state: Some(QpState::Rts), sq_psn: Some(psn), ..Default::default() })
     }

@@ -491,7 +491,11 @@ impl Qp {
     /// The checks the engine makes at post time that do not need its state, so misuse is reported
     /// synchronously as in embedded mode.
     fn validate_send(&self, wr: &SendWr) -> Result<()> {
-        let st = self.state();
+        let mut st = self.state();
+        if matches!(st, QpState::Reset | QpState::Init | QpState::Rtr) {
+            // The daemon's RDMA CM moves QPs on its own (connect, accept): ask before refusing.
+            st = self.query()?.state;
+        }
         if matches!(st, QpState::Reset | QpState::Init | QpState::Rtr) {
             return Err(Error::Verbs(VerbsError::InvalidState(st)));
         }
@@ -534,7 +538,7 @@ impl Qp {
             debug_assert!(self.has_srq);
             return Err(Error::Verbs(VerbsError::InvalidWorkRequest("QP uses an SRQ: post to the SRQ")));
         };
-        if self.state() == QpState::Reset {
+        if self.state() == QpState::Reset && self.query()?.state == QpState::Reset {
             return Err(Error::Verbs(VerbsError::InvalidState(QpState::Reset)));
         }
         if wr.sgl.len() > self.cap.max_recv_sge as usize {

@@ -177,7 +177,11 @@ impl Daemon {
         let up = info.netdev.is_link_up();
         let (v4, v6) = crate::device::bind_addrs(&info);
         let dev = Device::new(info, v4, v6, self.opts.udp_port)?;
-        dev.lock().qp_traffic = Some(HashMap::new());
+        {
+            let mut st = dev.lock();
+            st.qp_traffic = Some(HashMap::new());
+            st.cm.unrouted = Some(Default::default());
+        }
         let sd = Arc::new(SvcDevice {
             name: Mutex::new(c.name.clone()),
             config: Mutex::new(c.clone()),
@@ -477,6 +481,81 @@ struct SrqEntry {
     _shm: Shm,
 }
 
+#[derive(Clone, Copy)]
+struct CmIdEntry {
+    client: u64,
+    channel: u32,
+}
+
+struct CmChannelEntry {
+    client: u64,
+    /// One byte per event makes the client's channel readable; the event is fetched with
+    /// `CmGetEvent`.
+    sock: UnixDatagram,
+    queue: std::collections::VecDeque<softrdma_cm::CmEvent>,
+}
+
+/// Most CM events queued on one channel; beyond, events are dropped (and logged).
+const MAX_CM_EVENTS: usize = 1 << 16;
+
+/// Hand the CM agent's events to the channels of the IDs' owners. A CONNECT_REQUEST's new ID
+/// belongs to the listener's owner and reports to the listener's channel; one whose listener is
+/// gone is destroyed. Returns (whether any event was handled, whether an ID was destroyed: the
+/// caller then flushes the agent's output and calls again).
+fn route_cm(svc: &mut SvcState, st: &mut crate::runtime::State, now: softrdma_transport::Instant) -> (bool, bool) {
+    let evs: Vec<softrdma_cm::CmEvent> = match st.cm.unrouted.as_mut() {
+        Some(q) if !q.is_empty() => q.drain(..).collect(),
+        _ => return (false, false),
+    };
+    let mut destroyed = false;
+    for ev in evs {
+        let target = match ev.kind {
+            softrdma_cm::EventKind::ConnectRequest { listener } => match svc.cm_ids.get(&listener.0).copied() {
+                Some(e) => {
+                    svc.cm_ids.insert(ev.id.0, e);
+                    if let Some(c) = svc.clients.get_mut(&e.client) {
+                        c.objects = c.objects.saturating_add(1);
+                    }
+                    Some(e)
+                }
+                None => {
+                    let _ = st.cm.agent.destroy_id(ev.id, now);
+                    destroyed = true;
+                    None
+                }
+            },
+            _ => svc.cm_ids.get(&ev.id.0).copied(),
+        };
+        let Some(e) = target else { continue };
+        match svc.cm_channels.get_mut(&e.channel) {
+            Some(ch) if ch.queue.len() < MAX_CM_EVENTS => {
+                ch.queue.push_back(ev);
+                let _ = ch.sock.send(&[1]);
+            }
+            Some(_) => {
+                let pid = svc.clients.get(&e.client).map_or(0, |c| c.pid);
+                log!("client pid {pid}: CM event channel {} full; event {:?} dropped", e.channel, ev.kind);
+            }
+            None => {}
+        }
+    }
+    (true, destroyed)
+}
+
+/// Route the CM's events until none are left (destroying orphans makes more output).
+fn route_cm_all(dev: &Device, svc: &mut SvcState, st: &mut crate::runtime::State) -> bool {
+    let mut any = false;
+    loop {
+        let now = dev.now();
+        let (routed, destroyed) = route_cm(svc, st, now);
+        any |= routed;
+        if !destroyed {
+            return any;
+        }
+        dev.flush(st, now);
+    }
+}
+
 #[derive(Default)]
 struct SvcState {
     clients: HashMap<u64, ClientEntry>,
@@ -488,6 +567,11 @@ struct SvcState {
     qps: BTreeMap<Qpn, QpEntry>,
     srqs: BTreeMap<SrqId, SrqEntry>,
     bad_wqes: u64,
+    /// RDMA CM IDs by handle (the agent's), with their owner and event channel.
+    cm_ids: HashMap<u32, CmIdEntry>,
+    /// RDMA CM event channels: owner, wake-up socket, queued events.
+    cm_channels: HashMap<u32, CmChannelEntry>,
+    next_cm_channel: u32,
     /// Set when the client list changed (the device loop rebuilds its poll set).
     generation: u64,
 }
@@ -734,6 +818,7 @@ impl SvcDevice {
         let before = (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
         self.dev.progress(st);
         work |= before != (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
+        work |= route_cm_all(&self.dev, svc, st);
 
         // Completions: from the engine into the CQ rings.
         for (id, c) in svc.cqs.iter_mut() {
@@ -846,6 +931,8 @@ impl SvcDevice {
             ("objects_qps", svc.qps.len() as u64),
             ("objects_srqs", svc.srqs.len() as u64),
             ("objects_channels", svc.channels.len() as u64),
+            ("objects_cm_ids", svc.cm_ids.len() as u64),
+            ("objects_cm_channels", svc.cm_channels.len() as u64),
             ("engine_mrs", st.mem.len() as u64),
         ]
         .into_iter()
@@ -901,6 +988,19 @@ impl SvcDevice {
         let mut st = self.dev.lock();
         let st = &mut *st;
         let Some(c) = svc.clients.remove(&id) else { return };
+        // CM IDs first: disconnecting sends DREQs and moves the client's QPs to ERR while they
+        // still exist.
+        let cm_ids: Vec<u32> = svc.cm_ids.iter().filter(|(_, e)| e.client == id).map(|(k, _)| *k).collect();
+        if !cm_ids.is_empty() {
+            let now = self.dev.now();
+            for i in &cm_ids {
+                let _ = st.cm.agent.destroy_id(softrdma_cm::IdHandle(*i), now);
+                svc.cm_ids.remove(i);
+            }
+            self.dev.flush(st, now);
+        }
+        svc.cm_channels.retain(|_, ch| ch.client != id);
+        route_cm_all(&self.dev, svc, st);
         let qps: Vec<Qpn> = svc.qps.iter().filter(|(_, q)| q.client == id).map(|(k, _)| *k).collect();
         for q in &qps {
             let _ = st.hca.destroy_qp(*q);
@@ -929,16 +1029,17 @@ impl SvcDevice {
         let pds = pds - svc.pds.len();
         svc.channels.retain(|_, (c, _)| *c != id);
         svc.generation += 1;
-        if qps.len() + srqs.len() + cqs.len() + mrs.len() + pds > 0 {
+        if qps.len() + srqs.len() + cqs.len() + mrs.len() + pds + cm_ids.len() > 0 {
             log!(
-                "client pid {} uid {} gone: freed {} QPs, {} CQs, {} SRQs, {} MRs, {} PDs",
+                "client pid {} uid {} gone: freed {} QPs, {} CQs, {} SRQs, {} MRs, {} PDs, {} CM IDs",
                 c.pid,
                 c.uid,
                 qps.len(),
                 cqs.len(),
                 srqs.len(),
                 mrs.len(),
-                pds
+                pds,
+                cm_ids.len()
             );
         }
     }
@@ -1089,6 +1190,8 @@ impl Session {
                 | Request::CreateCq { .. }
                 | Request::CreateSrq { .. }
                 | Request::CreateQp { .. }
+                | Request::CmCreateChannel
+                | Request::CmCreateId { .. }
         );
         if creates && objects >= MAX_OBJECTS_PER_CLIENT {
             return Err(Refusal::Verbs(VerbsError::CapacityExceeded("objects per client")));
@@ -1368,7 +1471,168 @@ impl Session {
                 count(svc, -1);
                 ok(Response::Ok)
             }
+            req @ (Request::CmCreateChannel
+            | Request::CmDestroyChannel { .. }
+            | Request::CmCreateId { .. }
+            | Request::CmDestroyId { .. }
+            | Request::CmBind { .. }
+            | Request::CmResolveAddr { .. }
+            | Request::CmResolveRoute { .. }
+            | Request::CmListen { .. }
+            | Request::CmConnect { .. }
+            | Request::CmAccept { .. }
+            | Request::CmReject { .. }
+            | Request::CmDisconnect { .. }
+            | Request::CmMigrate { .. }
+            | Request::CmQuery { .. }
+            | Request::CmGetEvent { .. }
+            | Request::CmIdCount
+            | Request::CmSetNoListenerRetries { .. }) => {
+                let r = cm_verb(dev, svc, me, req, fds);
+                let mut st = dev.dev.lock();
+                if route_cm_all(&dev.dev, svc, &mut st) {
+                    drop(st);
+                    let _ = dev.dev.wake();
+                }
+                r
+            }
             _ => Err(Refusal::InvalidArgument("request not valid here".into())),
         }
+    }
+}
+
+/// The RDMA CM calls of client `me`: every ID and channel is checked to belong to it, and the QP
+/// a connection drives must be its own.
+fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: Vec<OwnedFd>) -> Reply {
+    use softrdma_cm::{CmAgent, CmError, IdHandle};
+    let count = |svc: &mut SvcState, delta: i32| {
+        if let Some(c) = svc.clients.get_mut(&me) {
+            c.objects = c.objects.saturating_add_signed(delta);
+        }
+    };
+    let own_id = |svc: &SvcState, id: u32| -> Result<IdHandle, Refusal> {
+        match svc.cm_ids.get(&id) {
+            Some(e) if e.client == me => Ok(IdHandle(id)),
+            _ => Err(nso()),
+        }
+    };
+    let own_channel = |svc: &SvcState, ch: u32| svc.cm_channels.get(&ch).is_some_and(|c| c.client == me);
+    let own_qp = |svc: &SvcState, qpn: Qpn| qpn.value() == 0 || svc.qps.get(&qpn).is_some_and(|q| q.client == me);
+    fn run<R>(
+        dev: &SvcDevice,
+        f: impl FnOnce(&mut CmAgent, softrdma_transport::Instant) -> Result<R, CmError>,
+    ) -> Result<R, Refusal> {
+        dev.dev.run(|st, now| f(&mut st.cm.agent, now)).map_err(|e| Refusal::InvalidArgument(format!("rdma_cm: {e}")))
+    }
+    match req {
+        Request::CmCreateChannel => {
+            let fd = fds.pop().ok_or_else(|| Refusal::InvalidArgument("CmCreateChannel needs a socket".into()))?;
+            let sock = UnixDatagram::from(fd);
+            sock.set_nonblocking(true).map_err(|e| Refusal::Other(format!("CM event channel: {e}")))?;
+            svc.next_cm_channel += 1;
+            let id = svc.next_cm_channel;
+            svc.cm_channels.insert(id, CmChannelEntry { client: me, sock, queue: Default::default() });
+            count(svc, 1);
+            ok(Response::Id(id))
+        }
+        Request::CmDestroyChannel { channel } => {
+            if !own_channel(svc, channel) {
+                return Err(nso());
+            }
+            svc.cm_channels.remove(&channel);
+            count(svc, -1);
+            ok(Response::Ok)
+        }
+        Request::CmCreateId { channel, ps } => {
+            if !own_channel(svc, channel) {
+                return Err(nso());
+            }
+            let id = dev.dev.lock().cm.agent.create_id(ps);
+            svc.cm_ids.insert(id.0, CmIdEntry { client: me, channel });
+            count(svc, 1);
+            ok(Response::Id(id.0))
+        }
+        Request::CmDestroyId { id } => {
+            let h = own_id(svc, id)?;
+            dev.dev.run(|st, now| {
+                let _ = st.cm.agent.destroy_id(h, now);
+            });
+            svc.cm_ids.remove(&id);
+            count(svc, -1);
+            ok(Response::Ok)
+        }
+        Request::CmBind { id, addr } => {
+            let h = own_id(svc, id)?;
+            run(dev, |a, _| a.bind(h, addr))?;
+            ok(Response::Ok)
+        }
+        Request::CmResolveAddr { id, src, dst } => {
+            let h = own_id(svc, id)?;
+            run(dev, |a, _| a.resolve_addr(h, src, dst))?;
+            ok(Response::Ok)
+        }
+        Request::CmResolveRoute { id } => {
+            let h = own_id(svc, id)?;
+            run(dev, |a, _| a.resolve_route(h))?;
+            ok(Response::Ok)
+        }
+        Request::CmListen { id, backlog } => {
+            let h = own_id(svc, id)?;
+            run(dev, |a, _| a.listen(h, backlog))?;
+            ok(Response::Ok)
+        }
+        Request::CmConnect { id, param } => {
+            let h = own_id(svc, id)?;
+            if !own_qp(svc, param.qpn) {
+                return Err(nso());
+            }
+            run(dev, |a, now| a.connect(h, param, now))?;
+            ok(Response::Ok)
+        }
+        Request::CmAccept { id, param } => {
+            let h = own_id(svc, id)?;
+            if !own_qp(svc, param.qpn) {
+                return Err(nso());
+            }
+            run(dev, |a, now| a.accept(h, param, now))?;
+            ok(Response::Ok)
+        }
+        Request::CmReject { id, private_data } => {
+            let h = own_id(svc, id)?;
+            run(dev, |a, _| a.reject(h, &private_data))?;
+            ok(Response::Ok)
+        }
+        Request::CmDisconnect { id } => {
+            let h = own_id(svc, id)?;
+            run(dev, |a, now| a.disconnect(h, now))?;
+            ok(Response::Ok)
+        }
+        Request::CmMigrate { id, channel } => {
+            own_id(svc, id)?;
+            if !own_channel(svc, channel) {
+                return Err(nso());
+            }
+            if let Some(e) = svc.cm_ids.get_mut(&id) {
+                e.channel = channel;
+            }
+            ok(Response::Ok)
+        }
+        Request::CmQuery { id } => {
+            let h = own_id(svc, id)?;
+            let st = dev.dev.lock();
+            let (local, peer) = st.cm.agent.addrs(h);
+            ok(Response::CmInfo { route: st.cm.agent.route(h), local, peer })
+        }
+        Request::CmGetEvent { channel } => {
+            let ch = svc.cm_channels.get_mut(&channel).filter(|c| c.client == me).ok_or_else(nso)?;
+            let event = ch.queue.pop_front();
+            ok(Response::CmEvent { event, more: !ch.queue.is_empty() })
+        }
+        Request::CmIdCount => ok(Response::Id(dev.dev.lock().cm.agent.id_count() as u32)),
+        Request::CmSetNoListenerRetries { retries } => {
+            dev.dev.lock().cm.agent.set_no_listener_retries(retries);
+            ok(Response::Ok)
+        }
+        _ => Err(Refusal::InvalidArgument("request not valid here".into())),
     }
 }
