@@ -31,11 +31,7 @@ fn main() {
     let table = fs::read_to_string(manifest.join("symbols.txt")).expect("read symbols.txt");
     let mut nodes: Vec<String> = Vec::new();
     let mut versions: Vec<(String, String)> = Vec::new();
-    for line in table
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-    {
+    for line in table.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
         let mut it = line.split_whitespace();
         let (Some(version), Some(symbol), None) = (it.next(), it.next(), it.next()) else {
             panic!("symbols.txt: bad line {line:?}");
@@ -48,15 +44,10 @@ fn main() {
     // `.symver` must sit in the object file that defines the symbol, so each module gets the
     // directives for the `#[no_mangle]` functions it defines (`include!`d at its end).
     let mut defined = Vec::new();
-    let mut modules: Vec<_> = fs::read_dir(manifest.join("src"))
-        .expect("read src")
-        .map(|e| e.unwrap().path())
-        .collect();
+    let mut modules: Vec<_> =
+        fs::read_dir(manifest.join("src")).expect("read src").map(|e| e.unwrap().path()).collect();
     modules.sort();
-    for path in modules
-        .iter()
-        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
-    {
+    for path in modules.iter().filter(|p| p.extension().is_some_and(|e| e == "rs")) {
         let src = fs::read_to_string(path).expect("read module");
         let lines: Vec<&str> = src.lines().collect();
         let mut symver = String::from("core::arch::global_asm!(\n");
@@ -65,21 +56,10 @@ fn main() {
             if l.trim() != "#[no_mangle]" {
                 continue;
             }
-            let decl = lines[i + 1..]
-                .iter()
-                .find(|l| l.contains("extern \"C\" fn "))
-                .expect("fn after #[no_mangle]");
-            let name = decl
-                .split("fn ")
-                .nth(1)
-                .and_then(|r| r.split('(').next())
-                .expect("fn name")
-                .trim();
+            let decl = lines[i + 1..].iter().find(|l| l.contains("extern \"C\" fn ")).expect("fn after #[no_mangle]");
+            let name = decl.split("fn ").nth(1).and_then(|r| r.split('(').next()).expect("fn name").trim();
             let Some((_, version)) = versions.iter().find(|(s, _)| s == name) else {
-                panic!(
-                    "{} exports {name}, which symbols.txt does not list",
-                    path.display()
-                );
+                panic!("{} exports {name}, which symbols.txt does not list", path.display());
             };
             writeln!(symver, "    \".symver {name}, {name}@@{version}\",").unwrap();
             defined.push(name.to_owned());
@@ -87,17 +67,11 @@ fn main() {
         }
         symver.push_str(");\n");
         let stem = path.file_stem().unwrap().to_string_lossy();
-        fs::write(
-            out.join(format!("symver_{stem}.rs")),
-            if any { symver } else { String::new() },
-        )
-        .expect("write symver");
+        fs::write(out.join(format!("symver_{stem}.rs")), if any { symver } else { String::new() })
+            .expect("write symver");
     }
     for (s, _) in &versions {
-        assert!(
-            defined.contains(s),
-            "symbols.txt lists {s}, which no module defines"
-        );
+        assert!(defined.contains(s), "symbols.txt lists {s}, which no module defines");
     }
     // rdma-core 44 defines these nodes even where we export nothing from them.
     for n in [
@@ -134,18 +108,12 @@ fn main() {
     }
     fs::write(out.join("libibverbs.map"), map).expect("write map");
 
-    println!(
-        "cargo:rustc-cdylib-link-arg=-Wl,--version-script={}",
-        out.join("libibverbs.map").display()
-    );
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={}", out.join("libibverbs.map").display());
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libibverbs.so.1");
 
     let lib_dir = out.join("softrdma-lib");
     fs::create_dir_all(&lib_dir).expect("create softrdma-lib");
-    for (src, map, soname) in [
-        ("mlx5.c", "mlx5.map", "libmlx5.so.1"),
-        ("efa.c", "efa.map", "libefa.so.1"),
-    ] {
+    for (src, map, soname) in [("mlx5.c", "mlx5.map", "libmlx5.so.1"), ("efa.c", "efa.map", "libefa.so.1")] {
         build_stub(&manifest.join("stubs"), src, map, soname, &lib_dir);
     }
     build_rdmacm(&manifest.join("stubs"), &versions, &out, &lib_dir);
@@ -162,34 +130,19 @@ fn build_rdmacm(dir: &Path, versions: &[(String, String)], out: &Path, lib_dir: 
         .lines()
         .filter(|l| l.starts_with("FWD(") || l.starts_with("FWDV("))
         .filter_map(|l| {
-            l.split([',', '('])
-                .map(str::trim)
-                .find(|t| t.starts_with("rdma_"))
-                .map(|t| format!("softrdma_{t}"))
+            l.split([',', '(']).map(str::trim).find(|t| t.starts_with("rdma_")).map(|t| format!("softrdma_{t}"))
         })
         .collect();
     forwarded.sort();
-    let mut private: Vec<String> = versions
-        .iter()
-        .filter(|(_, v)| v == "SOFTRDMA_PRIVATE_1")
-        .map(|(s, _)| s.clone())
-        .collect();
+    let mut private: Vec<String> =
+        versions.iter().filter(|(_, v)| v == "SOFTRDMA_PRIVATE_1").map(|(s, _)| s.clone()).collect();
     private.sort();
-    assert_eq!(
-        forwarded, private,
-        "stubs/rdmacm.c forwards and symbols.txt's SOFTRDMA_PRIVATE_1 lists must match"
-    );
+    assert_eq!(forwarded, private, "stubs/rdmacm.c forwards and symbols.txt's SOFTRDMA_PRIVATE_1 lists must match");
     let stub_dir = out.join("rdmacm-link");
     fs::create_dir_all(&stub_dir).expect("create rdmacm-link");
     let stub_map = stub_dir.join("private.map");
-    fs::write(
-        &stub_map,
-        format!(
-            "SOFTRDMA_PRIVATE_1 {{ global: {}; local: *; }};\n",
-            private.join("; ")
-        ),
-    )
-    .expect("write private.map");
+    fs::write(&stub_map, format!("SOFTRDMA_PRIVATE_1 {{ global: {}; local: *; }};\n", private.join("; ")))
+        .expect("write private.map");
     println!("cargo:rerun-if-changed=stubs/rdmacm.c");
     println!("cargo:rerun-if-changed=stubs/rdmacm.map");
     let cc = env::var("CC").unwrap_or_else(|_| "cc".to_owned());
@@ -220,10 +173,7 @@ fn build_rdmacm(dir: &Path, versions: &[(String, String)], out: &Path, lib_dir: 
         Command::new(&cc)
             .args(common)
             .arg("-Wl,-soname,librdmacm.so.1")
-            .arg(format!(
-                "-Wl,--version-script={}",
-                dir.join("rdmacm.map").display()
-            ))
+            .arg(format!("-Wl,--version-script={}", dir.join("rdmacm.map").display()))
             .arg("-Wl,--no-undefined")
             .arg("-o")
             .arg(lib_dir.join("librdmacm.so.1"))
@@ -245,8 +195,6 @@ fn build_stub(dir: &Path, src: &str, map: &str, soname: &str, lib_dir: &Path) {
     match status {
         Ok(s) if s.success() => {}
         Ok(s) => panic!("{cc} failed on stubs/{src}: {s}"),
-        Err(e) => println!(
-            "cargo:warning=no C compiler ({cc}: {e}): {soname} not built; perftest needs it"
-        ),
+        Err(e) => println!("cargo:warning=no C compiler ({cc}: {e}): {soname} not built; perftest needs it"),
     }
 }

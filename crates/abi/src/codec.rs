@@ -166,11 +166,7 @@ impl<'a> Reader<'a> {
     }
     /// An optional u32.
     pub fn opt_u32(&mut self) -> DResult<Option<u32>> {
-        Ok(if self.bool()? {
-            Some(self.u32()?)
-        } else {
-            None
-        })
+        Ok(if self.bool()? { Some(self.u32()?) } else { None })
     }
     /// An IP address.
     pub fn ip(&mut self) -> DResult<IpAddr> {
@@ -189,16 +185,8 @@ mod tests {
     #[test]
     fn round_trip_and_truncation() {
         let mut w = Writer::new();
-        w.u8(7)
-            .u16(0x1234)
-            .u32(0xdead_beef)
-            .u64(u64::MAX)
-            .str("rxe0")
-            .opt_u32(Some(5))
-            .opt_u32(None);
-        w.ip("127.0.0.2".parse().unwrap())
-            .ip("::1".parse().unwrap())
-            .bool(true);
+        w.u8(7).u16(0x1234).u32(0xdead_beef).u64(u64::MAX).str("rxe0").opt_u32(Some(5)).opt_u32(None);
+        w.ip("127.0.0.2".parse().unwrap()).ip("::1".parse().unwrap()).bool(true);
         let mut r = Reader::new(&w.buf);
         assert_eq!(r.u8().unwrap(), 7);
         assert_eq!(r.u16().unwrap(), 0x1234);

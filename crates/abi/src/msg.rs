@@ -18,8 +18,7 @@ use softrdma_device::netdev::{IfAddr, IfFlags, MacAddr, Netdev};
 use softrdma_device::DeviceConfig;
 use softrdma_transport::hca::QueuePairInfo;
 use softrdma_transport::{
-    Access, AddressVector, AsyncEvent, CqId, ModifyQp, Mtu, QpCap, QpState, QpType, SrqId,
-    VerbsError,
+    Access, AddressVector, AsyncEvent, CqId, ModifyQp, Mtu, QpCap, QpState, QpType, SrqId, VerbsError,
 };
 use softrdma_wire::{Psn, Qpn};
 
@@ -44,12 +43,7 @@ pub enum Request {
     /// Free a protection domain.
     DeallocPd { pd: u32 },
     /// Register `len` bytes at `addr` of the client's address space.
-    RegMr {
-        pd: u32,
-        addr: u64,
-        len: u64,
-        access: u32,
-    },
+    RegMr { pd: u32, addr: u64, len: u64, access: u32 },
     /// Deregister.
     DeregMr { key: u32 },
     /// A completion channel; the datagram socket to send CQ handles on comes as a descriptor.
@@ -67,15 +61,7 @@ pub enum Request {
     /// Destroy an SRQ.
     DestroySrq { srq: u32 },
     /// A QP.
-    CreateQp {
-        pd: u32,
-        qp_type: QpType,
-        send_cq: u32,
-        recv_cq: u32,
-        srq: Option<u32>,
-        cap: QpCap,
-        sq_sig_all: bool,
-    },
+    CreateQp { pd: u32, qp_type: QpType, send_cq: u32, recv_cq: u32, srq: Option<u32>, cap: QpCap, sq_sig_all: bool },
     /// Modify a QP.
     ModifyQp { qpn: u32, attr: ModifyQp },
     /// Query a QP.
@@ -85,11 +71,7 @@ pub enum Request {
     /// Counters and object counts of one device or all.
     Stats { device: Option<String> },
     /// `link add NAME type rxe netdev IFACE [addr IP]`.
-    LinkAdd {
-        name: String,
-        netdev: String,
-        addr: Option<IpAddr>,
-    },
+    LinkAdd { name: String, netdev: String, addr: Option<IpAddr> },
     /// `link delete NAME`.
     LinkDelete { name: String },
     /// `dev set NAME name NEWNAME`.
@@ -108,11 +90,7 @@ pub enum Request {
     /// `rdma_bind_addr`.
     CmBind { id: u32, addr: SocketAddr },
     /// `rdma_resolve_addr`.
-    CmResolveAddr {
-        id: u32,
-        src: Option<IpAddr>,
-        dst: SocketAddr,
-    },
+    CmResolveAddr { id: u32, src: Option<IpAddr>, dst: SocketAddr },
     /// `rdma_resolve_route`.
     CmResolveRoute { id: u32 },
     /// `rdma_listen`.
@@ -211,31 +189,16 @@ pub enum Response {
     /// A CQ (descriptor: ring memfd; one ring at offset 0).
     Cq { id: u32, capacity: u32 },
     /// An SRQ (descriptor: ring memfd; one ring at offset 0).
-    Srq {
-        id: u32,
-        capacity: u32,
-        slot_size: u32,
-    },
+    Srq { id: u32, capacity: u32, slot_size: u32 },
     /// A QP (descriptor: memfd with the send ring at 0 and, without an SRQ, the receive ring at
     /// `rq_offset`).
-    Qp {
-        qpn: u32,
-        sq_capacity: u32,
-        sq_slot: u32,
-        rq_capacity: u32,
-        rq_slot: u32,
-        rq_offset: u64,
-    },
+    Qp { qpn: u32, sq_capacity: u32, sq_slot: u32, rq_capacity: u32, rq_slot: u32, rq_offset: u64 },
     /// A QP's attributes.
     QpInfo(QueuePairInfo),
     /// Statistics.
     Stats(Vec<DeviceStats>),
     /// A CM ID's route and addresses (local, peer).
-    CmInfo {
-        route: Option<Route>,
-        local: Option<SocketAddr>,
-        peer: Option<SocketAddr>,
-    },
+    CmInfo { route: Option<Route>, local: Option<SocketAddr>, peer: Option<SocketAddr> },
     /// The next CM event of a channel (none queued: `None`), and whether more are queued.
     CmEvent { event: Option<CmEvent>, more: bool },
 }
@@ -259,24 +222,14 @@ fn intern(s: String) -> &'static str {
     leaked
 }
 
-const STATES: [QpState; 7] = [
-    QpState::Reset,
-    QpState::Init,
-    QpState::Rtr,
-    QpState::Rts,
-    QpState::Sqd,
-    QpState::Sqe,
-    QpState::Err,
-];
+const STATES: [QpState; 7] =
+    [QpState::Reset, QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqd, QpState::Sqe, QpState::Err];
 
 fn state_code(s: QpState) -> u8 {
     STATES.iter().position(|x| *x == s).unwrap_or(0) as u8
 }
 fn state_from(r: &mut Reader<'_>) -> DResult<QpState> {
-    STATES
-        .get(r.u8()? as usize)
-        .copied()
-        .ok_or(DecodeError("bad QP state"))
+    STATES.get(r.u8()? as usize).copied().ok_or(DecodeError("bad QP state"))
 }
 fn qp_type_code(t: QpType) -> u8 {
     match t {
@@ -295,20 +248,11 @@ fn qp_type_from(r: &mut Reader<'_>) -> DResult<QpType> {
 }
 fn mtu_from(r: &mut Reader<'_>) -> DResult<Mtu> {
     let n = r.u8()?;
-    Mtu::ALL
-        .into_iter()
-        .find(|m| *m as u8 == n)
-        .ok_or(DecodeError("bad MTU"))
+    Mtu::ALL.into_iter().find(|m| *m as u8 == n).ok_or(DecodeError("bad MTU"))
 }
 
 fn put_av(w: &mut Writer, av: &AddressVector) {
-    w.raw(&av.dgid)
-        .u8(av.sgid_index)
-        .u8(av.hop_limit)
-        .u8(av.traffic_class)
-        .u32(av.flow_label)
-        .u16(av.dlid)
-        .u8(av.sl);
+    w.raw(&av.dgid).u8(av.sgid_index).u8(av.hop_limit).u8(av.traffic_class).u32(av.flow_label).u16(av.dlid).u8(av.sl);
 }
 fn av_from(r: &mut Reader<'_>) -> DResult<AddressVector> {
     Ok(AddressVector {
@@ -437,23 +381,11 @@ fn modify_from(r: &mut Reader<'_>) -> DResult<ModifyQp> {
 }
 
 fn put_qp_info(w: &mut Writer, q: &QueuePairInfo) {
-    w.u32(q.qpn.value())
-        .u8(state_code(q.state))
-        .u8(qp_type_code(q.qp_type))
-        .u32(q.qkey)
-        .u32(q.access.bits());
+    w.u32(q.qpn.value()).u8(state_code(q.state)).u8(qp_type_code(q.qp_type)).u32(q.qkey).u32(q.access.bits());
     put_av(w, &q.av);
     w.u8(q.path_mtu as u8).u32(q.dest_qpn.value());
-    w.u8(q.timeout)
-        .u8(q.retry_cnt)
-        .u8(q.rnr_retry)
-        .u8(q.max_rd_atomic)
-        .u8(q.max_dest_rd_atomic)
-        .u8(q.min_rnr_timer);
-    w.u32(q.rq_psn.value())
-        .u32(q.sq_psn.value())
-        .u32(q.sq_outstanding)
-        .u32(q.rq_posted);
+    w.u8(q.timeout).u8(q.retry_cnt).u8(q.rnr_retry).u8(q.max_rd_atomic).u8(q.max_dest_rd_atomic).u8(q.min_rnr_timer);
+    w.u32(q.rq_psn.value()).u32(q.sq_psn.value()).u32(q.sq_outstanding).u32(q.rq_posted);
 }
 
 fn qp_info_from(r: &mut Reader<'_>) -> DResult<QueuePairInfo> {
@@ -480,12 +412,7 @@ fn qp_info_from(r: &mut Reader<'_>) -> DResult<QueuePairInfo> {
 }
 
 fn put_netdev(w: &mut Writer, n: &Netdev) {
-    w.u32(n.index)
-        .str(&n.name)
-        .bool(n.flags.up)
-        .bool(n.flags.running)
-        .bool(n.flags.lower_up)
-        .bool(n.flags.loopback);
+    w.u32(n.index).str(&n.name).bool(n.flags.up).bool(n.flags.running).bool(n.flags.lower_up).bool(n.flags.loopback);
     w.u32(n.mtu);
     match n.mac {
         Some(m) => w.u8(1).raw(&m.0),
@@ -501,32 +428,15 @@ fn put_netdev(w: &mut Writer, n: &Netdev) {
 fn netdev_from(r: &mut Reader<'_>) -> DResult<Netdev> {
     let index = r.u32()?;
     let name = r.str()?;
-    let flags = IfFlags {
-        up: r.bool()?,
-        running: r.bool()?,
-        lower_up: r.bool()?,
-        loopback: r.bool()?,
-    };
+    let flags = IfFlags { up: r.bool()?, running: r.bool()?, lower_up: r.bool()?, loopback: r.bool()? };
     let mtu = r.u32()?;
-    let mac = if r.bool()? {
-        Some(MacAddr(r.array()?))
-    } else {
-        None
-    };
+    let mac = if r.bool()? { Some(MacAddr(r.array()?)) } else { None };
     let n = r.list_len()?;
     let mut addrs = Vec::with_capacity(n);
     for _ in 0..n {
         addrs.push(IfAddr::new(r.ip()?, r.u8()?));
     }
-    Ok(Netdev {
-        index,
-        name,
-        flags,
-        mtu,
-        mac,
-        addrs,
-        speed_mbps: r.opt_u32()?,
-    })
+    Ok(Netdev { index, name, flags, mtu, mac, addrs, speed_mbps: r.opt_u32()? })
 }
 
 fn put_entry(w: &mut Writer, e: &DeviceEntry) {
@@ -556,17 +466,8 @@ fn entry_from(r: &mut Reader<'_>) -> DResult<DeviceEntry> {
     }
     let roce_v1 = r.bool()?;
     let udp_port = r.u16()?;
-    let netdev = if r.bool()? {
-        Some(netdev_from(r)?)
-    } else {
-        None
-    };
-    Ok(DeviceEntry {
-        config,
-        roce_v1,
-        netdev,
-        udp_port,
-    })
+    let netdev = if r.bool()? { Some(netdev_from(r)?) } else { None };
+    Ok(DeviceEntry { config, roce_v1, netdev, udp_port })
 }
 
 fn put_counters(w: &mut Writer, c: &[(String, u64)]) {
@@ -603,11 +504,7 @@ fn put_refusal(w: &mut Writer, e: &Refusal) {
                     return;
                 }
             };
-            w.u8(code)
-                .u8(state_code(a))
-                .u8(state_code(b))
-                .u32(mask)
-                .str(text);
+            w.u8(code).u8(state_code(a)).u8(state_code(b)).u32(mask).str(text);
         }
         Refusal::InvalidArgument(s) => {
             w.u8(1).str(s);
@@ -635,16 +532,8 @@ fn refusal_from(r: &mut Reader<'_>) -> DResult<Refusal> {
             Refusal::Verbs(match code {
                 0 => VerbsError::NoSuchObject,
                 1 => VerbsError::IllegalTransition { from: a, to: b },
-                2 => VerbsError::MissingAttributes {
-                    from: a,
-                    to: b,
-                    mask,
-                },
-                3 => VerbsError::UnexpectedAttributes {
-                    from: a,
-                    to: b,
-                    mask,
-                },
+                2 => VerbsError::MissingAttributes { from: a, to: b, mask },
+                3 => VerbsError::UnexpectedAttributes { from: a, to: b, mask },
                 4 => VerbsError::InvalidAttribute(intern(text)),
                 5 => VerbsError::QueueFull,
                 6 => VerbsError::InvalidState(a),
@@ -726,12 +615,7 @@ fn ps_from(r: &mut Reader<'_>) -> DResult<PortSpace> {
 fn put_param(w: &mut Writer, p: &ConnParam) {
     w.u32(p.qpn.value());
     put_bytes(w, &p.private_data);
-    w.u8(p.responder_resources)
-        .u8(p.initiator_depth)
-        .u8(p.retry_count)
-        .u8(p.rnr_retry_count)
-        .bool(p.srq)
-        .u32(p.qkey);
+    w.u8(p.responder_resources).u8(p.initiator_depth).u8(p.retry_count).u8(p.rnr_retry_count).bool(p.srq).u32(p.qkey);
 }
 fn param_from(r: &mut Reader<'_>) -> DResult<ConnParam> {
     Ok(ConnParam {
@@ -746,18 +630,10 @@ fn param_from(r: &mut Reader<'_>) -> DResult<ConnParam> {
     })
 }
 fn put_route(w: &mut Writer, rt: &Route) {
-    w.u8(rt.sgid_index)
-        .raw(&rt.sgid)
-        .raw(&rt.dgid)
-        .u8(rt.mtu as u8);
+    w.u8(rt.sgid_index).raw(&rt.sgid).raw(&rt.dgid).u8(rt.mtu as u8);
 }
 fn route_from(r: &mut Reader<'_>) -> DResult<Route> {
-    Ok(Route {
-        sgid_index: r.u8()?,
-        sgid: r.array()?,
-        dgid: r.array()?,
-        mtu: mtu_from(r)?,
-    })
+    Ok(Route { sgid_index: r.u8()?, sgid: r.array()?, dgid: r.array()?, mtu: mtu_from(r)? })
 }
 fn put_kind(w: &mut Writer, k: &EventKind) {
     match k {
@@ -782,9 +658,7 @@ fn kind_from(r: &mut Reader<'_>) -> DResult<EventKind> {
         1 => EventKind::AddrError,
         2 => EventKind::RouteResolved,
         3 => EventKind::RouteError,
-        4 => EventKind::ConnectRequest {
-            listener: IdHandle(r.u32()?),
-        },
+        4 => EventKind::ConnectRequest { listener: IdHandle(r.u32()?) },
         5 => EventKind::ConnectError,
         6 => EventKind::Unreachable,
         7 => EventKind::Rejected { reason: r.u16()? },
@@ -799,9 +673,7 @@ fn put_cm_event(w: &mut Writer, e: &CmEvent) {
     put_kind(w, &e.kind);
     let c = &e.conn;
     put_bytes(w, &c.private_data);
-    w.u8(c.responder_resources)
-        .u8(c.initiator_depth)
-        .u32(c.remote_qpn.value());
+    w.u8(c.responder_resources).u8(c.initiator_depth).u32(c.remote_qpn.value());
     put_opt_sa(w, &c.remote_addr);
     put_opt_sa(w, &c.local_addr);
     match &e.ud {
@@ -825,11 +697,7 @@ fn cm_event_from(r: &mut Reader<'_>) -> DResult<CmEvent> {
         local_addr: opt_sa_from(r)?,
     };
     let ud = if r.bool()? {
-        Some(UdInfo {
-            dgid: r.array()?,
-            remote_qpn: Qpn::new(r.u32()?),
-            qkey: r.u32()?,
-        })
+        Some(UdInfo { dgid: r.array()?, remote_qpn: Qpn::new(r.u32()?), qkey: r.u32()? })
     } else {
         None
     };
@@ -852,12 +720,7 @@ impl Request {
                 header(&mut w, 5);
                 w.u32(*pd);
             }
-            Request::RegMr {
-                pd,
-                addr,
-                len,
-                access,
-            } => {
+            Request::RegMr { pd, addr, len, access } => {
                 header(&mut w, 6);
                 w.u32(*pd).u64(*addr).u64(*len).u32(*access);
             }
@@ -878,11 +741,7 @@ impl Request {
                 header(&mut w, 11);
                 w.u32(*cq);
             }
-            Request::CreateSrq {
-                pd,
-                max_wr,
-                max_sge,
-            } => {
+            Request::CreateSrq { pd, max_wr, max_sge } => {
                 header(&mut w, 12);
                 w.u32(*pd).u32(*max_wr).u32(*max_sge);
             }
@@ -894,25 +753,10 @@ impl Request {
                 header(&mut w, 14);
                 w.u32(*srq);
             }
-            Request::CreateQp {
-                pd,
-                qp_type,
-                send_cq,
-                recv_cq,
-                srq,
-                cap,
-                sq_sig_all,
-            } => {
+            Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all } => {
                 header(&mut w, 15);
-                w.u32(*pd)
-                    .u8(qp_type_code(*qp_type))
-                    .u32(*send_cq)
-                    .u32(*recv_cq)
-                    .opt_u32(*srq);
-                w.u32(cap.max_send_wr)
-                    .u32(cap.max_recv_wr)
-                    .u32(cap.max_send_sge)
-                    .u32(cap.max_recv_sge);
+                w.u32(*pd).u8(qp_type_code(*qp_type)).u32(*send_cq).u32(*recv_cq).opt_u32(*srq);
+                w.u32(cap.max_send_wr).u32(cap.max_recv_wr).u32(cap.max_send_sge).u32(cap.max_recv_sge);
                 w.u32(cap.max_inline_data).bool(*sq_sig_all);
             }
             Request::ModifyQp { qpn, attr } => {
@@ -1039,29 +883,14 @@ impl Request {
             3 => Request::OpenDevice { name: r.str()? },
             4 => Request::AllocPd,
             5 => Request::DeallocPd { pd: r.u32()? },
-            6 => Request::RegMr {
-                pd: r.u32()?,
-                addr: r.u64()?,
-                len: r.u64()?,
-                access: r.u32()?,
-            },
+            6 => Request::RegMr { pd: r.u32()?, addr: r.u64()?, len: r.u64()?, access: r.u32()? },
             7 => Request::DeregMr { key: r.u32()? },
             8 => Request::CreateChannel,
             9 => Request::DestroyChannel { id: r.u32()? },
-            10 => Request::CreateCq {
-                cqe: r.u32()?,
-                channel: r.opt_u32()?,
-            },
+            10 => Request::CreateCq { cqe: r.u32()?, channel: r.opt_u32()? },
             11 => Request::DestroyCq { cq: r.u32()? },
-            12 => Request::CreateSrq {
-                pd: r.u32()?,
-                max_wr: r.u32()?,
-                max_sge: r.u32()?,
-            },
-            13 => Request::ArmSrq {
-                srq: r.u32()?,
-                limit: r.u32()?,
-            },
+            12 => Request::CreateSrq { pd: r.u32()?, max_wr: r.u32()?, max_sge: r.u32()? },
+            13 => Request::ArmSrq { srq: r.u32()?, limit: r.u32()? },
             14 => Request::DestroySrq { srq: r.u32()? },
             15 => Request::CreateQp {
                 pd: r.u32()?,
@@ -1078,68 +907,35 @@ impl Request {
                 },
                 sq_sig_all: r.bool()?,
             },
-            16 => Request::ModifyQp {
-                qpn: r.u32()?,
-                attr: modify_from(&mut r)?,
-            },
+            16 => Request::ModifyQp { qpn: r.u32()?, attr: modify_from(&mut r)? },
             17 => Request::QueryQp { qpn: r.u32()? },
             18 => Request::DestroyQp { qpn: r.u32()? },
-            19 => Request::Stats {
-                device: if r.bool()? { Some(r.str()?) } else { None },
-            },
+            19 => Request::Stats { device: if r.bool()? { Some(r.str()?) } else { None } },
             20 => Request::LinkAdd {
                 name: r.str()?,
                 netdev: r.str()?,
                 addr: if r.bool()? { Some(r.ip()?) } else { None },
             },
             21 => Request::LinkDelete { name: r.str()? },
-            22 => Request::Rename {
-                name: r.str()?,
-                new_name: r.str()?,
-            },
-            23 => Request::RoceMode {
-                name: r.str()?,
-                port: r.u8()?,
-                v1: r.bool()?,
-            },
+            22 => Request::Rename { name: r.str()?, new_name: r.str()? },
+            23 => Request::RoceMode { name: r.str()?, port: r.u8()?, v1: r.bool()? },
             40 => Request::CmCreateChannel,
             41 => Request::CmDestroyChannel { channel: r.u32()? },
-            42 => Request::CmCreateId {
-                channel: r.u32()?,
-                ps: ps_from(&mut r)?,
-            },
+            42 => Request::CmCreateId { channel: r.u32()?, ps: ps_from(&mut r)? },
             43 => Request::CmDestroyId { id: r.u32()? },
-            44 => Request::CmBind {
-                id: r.u32()?,
-                addr: sa_from(&mut r)?,
-            },
+            44 => Request::CmBind { id: r.u32()?, addr: sa_from(&mut r)? },
             45 => Request::CmResolveAddr {
                 id: r.u32()?,
                 src: if r.bool()? { Some(r.ip()?) } else { None },
                 dst: sa_from(&mut r)?,
             },
             46 => Request::CmResolveRoute { id: r.u32()? },
-            47 => Request::CmListen {
-                id: r.u32()?,
-                backlog: r.u32()?,
-            },
-            48 => Request::CmConnect {
-                id: r.u32()?,
-                param: param_from(&mut r)?,
-            },
-            49 => Request::CmAccept {
-                id: r.u32()?,
-                param: param_from(&mut r)?,
-            },
-            50 => Request::CmReject {
-                id: r.u32()?,
-                private_data: bytes_from(&mut r)?,
-            },
+            47 => Request::CmListen { id: r.u32()?, backlog: r.u32()? },
+            48 => Request::CmConnect { id: r.u32()?, param: param_from(&mut r)? },
+            49 => Request::CmAccept { id: r.u32()?, param: param_from(&mut r)? },
+            50 => Request::CmReject { id: r.u32()?, private_data: bytes_from(&mut r)? },
             51 => Request::CmDisconnect { id: r.u32()? },
-            52 => Request::CmMigrate {
-                id: r.u32()?,
-                channel: r.u32()?,
-            },
+            52 => Request::CmMigrate { id: r.u32()?, channel: r.u32()? },
             53 => Request::CmQuery { id: r.u32()? },
             54 => Request::CmGetEvent { channel: r.u32()? },
             55 => Request::CmIdCount,
@@ -1184,29 +980,13 @@ impl Response {
                 header(&mut w, 7);
                 w.u32(*id).u32(*capacity);
             }
-            Response::Srq {
-                id,
-                capacity,
-                slot_size,
-            } => {
+            Response::Srq { id, capacity, slot_size } => {
                 header(&mut w, 8);
                 w.u32(*id).u32(*capacity).u32(*slot_size);
             }
-            Response::Qp {
-                qpn,
-                sq_capacity,
-                sq_slot,
-                rq_capacity,
-                rq_slot,
-                rq_offset,
-            } => {
+            Response::Qp { qpn, sq_capacity, sq_slot, rq_capacity, rq_slot, rq_offset } => {
                 header(&mut w, 9);
-                w.u32(*qpn)
-                    .u32(*sq_capacity)
-                    .u32(*sq_slot)
-                    .u32(*rq_capacity)
-                    .u32(*rq_slot)
-                    .u64(*rq_offset);
+                w.u32(*qpn).u32(*sq_capacity).u32(*sq_slot).u32(*rq_capacity).u32(*rq_slot).u64(*rq_offset);
             }
             Response::QpInfo(q) => {
                 header(&mut w, 10);
@@ -1262,24 +1042,15 @@ impl Response {
         let resp = match read_header(&mut r)? {
             1 => Response::Ok,
             2 => Response::Error(refusal_from(&mut r)?),
-            3 => Response::Hello {
-                daemon_pid: r.u32()?,
-            },
+            3 => Response::Hello { daemon_pid: r.u32()? },
             4 => {
                 let n = r.list_len()?;
                 Response::Devices((0..n).map(|_| entry_from(&mut r)).collect::<DResult<_>>()?)
             }
             5 => Response::Opened(entry_from(&mut r)?),
             6 => Response::Id(r.u32()?),
-            7 => Response::Cq {
-                id: r.u32()?,
-                capacity: r.u32()?,
-            },
-            8 => Response::Srq {
-                id: r.u32()?,
-                capacity: r.u32()?,
-                slot_size: r.u32()?,
-            },
+            7 => Response::Cq { id: r.u32()?, capacity: r.u32()? },
+            8 => Response::Srq { id: r.u32()?, capacity: r.u32()?, slot_size: r.u32()? },
             9 => Response::Qp {
                 qpn: r.u32()?,
                 sq_capacity: r.u32()?,
@@ -1300,29 +1071,17 @@ impl Response {
                     for _ in 0..q {
                         qps.push((r.u32()?, r.u32()?, counters_from(&mut r)?));
                     }
-                    list.push(DeviceStats {
-                        name,
-                        counters,
-                        qps,
-                    });
+                    list.push(DeviceStats { name, counters, qps });
                 }
                 Response::Stats(list)
             }
             40 => Response::CmInfo {
-                route: if r.bool()? {
-                    Some(route_from(&mut r)?)
-                } else {
-                    None
-                },
+                route: if r.bool()? { Some(route_from(&mut r)?) } else { None },
                 local: opt_sa_from(&mut r)?,
                 peer: opt_sa_from(&mut r)?,
             },
             41 => Response::CmEvent {
-                event: if r.bool()? {
-                    Some(cm_event_from(&mut r)?)
-                } else {
-                    None
-                },
+                event: if r.bool()? { Some(cm_event_from(&mut r)?) } else { None },
                 more: r.bool()?,
             },
             _ => return Err(DecodeError("unknown response")),
@@ -1393,32 +1152,16 @@ mod tests {
         };
         let reqs = vec![
             Request::Hello,
-            Request::OpenDevice {
-                name: "rxe0".into(),
-            },
-            Request::RegMr {
-                pd: 2,
-                addr: 0x7fff_0000,
-                len: 4096,
-                access: 7,
-            },
-            Request::CreateCq {
-                cqe: 16,
-                channel: Some(3),
-            },
+            Request::OpenDevice { name: "rxe0".into() },
+            Request::RegMr { pd: 2, addr: 0x7fff_0000, len: 4096, access: 7 },
+            Request::CreateCq { cqe: 16, channel: Some(3) },
             Request::CreateQp {
                 pd: 2,
                 qp_type: QpType::Ud,
                 send_cq: 1,
                 recv_cq: 2,
                 srq: None,
-                cap: QpCap {
-                    max_send_wr: 1,
-                    max_recv_wr: 2,
-                    max_send_sge: 3,
-                    max_recv_sge: 4,
-                    max_inline_data: 5,
-                },
+                cap: QpCap { max_send_wr: 1, max_recv_wr: 2, max_send_sge: 3, max_recv_sge: 4, max_inline_data: 5 },
                 sq_sig_all: true,
             },
             Request::ModifyQp {
@@ -1435,32 +1178,15 @@ mod tests {
                     ..Default::default()
                 },
             },
-            Request::LinkAdd {
-                name: "rxe1".into(),
-                netdev: "lo".into(),
-                addr: Some("127.0.0.2".parse().unwrap()),
-            },
+            Request::LinkAdd { name: "rxe1".into(), netdev: "lo".into(), addr: Some("127.0.0.2".parse().unwrap()) },
             Request::Stats { device: None },
-            Request::CmCreateId {
-                channel: 3,
-                ps: PortSpace::Udp,
-            },
-            Request::CmResolveAddr {
-                id: 9,
-                src: None,
-                dst: "127.0.0.1:7471".parse().unwrap(),
-            },
+            Request::CmCreateId { channel: 3, ps: PortSpace::Udp },
+            Request::CmResolveAddr { id: 9, src: None, dst: "127.0.0.1:7471".parse().unwrap() },
             Request::CmConnect {
                 id: 9,
-                param: ConnParam {
-                    private_data: b"hello".to_vec(),
-                    ..ConnParam::new(Qpn::new(0x11))
-                },
+                param: ConnParam { private_data: b"hello".to_vec(), ..ConnParam::new(Qpn::new(0x11)) },
             },
-            Request::CmReject {
-                id: 4,
-                private_data: b"no".to_vec(),
-            },
+            Request::CmReject { id: 4, private_data: b"no".to_vec() },
             Request::CmSetNoListenerRetries { retries: 3 },
         ];
         for q in reqs {
@@ -1477,16 +1203,12 @@ mod tests {
             mask: 0x80,
         }));
         assert_eq!(Response::decode(&e.encode()).unwrap(), e);
-        let e = Response::Error(Refusal::Verbs(VerbsError::InvalidWorkRequest(
-            "more SGEs than max_sge",
-        )));
+        let e = Response::Error(Refusal::Verbs(VerbsError::InvalidWorkRequest("more SGEs than max_sge")));
         assert_eq!(Response::decode(&e.encode()).unwrap(), e);
         let ev = Response::CmEvent {
             event: Some(CmEvent {
                 id: IdHandle(7),
-                kind: EventKind::ConnectRequest {
-                    listener: IdHandle(2),
-                },
+                kind: EventKind::ConnectRequest { listener: IdHandle(2) },
                 conn: ConnInfo {
                     private_data: b"hi".to_vec(),
                     responder_resources: 1,
@@ -1495,22 +1217,13 @@ mod tests {
                     remote_addr: Some("127.0.0.1:5000".parse().unwrap()),
                     local_addr: None,
                 },
-                ud: Some(UdInfo {
-                    dgid: [3; 16],
-                    remote_qpn: Qpn::new(5),
-                    qkey: 9,
-                }),
+                ud: Some(UdInfo { dgid: [3; 16], remote_qpn: Qpn::new(5), qkey: 9 }),
             }),
             more: true,
         };
         assert_eq!(Response::decode(&ev.encode()).unwrap(), ev);
         let info = Response::CmInfo {
-            route: Some(Route {
-                sgid_index: 1,
-                sgid: [1; 16],
-                dgid: [2; 16],
-                mtu: Mtu::M1024,
-            }),
+            route: Some(Route { sgid_index: 1, sgid: [1; 16], dgid: [2; 16], mtu: Mtu::M1024 }),
             local: Some("127.0.0.1:1".parse().unwrap()),
             peer: None,
         };

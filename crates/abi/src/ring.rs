@@ -85,21 +85,12 @@ impl Ring {
     /// is used. `capacity` must be a power of two.
     pub unsafe fn new(base: *mut u8, capacity: u32, slot_size: u32) -> Ring {
         assert!(capacity.is_power_of_two() && slot_size > 0 && (base as usize).is_multiple_of(64));
-        Ring {
-            base,
-            capacity,
-            slot_size,
-        }
+        Ring { base, capacity, slot_size }
     }
 
     /// Write the header and zero the indices (the creator does this once).
     pub fn init(&self) {
-        let words = [
-            RING_MAGIC,
-            crate::ABI_VERSION,
-            self.capacity,
-            self.slot_size,
-        ];
+        let words = [RING_MAGIC, crate::ABI_VERSION, self.capacity, self.slot_size];
         for (i, w) in words.iter().enumerate() {
             // SAFETY: the header lies within the mapping (see `new`); offset 4*i < 16.
             unsafe { ptr::write_volatile(self.base.add(4 * i) as *mut u32, *w) };
@@ -117,12 +108,7 @@ impl Ring {
             // SAFETY: as in `init`.
             *x = unsafe { ptr::read_volatile(self.base.add(4 * i) as *const u32) };
         }
-        w == [
-            RING_MAGIC,
-            crate::ABI_VERSION,
-            self.capacity,
-            self.slot_size,
-        ]
+        w == [RING_MAGIC, crate::ABI_VERSION, self.capacity, self.slot_size]
     }
 
     fn word(&self, off: usize) -> &AtomicU32 {
@@ -278,9 +264,7 @@ impl Consumer {
 
     /// Withdraw a doorbell request (the consumer is polling again).
     pub fn cancel_doorbell(&self) {
-        self.ring
-            .flags()
-            .fetch_and(!NEED_DOORBELL, Ordering::Relaxed);
+        self.ring.flags().fetch_and(!NEED_DOORBELL, Ordering::Relaxed);
     }
 }
 

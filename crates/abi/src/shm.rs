@@ -27,14 +27,7 @@ unsafe impl Sync for Shm {}
 fn map(fd: &OwnedFd, len: usize) -> io::Result<*mut u8> {
     // SAFETY: a fresh shared mapping of a file we hold open; the kernel picks the address.
     let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
     };
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
@@ -45,12 +38,9 @@ fn map(fd: &OwnedFd, len: usize) -> io::Result<*mut u8> {
 impl Shm {
     /// A new sealed memfd of `len` bytes (zeroed), mapped.
     pub fn create(name: &str, len: usize) -> io::Result<Shm> {
-        let cname = std::ffi::CString::new(name)
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let cname = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: a valid C string; the flags are valid.
-        let raw = unsafe {
-            libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -81,10 +71,7 @@ impl Shm {
         // SAFETY: F_GET_SEALS takes no argument.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
         if (st.st_size as usize) < len || seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "shared ring memory of the wrong size or unsealed",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "shared ring memory of the wrong size or unsealed"));
         }
         let ptr = map(&fd, len)?;
         Ok(Shm { fd, ptr, len })
@@ -111,14 +98,8 @@ impl Shm {
     /// declared (and so dropped) first.
     pub fn ring(&self, offset: usize, capacity: u32, slot_size: u32) -> io::Result<Ring> {
         let end = offset.checked_add(ring_bytes(capacity, slot_size));
-        if !capacity.is_power_of_two()
-            || !offset.is_multiple_of(64)
-            || end.is_none_or(|e| e > self.len)
-        {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "ring does not fit the shared memory",
-            ));
+        if !capacity.is_power_of_two() || !offset.is_multiple_of(64) || end.is_none_or(|e| e > self.len) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "ring does not fit the shared memory"));
         }
         // SAFETY: the ring lies inside the mapping (checked above), which is page aligned, so the
         // ring base is 64-byte aligned; the mapping lives until `self` is dropped, and callers keep
@@ -157,9 +138,6 @@ mod tests {
         assert!(c.pop(&mut out).unwrap());
         assert_eq!(&out[..5], b"hello");
         assert!(a.ring(0, 64, 64).is_err(), "does not fit");
-        assert!(
-            Shm::open(a.fd().try_clone().unwrap(), 8192).is_err(),
-            "too short"
-        );
+        assert!(Shm::open(a.fd().try_clone().unwrap(), 8192).is_err(), "too short");
     }
 }

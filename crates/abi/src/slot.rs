@@ -18,8 +18,7 @@
 
 use softrdma_transport::wr::{Payload, UdDest};
 use softrdma_transport::{
-    AddressVector, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus,
-    WorkCompletion,
+    AddressVector, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus, WorkCompletion,
 };
 use softrdma_wire::Qpn;
 
@@ -76,11 +75,7 @@ fn sges(b: &[u8], at: usize, n: usize) -> Vec<Sge> {
     (0..n)
         .map(|i| {
             let o = at + i * SGE_LEN;
-            Sge {
-                addr: u64_at(b, o),
-                length: u32_at(b, o + 8),
-                lkey: u32_at(b, o + 12),
-            }
+            Sge { addr: u64_at(b, o), length: u32_at(b, o + 8), lkey: u32_at(b, o + 12) }
         })
         .collect()
 }
@@ -97,32 +92,22 @@ pub fn encode_send(wr: &SendWr, slot: &mut [u8]) -> Result<(), BadSlot> {
         SendOp::SendWithImm(i) => (1, i, 0, 0, 0, 0),
         SendOp::SendWithInv(k) => (2, k, 0, 0, 0, 0),
         SendOp::Write { remote_addr, rkey } => (3, 0, remote_addr, rkey, 0, 0),
-        SendOp::WriteWithImm {
-            remote_addr,
-            rkey,
-            imm,
-        } => (4, imm, remote_addr, rkey, 0, 0),
+        SendOp::WriteWithImm { remote_addr, rkey, imm } => (4, imm, remote_addr, rkey, 0, 0),
         SendOp::Read { remote_addr, rkey } => (5, 0, remote_addr, rkey, 0, 0),
-        SendOp::CompareSwap {
-            remote_addr,
-            rkey,
-            compare,
-            swap,
-        } => (6, 0, remote_addr, rkey, compare, swap),
-        SendOp::FetchAdd {
-            remote_addr,
-            rkey,
-            add,
-        } => (7, 0, remote_addr, rkey, add, 0),
+        SendOp::CompareSwap { remote_addr, rkey, compare, swap } => (6, 0, remote_addr, rkey, compare, swap),
+        SendOp::FetchAdd { remote_addr, rkey, add } => (7, 0, remote_addr, rkey, add, 0),
     };
     slot[8] = op;
-    slot[9] = (0..4).fold(0u8, |acc, bit| {
-        if wr.flags.contains(SendFlags::from_bits(1 << bit)) {
-            acc | (1 << bit)
-        } else {
-            acc
-        }
-    });
+    slot[9] = (0..4).fold(
+        0u8,
+        |acc, bit| {
+            if wr.flags.contains(SendFlags::from_bits(1 << bit)) {
+                acc | (1 << bit)
+            } else {
+                acc
+            }
+        },
+    );
     put(slot, 12, imm.to_le_bytes());
     put(slot, 16, raddr.to_le_bytes());
     put(slot, 24, rkey.to_le_bytes());
@@ -176,23 +161,10 @@ pub fn decode_send(slot: &[u8], max_sge: u32, max_inline: u32) -> Result<SendWr,
         1 => SendOp::SendWithImm(imm),
         2 => SendOp::SendWithInv(imm),
         3 => SendOp::Write { remote_addr, rkey },
-        4 => SendOp::WriteWithImm {
-            remote_addr,
-            rkey,
-            imm,
-        },
+        4 => SendOp::WriteWithImm { remote_addr, rkey, imm },
         5 => SendOp::Read { remote_addr, rkey },
-        6 => SendOp::CompareSwap {
-            remote_addr,
-            rkey,
-            compare: a,
-            swap: b,
-        },
-        7 => SendOp::FetchAdd {
-            remote_addr,
-            rkey,
-            add: a,
-        },
+        6 => SendOp::CompareSwap { remote_addr, rkey, compare: a, swap: b },
+        7 => SendOp::FetchAdd { remote_addr, rkey, add: a },
         _ => return Err(BadSlot("unknown opcode")),
     };
     if slot[9] & !0xf != 0 {
@@ -231,13 +203,7 @@ pub fn decode_send(slot: &[u8], max_sge: u32, max_inline: u32) -> Result<SendWr,
         }
         _ => return Err(BadSlot("bad payload marker")),
     };
-    Ok(SendWr {
-        wr_id,
-        op,
-        payload,
-        flags,
-        ud,
-    })
+    Ok(SendWr { wr_id, op, payload, flags, ud })
 }
 
 /// Encode a receive WR.
@@ -261,10 +227,7 @@ pub fn decode_recv(slot: &[u8], max_sge: u32) -> Result<RecvWr, BadSlot> {
     if count > max_sge as usize || RECV_HEADER + count * SGE_LEN > slot.len() {
         return Err(BadSlot("SGE count above max_recv_sge"));
     }
-    Ok(RecvWr {
-        wr_id: u64_at(slot, 0),
-        sgl: sges(slot, RECV_HEADER, count),
-    })
+    Ok(RecvWr { wr_id: u64_at(slot, 0), sgl: sges(slot, RECV_HEADER, count) })
 }
 
 /// Encode a completion into a [`CQE_LEN`]-byte slot.
@@ -305,17 +268,7 @@ fn status_from(n: u8) -> Option<WcStatus> {
 
 fn opcode_from(n: u8) -> Option<WcOpcode> {
     use WcOpcode::*;
-    [
-        Send,
-        RdmaWrite,
-        RdmaRead,
-        CompSwap,
-        FetchAdd,
-        Recv,
-        RecvRdmaWithImm,
-    ]
-    .into_iter()
-    .find(|o| *o as u8 == n)
+    [Send, RdmaWrite, RdmaRead, CompSwap, FetchAdd, Recv, RecvRdmaWithImm].into_iter().find(|o| *o as u8 == n)
 }
 
 /// Decode a completion slot.
@@ -346,11 +299,7 @@ mod tests {
 
     #[test]
     fn send_round_trips() {
-        let sge = |a| Sge {
-            addr: a,
-            length: 77,
-            lkey: 0x1234,
-        };
+        let sge = |a| Sge { addr: a, length: 77, lkey: 0x1234 };
         let av = AddressVector {
             dgid: [7; 16],
             sgid_index: 1,
@@ -364,46 +313,18 @@ mod tests {
             SendOp::Send,
             SendOp::SendWithImm(5),
             SendOp::SendWithInv(6),
-            SendOp::Write {
-                remote_addr: 1 << 40,
-                rkey: 9,
-            },
-            SendOp::WriteWithImm {
-                remote_addr: 8,
-                rkey: 9,
-                imm: 10,
-            },
-            SendOp::Read {
-                remote_addr: 8,
-                rkey: 9,
-            },
-            SendOp::CompareSwap {
-                remote_addr: 8,
-                rkey: 9,
-                compare: 1,
-                swap: 2,
-            },
-            SendOp::FetchAdd {
-                remote_addr: 8,
-                rkey: 9,
-                add: 3,
-            },
+            SendOp::Write { remote_addr: 1 << 40, rkey: 9 },
+            SendOp::WriteWithImm { remote_addr: 8, rkey: 9, imm: 10 },
+            SendOp::Read { remote_addr: 8, rkey: 9 },
+            SendOp::CompareSwap { remote_addr: 8, rkey: 9, compare: 1, swap: 2 },
+            SendOp::FetchAdd { remote_addr: 8, rkey: 9, add: 3 },
         ];
         let size = send_slot_size(4, 64) as usize;
         for op in ops {
-            for payload in [
-                Payload::Sgl(vec![sge(1), sge(2), sge(3)]),
-                Payload::Inline(vec![0xab; 64]),
-                Payload::Sgl(vec![]),
-            ] {
-                for ud in [
-                    None,
-                    Some(UdDest {
-                        av,
-                        remote_qpn: Qpn::new(0x42),
-                        remote_qkey: 0x1111,
-                    }),
-                ] {
+            for payload in
+                [Payload::Sgl(vec![sge(1), sge(2), sge(3)]), Payload::Inline(vec![0xab; 64]), Payload::Sgl(vec![])]
+            {
+                for ud in [None, Some(UdDest { av, remote_qpn: Qpn::new(0x42), remote_qkey: 0x1111 })] {
                     let wr = SendWr {
                         wr_id: 0xfeed,
                         op,
@@ -433,14 +354,7 @@ mod tests {
 
     #[test]
     fn recv_and_cqe_round_trip() {
-        let wr = RecvWr {
-            wr_id: 3,
-            sgl: vec![Sge {
-                addr: 1,
-                length: 2,
-                lkey: 3,
-            }],
-        };
+        let wr = RecvWr { wr_id: 3, sgl: vec![Sge { addr: 1, length: 2, lkey: 3 }] };
         let mut slot = vec![0xee; recv_slot_size(2) as usize];
         encode_recv(&wr, &mut slot).unwrap();
         assert_eq!(decode_recv(&slot, 2).unwrap(), wr);

@@ -41,12 +41,8 @@ pub fn listen_path_with(env: impl Fn(&str) -> Option<OsString>, root: bool, uid:
 }
 
 fn user_socket(env: &impl Fn(&str) -> Option<OsString>, uid: u32) -> PathBuf {
-    let base = env("XDG_RUNTIME_DIR")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from);
-    base.unwrap_or_else(|| PathBuf::from(format!("/run/user/{uid}")))
-        .join("softrdma")
-        .join("softrdmad.sock")
+    let base = env("XDG_RUNTIME_DIR").filter(|v| !v.is_empty()).map(PathBuf::from);
+    base.unwrap_or_else(|| PathBuf::from(format!("/run/user/{uid}"))).join("softrdma").join("softrdmad.sock")
 }
 
 /// The sockets a client tries, in order: `$SOFTRDMA_SOCKET` alone if set; otherwise this user's
@@ -99,10 +95,7 @@ fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     a.sun_family = libc::AF_UNIX as libc::sa_family_t;
     let bytes = path.as_os_str().as_bytes();
     if bytes.len() >= a.sun_path.len() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "socket path too long",
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket path too long"));
     }
     for (d, s) in a.sun_path.iter_mut().zip(bytes) {
         *d = *s as libc::c_char;
@@ -113,8 +106,7 @@ fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
 
 fn socket() -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2).
-    let fd =
-        cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) })?;
+    let fd = cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) })?;
     // SAFETY: a new descriptor nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -143,20 +135,11 @@ impl Listener {
         loop {
             // SAFETY: accept4 without an address.
             let rc = unsafe {
-                libc::accept4(
-                    self.fd.as_raw_fd(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    libc::SOCK_CLOEXEC,
-                )
+                libc::accept4(self.fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
             };
             match cvt(rc) {
                 // SAFETY: a new descriptor nothing else owns.
-                Ok(fd) => {
-                    return Ok(Conn {
-                        fd: unsafe { OwnedFd::from_raw_fd(fd) },
-                    })
-                }
+                Ok(fd) => return Ok(Conn { fd: unsafe { OwnedFd::from_raw_fd(fd) } }),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             }
@@ -182,9 +165,7 @@ impl Conn {
         let fd = socket()?;
         let (a, len) = sockaddr(path)?;
         // SAFETY: `a` is a valid sockaddr_un of length `len`.
-        cvt(unsafe {
-            libc::connect(fd.as_raw_fd(), &a as *const _ as *const libc::sockaddr, len)
-        })?;
+        cvt(unsafe { libc::connect(fd.as_raw_fd(), &a as *const _ as *const libc::sockaddr, len) })?;
         Ok(Conn { fd })
     }
 
@@ -195,11 +176,7 @@ impl Conn {
 
     /// The peer's credentials.
     pub fn peer_cred(&self) -> io::Result<PeerCred> {
-        let mut c = libc::ucred {
-            pid: 0,
-            uid: 0,
-            gid: 0,
-        };
+        let mut c = libc::ucred { pid: 0, uid: 0, gid: 0 };
         let mut len = size_of::<libc::ucred>() as libc::socklen_t;
         // SAFETY: getsockopt writes at most `len` bytes into `c`.
         cvt(unsafe {
@@ -211,24 +188,16 @@ impl Conn {
                 &mut len,
             )
         })?;
-        Ok(PeerCred {
-            pid: c.pid as u32,
-            uid: c.uid,
-            gid: c.gid,
-        })
+        Ok(PeerCred { pid: c.pid as u32, uid: c.uid, gid: c.gid })
     }
 
     /// Receive timeout (None: block).
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         let tv = match t {
-            Some(d) => libc::timeval {
-                tv_sec: d.as_secs() as libc::time_t,
-                tv_usec: d.subsec_micros() as libc::suseconds_t,
-            },
-            None => libc::timeval {
-                tv_sec: 0,
-                tv_usec: 0,
-            },
+            Some(d) => {
+                libc::timeval { tv_sec: d.as_secs() as libc::time_t, tv_usec: d.subsec_micros() as libc::suseconds_t }
+            }
+            None => libc::timeval { tv_sec: 0, tv_usec: 0 },
         };
         // SAFETY: setsockopt reads a timeval we own.
         cvt(unsafe {
@@ -246,10 +215,7 @@ impl Conn {
     /// Send one message with descriptors.
     pub fn send(&self, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
         assert!(fds.len() <= MAX_FDS);
-        let mut iov = libc::iovec {
-            iov_base: data.as_ptr() as *mut libc::c_void,
-            iov_len: data.len(),
-        };
+        let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
         let mut cbuf = [0u64; 8]; // CMSG_SPACE(4 * 4) fits in 64 bytes, u64 for alignment
                                   // SAFETY: msghdr is plain data; all-zero is valid.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -285,10 +251,7 @@ impl Conn {
     /// End of file (the peer closed) is `Ok(None)`.
     pub fn recv(&self) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
         let mut buf = vec![0u8; MAX_MSG];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-            iov_len: buf.len(),
-        };
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() };
         let mut cbuf = [MaybeUninit::<u64>::zeroed(); 16];
         // SAFETY: msghdr is plain data; all-zero is valid.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -298,8 +261,7 @@ impl Conn {
         msg.msg_controllen = std::mem::size_of_val(&cbuf);
         let n = loop {
             // SAFETY: `msg` points at live buffers of the lengths given.
-            let rc =
-                unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+            let rc = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
             match cvt(rc as libc::c_int) {
                 Ok(n) => break n as usize,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -314,8 +276,7 @@ impl Conn {
             while !c.is_null() {
                 if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                     let data = libc::CMSG_DATA(c);
-                    let count = ((*c).cmsg_len as usize - (data as usize - c as usize))
-                        / size_of::<RawFd>();
+                    let count = ((*c).cmsg_len as usize - (data as usize - c as usize)) / size_of::<RawFd>();
                     for i in 0..count {
                         let fd = std::ptr::read_unaligned((data as *const RawFd).add(i));
                         fds.push(OwnedFd::from_raw_fd(fd));
@@ -328,10 +289,7 @@ impl Conn {
             return Ok(None);
         }
         if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "message or descriptors truncated",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "message or descriptors truncated"));
         }
         buf.truncate(n);
         Ok(Some((buf, fds)))
@@ -385,35 +343,18 @@ mod tests {
     #[test]
     fn path_rules() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| OsString::from(v))
-            }
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| OsString::from(v))
         };
-        assert_eq!(
-            listen_path_with(env(&[("SOFTRDMA_SOCKET", "/tmp/x")]), true, 0),
-            PathBuf::from("/tmp/x")
-        );
-        assert_eq!(
-            listen_path_with(env(&[]), true, 0),
-            PathBuf::from(SYSTEM_SOCKET)
-        );
+        assert_eq!(listen_path_with(env(&[("SOFTRDMA_SOCKET", "/tmp/x")]), true, 0), PathBuf::from("/tmp/x"));
+        assert_eq!(listen_path_with(env(&[]), true, 0), PathBuf::from(SYSTEM_SOCKET));
         assert_eq!(
             listen_path_with(env(&[("XDG_RUNTIME_DIR", "/run/user/1000")]), false, 1000),
             PathBuf::from("/run/user/1000/softrdma/softrdmad.sock")
         );
         assert_eq!(
             client_paths_with(env(&[]), 1000),
-            vec![
-                PathBuf::from("/run/user/1000/softrdma/softrdmad.sock"),
-                PathBuf::from(SYSTEM_SOCKET)
-            ]
+            vec![PathBuf::from("/run/user/1000/softrdma/softrdmad.sock"), PathBuf::from(SYSTEM_SOCKET)]
         );
-        assert_eq!(
-            client_paths_with(env(&[]), 0),
-            vec![PathBuf::from(SYSTEM_SOCKET)]
-        );
+        assert_eq!(client_paths_with(env(&[]), 0), vec![PathBuf::from(SYSTEM_SOCKET)]);
     }
 }

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use softrdma_verbs::{
-    Access, CompletionQueue, ConnectParams, Context, DeviceBuilder, MemoryRegion, Mtu, Payload, ProtectionDomain,
-    Psn, QpCap, QpInitAttr, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
-    WorkCompletion, ROCE_PORT,
+    Access, CompletionQueue, ConnectParams, Context, DeviceBuilder, MemoryRegion, Mtu, Payload, ProtectionDomain, Psn,
+    QpCap, QpInitAttr, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    ROCE_PORT,
 };
 
 /// Options of `softrdma demo`.
@@ -120,8 +120,10 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     // SEND with immediate.
     let data = pattern(4096, 1);
     a.mr.write(0, &data).map_err(|e| e.to_string())?;
-    b.qp.post_recv(RecvWr { wr_id: 100, sgl: vec![b.mr.sge(0, 8192).map_err(|e| e.to_string())?] }).map_err(|e| e.to_string())?;
-    a.qp.post_send(wr(1, SendOp::SendWithImm(0xc0ffee), vec![a.mr.sge(0, 4096).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
+    b.qp.post_recv(RecvWr { wr_id: 100, sgl: vec![b.mr.sge(0, 8192).map_err(|e| e.to_string())?] })
+        .map_err(|e| e.to_string())?;
+    a.qp.post_send(wr(1, SendOp::SendWithImm(0xc0ffee), vec![a.mr.sge(0, 4096).map_err(|e| e.to_string())?]))
+        .map_err(|e| e.to_string())?;
     wait(&a.cq, 1)?;
     let r = wait(&b.cq, 1)?;
     println!("SEND with immediate, 4096 bytes: receiver got {} bytes, imm {:#x}", r[0].byte_len, r[0].imm);
@@ -130,7 +132,12 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     // RDMA WRITE 1 MiB.
     let data = pattern(1 << 20, 2);
     a.mr.write(0, &data).map_err(|e| e.to_string())?;
-    a.qp.post_send(wr(2, SendOp::Write { remote_addr: b.mr.addr() + (1 << 20), rkey: b.mr.rkey() }, vec![a.mr.sge(0, 1 << 20).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
+    a.qp.post_send(wr(
+        2,
+        SendOp::Write { remote_addr: b.mr.addr() + (1 << 20), rkey: b.mr.rkey() },
+        vec![a.mr.sge(0, 1 << 20).map_err(|e| e.to_string())?],
+    ))
+    .map_err(|e| e.to_string())?;
     wait(&a.cq, 1)?;
     println!("RDMA WRITE, 1 MiB into the peer's region at offset 1 MiB");
     check("write data", b.mr.to_vec(1 << 20, 1 << 20).map_err(|e| e.to_string())? == data)?;
@@ -139,15 +146,31 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     let data = pattern(65536, 3);
     a.mr.write(0, &data).map_err(|e| e.to_string())?;
     b.qp.post_recv(RecvWr { wr_id: 101, sgl: vec![] }).map_err(|e| e.to_string())?;
-    a.qp.post_send(wr(3, SendOp::WriteWithImm { remote_addr: b.mr.addr(), rkey: b.mr.rkey(), imm: 0x5eed }, vec![a.mr.sge(0, 65536).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
+    a.qp.post_send(wr(
+        3,
+        SendOp::WriteWithImm { remote_addr: b.mr.addr(), rkey: b.mr.rkey(), imm: 0x5eed },
+        vec![a.mr.sge(0, 65536).map_err(|e| e.to_string())?],
+    ))
+    .map_err(|e| e.to_string())?;
     wait(&a.cq, 1)?;
     let r = wait(&b.cq, 1)?;
-    println!("RDMA WRITE with immediate, 64 KiB: receiver completion {:?} len {} imm {:#x}", r[0].opcode, r[0].byte_len, r[0].imm);
-    check("write-with-immediate data", b.mr.to_vec(0, 65536).map_err(|e| e.to_string())? == data && r[0].opcode == WcOpcode::RecvRdmaWithImm)?;
+    println!(
+        "RDMA WRITE with immediate, 64 KiB: receiver completion {:?} len {} imm {:#x}",
+        r[0].opcode, r[0].byte_len, r[0].imm
+    );
+    check(
+        "write-with-immediate data",
+        b.mr.to_vec(0, 65536).map_err(|e| e.to_string())? == data && r[0].opcode == WcOpcode::RecvRdmaWithImm,
+    )?;
 
     // RDMA READ 1 MiB back.
     let remote = b.mr.to_vec(1 << 20, 1 << 20).map_err(|e| e.to_string())?;
-    a.qp.post_send(wr(4, SendOp::Read { remote_addr: b.mr.addr() + (1 << 20), rkey: b.mr.rkey() }, vec![a.mr.sge(2 << 20, 1 << 20).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
+    a.qp.post_send(wr(
+        4,
+        SendOp::Read { remote_addr: b.mr.addr() + (1 << 20), rkey: b.mr.rkey() },
+        vec![a.mr.sge(2 << 20, 1 << 20).map_err(|e| e.to_string())?],
+    ))
+    .map_err(|e| e.to_string())?;
     wait(&a.cq, 1)?;
     println!("RDMA READ, 1 MiB from the peer");
     check("read data", a.mr.to_vec(2 << 20, 1 << 20).map_err(|e| e.to_string())? == remote)?;
@@ -155,8 +178,18 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     // Atomics on an 8-byte word of B.
     let word = b.mr.addr() + 8;
     b.mr.write(8, &40u64.to_ne_bytes()).map_err(|e| e.to_string())?;
-    a.qp.post_send(wr(5, SendOp::FetchAdd { remote_addr: word, rkey: b.mr.rkey(), add: 2 }, vec![a.mr.sge(0, 8).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
-    a.qp.post_send(wr(6, SendOp::CompareSwap { remote_addr: word, rkey: b.mr.rkey(), compare: 42, swap: 7 }, vec![a.mr.sge(8, 8).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
+    a.qp.post_send(wr(
+        5,
+        SendOp::FetchAdd { remote_addr: word, rkey: b.mr.rkey(), add: 2 },
+        vec![a.mr.sge(0, 8).map_err(|e| e.to_string())?],
+    ))
+    .map_err(|e| e.to_string())?;
+    a.qp.post_send(wr(
+        6,
+        SendOp::CompareSwap { remote_addr: word, rkey: b.mr.rkey(), compare: 42, swap: 7 },
+        vec![a.mr.sge(8, 8).map_err(|e| e.to_string())?],
+    ))
+    .map_err(|e| e.to_string())?;
     wait(&a.cq, 2)?;
     let got = a.mr.to_vec(0, 16).map_err(|e| e.to_string())?;
     let fa = u64::from_ne_bytes(got[..8].try_into().expect("8 bytes"));
@@ -175,7 +208,12 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
         while posted - done < 32 && Instant::now() < deadline {
             let off = (posted as usize % (REGION / MSG)) * MSG;
             let sge = a.mr.sge(off, MSG).map_err(|e| e.to_string())?;
-            a.qp.post_send(wr(posted, SendOp::Write { remote_addr: b.mr.addr() + off as u64, rkey: b.mr.rkey() }, vec![sge])).map_err(|e| e.to_string())?;
+            a.qp.post_send(wr(
+                posted,
+                SendOp::Write { remote_addr: b.mr.addr() + off as u64, rkey: b.mr.rkey() },
+                vec![sge],
+            ))
+            .map_err(|e| e.to_string())?;
             posted += 1;
         }
         wcs.clear();
@@ -188,7 +226,11 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     }
     let secs = start.elapsed().as_secs_f64();
     let bytes = done as f64 * MSG as f64;
-    println!("bandwidth: {done} RDMA WRITEs of 64 KiB in {secs:.2} s = {:.1} MB/s ({:.2} Gbit/s)", bytes / secs / 1e6, bytes * 8.0 / secs / 1e9);
+    println!(
+        "bandwidth: {done} RDMA WRITEs of 64 KiB in {secs:.2} s = {:.1} MB/s ({:.2} Gbit/s)",
+        bytes / secs / 1e6,
+        bytes * 8.0 / secs / 1e9
+    );
 
     // Latency: 64-byte SEND ping-pong, busy polling.
     const ITERS: usize = 2000;
@@ -199,9 +241,11 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
             h.qp.post_recv(RecvWr { wr_id: 200 + i as u64, sgl }).map_err(|e| e.to_string())?;
         }
         let t = Instant::now();
-        a.qp.post_send(wr(i as u64, SendOp::Send, vec![a.mr.sge(0, 64).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
+        a.qp.post_send(wr(i as u64, SendOp::Send, vec![a.mr.sge(0, 64).map_err(|e| e.to_string())?]))
+            .map_err(|e| e.to_string())?;
         wait(&b.cq, 1)?;
-        b.qp.post_send(wr(i as u64, SendOp::Send, vec![b.mr.sge(0, 64).map_err(|e| e.to_string())?])).map_err(|e| e.to_string())?;
+        b.qp.post_send(wr(i as u64, SendOp::Send, vec![b.mr.sge(0, 64).map_err(|e| e.to_string())?]))
+            .map_err(|e| e.to_string())?;
         let mut got = wait(&a.cq, 2)?;
         got.extend(wait(&b.cq, 1)?);
         rtts.push(t.elapsed());
@@ -210,6 +254,12 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     let med = rtts[ITERS / 2].as_secs_f64() * 1e6;
     println!("latency: 64-byte SEND ping-pong, busy polling, {ITERS} round trips: median {:.1} us round trip, {:.1} us one way", med, med / 2.0);
     let c = a.ctx.counters();
-    println!("device demo0 counters: {} packets sent, {} received, {} retransmitted, {} dropped", c.sent_pkts, c.rcvd_pkts, c.retransmits, c.drop_malformed + c.drop_bad_state + c.drop_unknown_qp);
+    println!(
+        "device demo0 counters: {} packets sent, {} received, {} retransmitted, {} dropped",
+        c.sent_pkts,
+        c.rcvd_pkts,
+        c.retransmits,
+        c.drop_malformed + c.drop_bad_state + c.drop_unknown_qp
+    );
     Ok(())
 }

@@ -48,11 +48,7 @@ pub fn render_devices(devices: &[(&str, Guid)]) -> String {
 
 /// `ibv_devinfo -l`.
 pub fn render_list(names: &[&str]) -> String {
-    let mut s = format!(
-        "{} HCA{} found:\n",
-        names.len(),
-        if names.len() != 1 { "s" } else { "" }
-    );
+    let mut s = format!("{} HCA{} found:\n", names.len(), if names.len() != 1 { "s" } else { "" });
     for n in names {
         let _ = writeln!(s, "\t{n}");
     }
@@ -65,12 +61,7 @@ pub fn render_devinfo(dev: &DeviceInfo, port: Option<u32>, verbose: bool) -> Str
     let a = &dev.attr;
     let mut s = String::new();
     let _ = writeln!(s, "hca_id:\t{}", dev.name);
-    let _ = writeln!(
-        s,
-        "\ttransport:\t\t\t{} ({})",
-        a.transport.name(),
-        a.transport.number()
-    );
+    let _ = writeln!(s, "\ttransport:\t\t\t{} ({})", a.transport.name(), a.transport.number());
     let _ = writeln!(s, "\tfw_ver:\t\t\t\t{}", a.fw_ver_string());
     let _ = writeln!(s, "\tnode_guid:\t\t\t{}", a.node_guid);
     let _ = writeln!(s, "\tsys_image_guid:\t\t\t{}", a.sys_image_guid);
@@ -101,11 +92,7 @@ fn render_device_verbose(s: &mut String, dev: &DeviceInfo) {
         let _ = writeln!(s, "\t\t\t\t\t{name}");
     }
     if a.device_cap_flags.unknown() != 0 {
-        let _ = writeln!(
-            s,
-            "\t\t\t\t\tUnknown flags: 0x{:X}",
-            a.device_cap_flags.unknown()
-        );
+        let _ = writeln!(s, "\t\t\t\t\tUnknown flags: 0x{:X}", a.device_cap_flags.unknown());
     }
     let _ = writeln!(s, "\tmax_sge:\t\t\t{}", a.max_sge);
     let _ = writeln!(s, "\tmax_sge_rd:\t\t\t{}", a.max_sge_rd);
@@ -118,12 +105,7 @@ fn render_device_verbose(s: &mut String, dev: &DeviceInfo) {
     let _ = writeln!(s, "\tmax_res_rd_atom:\t\t{}", a.max_res_rd_atom);
     let _ = writeln!(s, "\tmax_qp_init_rd_atom:\t\t{}", a.max_qp_init_rd_atom);
     let _ = writeln!(s, "\tmax_ee_init_rd_atom:\t\t{}", a.max_ee_init_rd_atom);
-    let _ = writeln!(
-        s,
-        "\tatomic_cap:\t\t\t{} ({})",
-        a.atomic_cap.name(),
-        a.atomic_cap.number()
-    );
+    let _ = writeln!(s, "\tatomic_cap:\t\t\t{} ({})", a.atomic_cap.name(), a.atomic_cap.number());
     let _ = writeln!(s, "\tmax_ee:\t\t\t\t{}", a.max_ee);
     let _ = writeln!(s, "\tmax_rdd:\t\t\t{}", a.max_rdd);
     let _ = writeln!(s, "\tmax_mw:\t\t\t\t{}", a.max_mw);
@@ -131,11 +113,7 @@ fn render_device_verbose(s: &mut String, dev: &DeviceInfo) {
     let _ = writeln!(s, "\tmax_raw_ethy_qp:\t\t{}", a.max_raw_ethy_qp);
     let _ = writeln!(s, "\tmax_mcast_grp:\t\t\t{}", a.max_mcast_grp);
     let _ = writeln!(s, "\tmax_mcast_qp_attach:\t\t{}", a.max_mcast_qp_attach);
-    let _ = writeln!(
-        s,
-        "\tmax_total_mcast_qp_attach:\t{}",
-        a.max_total_mcast_qp_attach
-    );
+    let _ = writeln!(s, "\tmax_total_mcast_qp_attach:\t{}", a.max_total_mcast_qp_attach);
     let _ = writeln!(s, "\tmax_ah:\t\t\t\t{}", a.max_ah);
     let _ = writeln!(s, "\tmax_fmr:\t\t\t{}", a.max_fmr);
     if a.max_fmr != 0 {
@@ -174,24 +152,9 @@ fn render_device_verbose(s: &mut String, dev: &DeviceInfo) {
 fn render_port(s: &mut String, dev: &DeviceInfo, port: u32, verbose: bool) {
     let p = &dev.port;
     let _ = writeln!(s, "\t\tport:\t{port}");
-    let _ = writeln!(
-        s,
-        "\t\t\tstate:\t\t\t{} ({})",
-        p.state.name(),
-        p.state.number()
-    );
-    let _ = writeln!(
-        s,
-        "\t\t\tmax_mtu:\t\t{} ({})",
-        p.max_mtu,
-        p.max_mtu.ib_enum()
-    );
-    let _ = writeln!(
-        s,
-        "\t\t\tactive_mtu:\t\t{} ({})",
-        p.active_mtu,
-        p.active_mtu.ib_enum()
-    );
+    let _ = writeln!(s, "\t\t\tstate:\t\t\t{} ({})", p.state.name(), p.state.number());
+    let _ = writeln!(s, "\t\t\tmax_mtu:\t\t{} ({})", p.max_mtu, p.max_mtu.ib_enum());
+    let _ = writeln!(s, "\t\t\tactive_mtu:\t\t{} ({})", p.active_mtu, p.active_mtu.ib_enum());
     let _ = writeln!(s, "\t\t\tsm_lid:\t\t\t{}", p.sm_lid);
     let _ = writeln!(s, "\t\t\tport_lid:\t\t{}", p.lid);
     let _ = writeln!(s, "\t\t\tport_lmc:\t\t0x{:02x}", p.lmc);
@@ -200,12 +163,7 @@ fn render_port(s: &mut String, dev: &DeviceInfo, port: u32, verbose: bool) {
         let _ = writeln!(s, "\t\t\tmax_msg_sz:\t\t0x{:x}", p.max_msg_sz);
         let _ = writeln!(s, "\t\t\tport_cap_flags:\t\t0x{:08x}", p.port_cap_flags);
         let _ = writeln!(s, "\t\t\tport_cap_flags2:\t0x{:04x}", p.port_cap_flags2);
-        let _ = writeln!(
-            s,
-            "\t\t\tmax_vl_num:\t\t{} ({})",
-            vl_name(p.max_vl_num),
-            p.max_vl_num
-        );
+        let _ = writeln!(s, "\t\t\tmax_vl_num:\t\t{} ({})", vl_name(p.max_vl_num), p.max_vl_num);
         let _ = writeln!(s, "\t\t\tbad_pkey_cntr:\t\t0x{:x}", p.bad_pkey_cntr);
         let _ = writeln!(s, "\t\t\tqkey_viol_cntr:\t\t0x{:x}", p.qkey_viol_cntr);
         let _ = writeln!(s, "\t\t\tsm_sl:\t\t\t{}", p.sm_sl);
@@ -213,42 +171,17 @@ fn render_port(s: &mut String, dev: &DeviceInfo, port: u32, verbose: bool) {
         let _ = writeln!(s, "\t\t\tgid_tbl_len:\t\t{}", p.gid_tbl_len);
         let _ = writeln!(s, "\t\t\tsubnet_timeout:\t\t{}", p.subnet_timeout);
         let _ = writeln!(s, "\t\t\tinit_type_reply:\t{}", p.init_type_reply);
-        let _ = writeln!(
-            s,
-            "\t\t\tactive_width:\t\t{}X ({})",
-            width_name(p.active_width),
-            p.active_width
-        );
-        let _ = writeln!(
-            s,
-            "\t\t\tactive_speed:\t\t{} ({})",
-            speed_name(p.active_speed),
-            p.active_speed
-        );
-        let _ = writeln!(
-            s,
-            "\t\t\tphys_state:\t\t{} ({})",
-            p.phys_state.name(),
-            p.phys_state.number()
-        );
+        let _ = writeln!(s, "\t\t\tactive_width:\t\t{}X ({})", width_name(p.active_width), p.active_width);
+        let _ = writeln!(s, "\t\t\tactive_speed:\t\t{} ({})", speed_name(p.active_speed), p.active_speed);
+        let _ = writeln!(s, "\t\t\tphys_state:\t\t{} ({})", p.phys_state.name(), p.phys_state.number());
         for (i, e) in dev.gids.iter() {
             // ibv_devinfo skips GIDs whose interface id is zero (`null_gid`).
             if e.gid.is_null_interface_id() {
                 continue;
             }
             let _ = match e.gid_type {
-                GidType::RoceV2 => writeln!(
-                    s,
-                    "\t\t\tGID[{i:3}]:\t\t{}, {}",
-                    e.gid,
-                    e.gid_type.devinfo_name()
-                ),
-                _ => writeln!(
-                    s,
-                    "\t\t\tGID[{i:3}]:\t\t{}, {}",
-                    e.gid.full(),
-                    e.gid_type.devinfo_name()
-                ),
+                GidType::RoceV2 => writeln!(s, "\t\t\tGID[{i:3}]:\t\t{}, {}", e.gid, e.gid_type.devinfo_name()),
+                _ => writeln!(s, "\t\t\tGID[{i:3}]:\t\t{}, {}", e.gid.full(), e.gid_type.devinfo_name()),
             };
         }
     }
@@ -296,10 +229,7 @@ pub fn run_devices() -> ExitCode {
         Err(code) => return code,
     };
     let devs = open_all(&registry);
-    let rows: Vec<(&str, Guid)> = devs
-        .iter()
-        .map(|d| (d.name.as_str(), d.node_guid()))
-        .collect();
+    let rows: Vec<(&str, Guid)> = devs.iter().map(|d| (d.name.as_str(), d.node_guid())).collect();
     print!("{}", render_devices(&rows));
     ExitCode::SUCCESS
 }
@@ -380,12 +310,7 @@ mod tests {
         Netdev {
             index: 2,
             name: "eth0".into(),
-            flags: IfFlags {
-                up: true,
-                running: true,
-                lower_up: true,
-                loopback: false,
-            },
+            flags: IfFlags { up: true, running: true, lower_up: true, loopback: false },
             mtu: 1500,
             mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
             addrs: vec![
@@ -397,8 +322,7 @@ mod tests {
     }
 
     fn golden_rxe0(attr: fn(Guid) -> DeviceAttr) -> DeviceInfo {
-        let mut d =
-            DeviceInfo::with_attr(&DeviceConfig::new("rxe0", "eth0"), golden_eth0(), attr).unwrap();
+        let mut d = DeviceInfo::with_attr(&DeviceConfig::new("rxe0", "eth0"), golden_eth0(), attr).unwrap();
         // rxe reports one completion vector per CPU; the golden VM had 2.
         d.attr.num_comp_vectors = 2;
         d
@@ -414,10 +338,7 @@ mod tests {
 
     #[test]
     fn devices_matches_golden() {
-        let rows = [
-            ("rxe0", Guid(0x5054_00ff_fe77_0902)),
-            ("siw0", Guid(0xc8be_60ff_fec4_ae32)),
-        ];
+        let rows = [("rxe0", Guid(0x5054_00ff_fe77_0902)), ("siw0", Guid(0xc8be_60ff_fec4_ae32))];
         assert_same_lines(&render_devices(&rows), &tool_output(GOLDEN_DEVICES));
     }
 
@@ -426,10 +347,7 @@ mod tests {
         let got = render_devinfo(&golden_rxe0(DeviceAttr::rxe), None, true);
         assert_same_lines(&got, &tool_output(GOLDEN_DEVINFO));
         // -i 1 selects the only port: same text.
-        assert_eq!(
-            render_devinfo(&golden_rxe0(DeviceAttr::rxe), Some(1), true),
-            got
-        );
+        assert_eq!(render_devinfo(&golden_rxe0(DeviceAttr::rxe), Some(1), true), got);
     }
 
     #[test]
@@ -438,10 +356,7 @@ mod tests {
         let want = tool_output(GOLDEN_DEVINFO);
         let got_lines: Vec<&str> = got.lines().collect();
         let missing: Vec<&str> = want.lines().filter(|l| !got_lines.contains(l)).collect();
-        let extra: Vec<&str> = got
-            .lines()
-            .filter(|l| !want.lines().any(|w| w == *l))
-            .collect();
+        let extra: Vec<&str> = got.lines().filter(|l| !want.lines().any(|w| w == *l)).collect();
         // softrdma has no memory windows and no multicast (attr module docs).
         assert_eq!(
             missing,
@@ -516,19 +431,11 @@ mod tests {
         let mut d = golden_rxe0(DeviceAttr::rxe);
         let gid = |s: &str| s.parse().unwrap();
         d.gids = GidTable::from_entries([
-            GidEntry {
-                gid: gid("fe80::5054:ff:fe77:902"),
-                gid_type: GidType::IbRoceV1,
-            },
-            GidEntry {
-                gid: gid("fe80::"),
-                gid_type: GidType::RoceV2,
-            },
+            GidEntry { gid: gid("fe80::5054:ff:fe77:902"), gid_type: GidType::IbRoceV1 },
+            GidEntry { gid: gid("fe80::"), gid_type: GidType::RoceV2 },
         ]);
         let got = render_devinfo(&d, None, true);
-        assert!(
-            got.contains("\t\t\tGID[  0]:\t\tfe80:0000:0000:0000:5054:00ff:fe77:0902, RoCE v1\n")
-        );
+        assert!(got.contains("\t\t\tGID[  0]:\t\tfe80:0000:0000:0000:5054:00ff:fe77:0902, RoCE v1\n"));
         // Null interface id: skipped, as ibv_devinfo does.
         assert!(!got.contains("GID[  1]"));
     }

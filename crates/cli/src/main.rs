@@ -11,11 +11,7 @@ mod pingpong;
 mod service;
 
 #[derive(Parser)]
-#[command(
-    name = "softrdma",
-    version,
-    about = "RDMA and InfiniBand in user space"
-)]
+#[command(name = "softrdma", version, about = "RDMA and InfiniBand in user space")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -59,10 +55,7 @@ enum Command {
 fn main() -> ExitCode {
     // Installed (or linked) as `softrdmad`, the binary is the daemon.
     let argv0 = std::env::args_os().next().unwrap_or_default();
-    if std::path::Path::new(&argv0)
-        .file_name()
-        .is_some_and(|n| n == "softrdmad")
-    {
+    if std::path::Path::new(&argv0).file_name().is_some_and(|n| n == "softrdmad") {
         #[derive(Parser)]
         #[command(name = "softrdmad", version, about = "softrdma's device daemon")]
         struct Softrdmad {

@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use softrdma_verbs::{
-    devices, open_device, Access, AddressHandle, AhAttr, CompletionQueue, ConnectParams, Context,
-    DeviceBuilder, Gid, MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr,
-    QpType, Qpn, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    devices, open_device, Access, AddressHandle, AhAttr, CompletionQueue, ConnectParams, Context, DeviceBuilder, Gid,
+    MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, Qpn, QueuePair, RecvWr, SendFlags,
+    SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// How a payload byte travels on the path these tests use, one entry per copy. Keep it in step
@@ -47,8 +47,7 @@ pub const COPIES: &[(&str, u32)] = &[
     ("scatter into registered memory", 1),
 ];
 
-const RESULT_LINE: &str =
-    "---------------------------------------------------------------------------------------";
+const RESULT_LINE: &str = "---------------------------------------------------------------------------------------";
 const DEF_QKEY: u32 = 0x1111_1111;
 const UD_GRH: usize = 40;
 /// perftest's `MSG_SIZE_CQ_MOD_LIMIT`: above it CQ moderation defaults to 1.
@@ -95,16 +94,11 @@ impl Test {
     }
 
     fn is_bw(self) -> bool {
-        matches!(
-            self,
-            Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw
-        )
+        matches!(self, Test::WriteBw | Test::ReadBw | Test::SendBw | Test::AtomicBw)
     }
 
     fn name(self) -> String {
-        self.to_possible_value()
-            .map(|v| v.get_name().to_string())
-            .unwrap_or_default()
+        self.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
     }
 }
 
@@ -229,11 +223,7 @@ impl Plan {
             "RC" => QpType::Rc,
             "UC" => QpType::Uc,
             "UD" => QpType::Ud,
-            c => {
-                return Err(format!(
-                    " Unsupported connection type {c}: use RC, UC or UD"
-                ))
-            }
+            c => return Err(format!(" Unsupported connection type {c}: use RC, UC or UD")),
         };
         match (conn, verb) {
             (QpType::Uc, Verb::Read | Verb::Atomic) => {
@@ -256,11 +246,7 @@ impl Plan {
         let cas = match a.atomic_type.as_str() {
             "CMP_AND_SWAP" => true,
             "FETCH_AND_ADD" => false,
-            t => {
-                return Err(format!(
-                    " Invalid atomic type {t}: use CMP_AND_SWAP or FETCH_AND_ADD"
-                ))
-            }
+            t => return Err(format!(" Invalid atomic type {t}: use CMP_AND_SWAP or FETCH_AND_ADD")),
         };
         let sizes: Vec<u64> = if verb == Verb::Atomic {
             if a.size.is_some_and(|s| s != 8) {
@@ -277,10 +263,9 @@ impl Plan {
         }
         let mtu = match a.mtu {
             None => None,
-            Some(m) => Some(
-                Mtu::from_bytes(m)
-                    .ok_or_else(|| format!(" Invalid MTU {m}: use 256, 512, 1024, 2048 or 4096"))?,
-            ),
+            Some(m) => {
+                Some(Mtu::from_bytes(m).ok_or_else(|| format!(" Invalid MTU {m}: use 256, 512, 1024, 2048 or 4096"))?)
+            }
         };
         let iters = a.iters.unwrap_or(if bw { 5000 } else { 1000 });
         if iters < 5 && a.duration.is_none() {
@@ -409,10 +394,7 @@ impl Ctl {
     fn new(sock: TcpStream) -> Result<Ctl, String> {
         sock.set_nodelay(true).map_err(|e| e.to_string())?;
         sock.set_nonblocking(true).map_err(|e| e.to_string())?;
-        Ok(Ctl {
-            sock,
-            buf: Vec::new(),
-        })
+        Ok(Ctl { sock, buf: Vec::new() })
     }
 
     fn send(&mut self, line: &str) -> Result<(), String> {
@@ -432,11 +414,7 @@ impl Ctl {
     }
 
     fn wait(&self, events: libc::c_short, ms: i32) {
-        let mut p = libc::pollfd {
-            fd: self.sock.as_raw_fd(),
-            events,
-            revents: 0,
-        };
+        let mut p = libc::pollfd { fd: self.sock.as_raw_fd(), events, revents: 0 };
         // SAFETY: one live pollfd.
         unsafe { libc::poll(&mut p, 1, ms) };
     }
@@ -509,20 +487,14 @@ struct Side {
 }
 
 fn random_psn(salt: u32) -> u32 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let x = (t.as_nanos() as u64)
-        ^ (u64::from(std::process::id()) << 32)
-        ^ u64::from(salt).wrapping_mul(0x2545_f491);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let x = (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32) ^ u64::from(salt).wrapping_mul(0x2545_f491);
     ((x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as u32) & 0xff_ffff
 }
 
 impl Side {
     fn open(ctx: Context, plan: &Plan) -> Result<Side, String> {
-        let port = ctx
-            .query_port(1)
-            .map_err(|e| format!("Couldn't query port: {e}"))?;
+        let port = ctx.query_port(1).map_err(|e| format!("Couldn't query port: {e}"))?;
         let port_mtu = Mtu::from_bytes(port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let mtu = plan.mtu.unwrap_or(port_mtu);
         if plan.conn == QpType::Ud && plan.max_size() > mtu.bytes() {
@@ -534,13 +506,9 @@ impl Side {
             .create_cq(depth.min(ctx.query_device().max_cqe), None)
             .map_err(|e| format!("Couldn't create CQ: {e}"))?;
         let slot = plan.max_size() + if plan.conn == QpType::Ud { UD_GRH } else { 0 };
-        let rights = Access::LOCAL_WRITE
-            .with(Access::REMOTE_WRITE)
-            .with(Access::REMOTE_READ)
-            .with(Access::REMOTE_ATOMIC);
-        let mr = pd
-            .reg_mr(2 * slot.max(8), rights)
-            .map_err(|e| format!("Couldn't allocate MR: {e}"))?;
+        let rights =
+            Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
+        let mr = pd.reg_mr(2 * slot.max(8), rights).map_err(|e| format!("Couldn't allocate MR: {e}"))?;
         let cap = QpCap {
             max_send_wr: plan.tx_depth.max(16),
             max_recv_wr: plan.rx_depth,
@@ -563,12 +531,10 @@ impl Side {
                 .map_err(|e| format!("Couldn't create QP: {e}"))?;
             let psn = random_psn(i as u32);
             match plan.conn {
-                QpType::Ud => qp
-                    .bring_up_ud(DEF_QKEY, Psn::new(psn))
-                    .map_err(|e| format!("Failed to modify QP to RTS: {e}"))?,
-                _ => qp
-                    .init(rights)
-                    .map_err(|e| format!("Failed to modify QP to INIT: {e}"))?,
+                QpType::Ud => {
+                    qp.bring_up_ud(DEF_QKEY, Psn::new(psn)).map_err(|e| format!("Failed to modify QP to RTS: {e}"))?
+                }
+                _ => qp.init(rights).map_err(|e| format!("Failed to modify QP to INIT: {e}"))?,
             }
             qps.push(qp);
             psns.push(psn);
@@ -613,11 +579,7 @@ impl Side {
 
     fn connect(&mut self, plan: &Plan, remote: Vec<Dest>) -> Result<(), String> {
         if remote.len() != self.qps.len() {
-            return Err(format!(
-                "the peer has {} QPs, this side {}",
-                remote.len(),
-                self.qps.len()
-            ));
+            return Err(format!("the peer has {} QPs, this side {}", remote.len(), self.qps.len()));
         }
         for ((qp, &psn), r) in self.qps.iter().zip(&self.psns).zip(&remote) {
             match plan.conn {
@@ -629,13 +591,11 @@ impl Side {
                     self.ahs.push(ah);
                 }
                 _ => {
-                    let mut p =
-                        ConnectParams::new(Qpn::new(r.qpn), Psn::new(r.psn), r.gid, Psn::new(psn));
+                    let mut p = ConnectParams::new(Qpn::new(r.qpn), Psn::new(r.psn), r.gid, Psn::new(psn));
                     p.mtu = self.mtu;
                     p.sgid_index = plan.gid_index;
                     p.rd_atomic = plan.outs.min(r.out_reads.min(255) as u8).max(1);
-                    qp.connect(&self.pd, &p)
-                        .map_err(|e| format!("Failed to modify QP to RTR/RTS: {e}"))?;
+                    qp.connect(&self.pd, &p).map_err(|e| format!("Failed to modify QP to RTR/RTS: {e}"))?;
                 }
             }
         }
@@ -656,72 +616,30 @@ impl Side {
     fn post_recv(&mut self, i: usize) -> Result<(), String> {
         let sge = self.mr.sge(0, self.slot).map_err(|e| e.to_string())?;
         self.qps[i]
-            .post_recv(RecvWr {
-                wr_id: i as u64,
-                sgl: vec![sge],
-            })
+            .post_recv(RecvWr { wr_id: i as u64, sgl: vec![sge] })
             .map_err(|e| format!("Couldn't post receive: {e}"))?;
         self.rx_posted[i] += 1;
         Ok(())
     }
 
     /// The send work request of this test on QP `i`.
-    fn send_wr(
-        &self,
-        plan: &Plan,
-        i: usize,
-        size: u64,
-        wr_id: u64,
-        signaled: bool,
-    ) -> Result<SendWr, String> {
+    fn send_wr(&self, plan: &Plan, i: usize, size: u64, wr_id: u64, signaled: bool) -> Result<SendWr, String> {
         let r = &self.remote[i];
         let (op, sge_off) = match plan.verb {
             Verb::Send => (SendOp::Send, self.slot),
-            Verb::Write => (
-                SendOp::Write {
-                    remote_addr: r.vaddr,
-                    rkey: r.rkey,
-                },
-                self.slot,
-            ),
-            Verb::Read => (
-                SendOp::Read {
-                    remote_addr: r.vaddr + self.slot as u64,
-                    rkey: r.rkey,
-                },
-                0,
-            ),
-            Verb::Atomic if plan.cas => (
-                SendOp::CompareSwap {
-                    remote_addr: r.vaddr,
-                    rkey: r.rkey,
-                    compare: 0,
-                    swap: 0,
-                },
-                self.slot,
-            ),
-            Verb::Atomic => (
-                SendOp::FetchAdd {
-                    remote_addr: r.vaddr,
-                    rkey: r.rkey,
-                    add: 1,
-                },
-                self.slot,
-            ),
+            Verb::Write => (SendOp::Write { remote_addr: r.vaddr, rkey: r.rkey }, self.slot),
+            Verb::Read => (SendOp::Read { remote_addr: r.vaddr + self.slot as u64, rkey: r.rkey }, 0),
+            Verb::Atomic if plan.cas => {
+                (SendOp::CompareSwap { remote_addr: r.vaddr, rkey: r.rkey, compare: 0, swap: 0 }, self.slot)
+            }
+            Verb::Atomic => (SendOp::FetchAdd { remote_addr: r.vaddr, rkey: r.rkey, add: 1 }, self.slot),
         };
-        let sge = self
-            .mr
-            .sge(sge_off, size as usize)
-            .map_err(|e| e.to_string())?;
+        let sge = self.mr.sge(sge_off, size as usize).map_err(|e| e.to_string())?;
         Ok(SendWr {
             wr_id,
             op,
             payload: Payload::Sgl(vec![sge]),
-            flags: if signaled {
-                SendFlags::SIGNALED
-            } else {
-                SendFlags::NONE
-            },
+            flags: if signaled { SendFlags::SIGNALED } else { SendFlags::NONE },
             ud: self.ahs.get(i).map(|ah| ah.ud(Qpn::new(r.qpn), DEF_QKEY)),
         })
     }
@@ -737,11 +655,7 @@ fn check(wc: &WorkCompletion) -> Result<(), String> {
     } else {
         Err(format!(
             " Completion with error at {}:\n Failed status {}: wr_id {} syndrom 0x{:x}",
-            if matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
-                "server"
-            } else {
-                "client"
-            },
+            if matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) { "server" } else { "client" },
             wc.status as u32,
             wc.wr_id,
             0
@@ -766,10 +680,7 @@ struct BwResult {
 
 fn bw_row(plan: &Plan, size: u64, r: &BwResult) -> String {
     let _ = plan;
-    format!(
-        " {:<7}    {:<10}       {:<7.2}            {:<7.2}\t\t   {:<7.6}",
-        size, r.iters, r.peak, r.avg, r.msg_rate
-    )
+    format!(" {:<7}    {:<10}       {:<7.2}            {:<7.2}\t\t   {:<7.6}", size, r.iters, r.peak, r.avg, r.msg_rate)
 }
 
 /// Units per byte/s: MB/s (2^20, as perftest's "MB") or Gbit/s.
@@ -785,13 +696,7 @@ fn bw_factor(plan: &Plan) -> f64 {
 fn bw_from_times(plan: &Plan, size: u64, posted: &[u64], completed: &[u64]) -> BwResult {
     let n = posted.len().min(completed.len());
     if n == 0 {
-        return BwResult {
-            iters: 0,
-            peak: 0.0,
-            avg: 0.0,
-            msg_rate: 0.0,
-            bytes: 0,
-        };
+        return BwResult { iters: 0, peak: 0.0, avg: 0.0, msg_rate: 0.0, bytes: 0 };
     }
     let total_ns = (completed[n - 1].saturating_sub(posted[0])).max(1) as f64;
     let secs = total_ns / 1e9;
@@ -818,13 +723,7 @@ fn bw_from_times(plan: &Plan, size: u64, posted: &[u64], completed: &[u64]) -> B
         }
         peak = size as f64 / (best / 1e9) / bw_factor(plan);
     }
-    BwResult {
-        iters: n as u64,
-        peak,
-        avg,
-        msg_rate,
-        bytes: size * n as u64,
-    }
+    BwResult { iters: n as u64, peak, avg, msg_rate, bytes: size * n as u64 }
 }
 
 struct LatResult {
@@ -849,30 +748,17 @@ fn lat_row(plan: &Plan, size: u64, posts: &[u64], elapsed_ns: u64) -> LatResult 
         let lat = elapsed_ns as f64 / 1e3 / rtt / iters;
         let tps = iters / (elapsed_ns.max(1) as f64 / 1e9);
         return LatResult {
-            row: format!(
-                " {:<7}       {}            {:<7.2}        {:<7.2}",
-                size, n, lat, tps
-            ),
+            row: format!(" {:<7}       {}            {:<7.2}        {:<7.2}", size, n, lat, tps),
             bytes: size * n as u64 * moved,
         };
     }
-    let mut d: Vec<f64> = posts
-        .windows(2)
-        .map(|w| (w[1] - w[0]) as f64 / 1e3 / rtt)
-        .collect();
+    let mut d: Vec<f64> = posts.windows(2).map(|w| (w[1] - w[0]) as f64 / 1e3 / rtt).collect();
     d.sort_by(|a, b| a.total_cmp(b));
     if d.len() <= LAT_MEASURE_TAIL + 1 {
-        return LatResult {
-            row: format!(" {:<7} {}          (too few iterations)", size, n),
-            bytes: 0,
-        };
+        return LatResult { row: format!(" {:<7} {}          (too few iterations)", size, n), bytes: 0 };
     }
     let cnt = d.len() - LAT_MEASURE_TAIL;
-    let median = if (cnt - 1) % 2 == 1 {
-        (d[cnt / 2] + d[cnt / 2 - 1]) / 2.0
-    } else {
-        d[cnt / 2]
-    };
+    let median = if (cnt - 1) % 2 == 1 { (d[cnt / 2] + d[cnt / 2 - 1]) / 2.0 } else { d[cnt / 2] };
     let avg = d[..cnt].iter().sum::<f64>() / cnt as f64;
     let stdev = (d[..cnt].iter().map(|x| (x - avg).powi(2)).sum::<f64>() / cnt as f64).sqrt();
     let i99 = ((cnt as f64 * 0.99).ceil() as usize).min(d.len() - 1);
@@ -881,10 +767,7 @@ fn lat_row(plan: &Plan, size: u64, posts: &[u64], elapsed_ns: u64) -> LatResult 
         " {:<7} {}          {:<7.2}        {:<7.2}      {:<7.2}  \t       {:<7.2}     \t{:<7.2}\t\t{:<7.2} \t\t{:<7.2}",
         size, n, d[0], d[cnt], median, avg, stdev, d[i99], d[i999]
     );
-    LatResult {
-        row,
-        bytes: size * n as u64 * moved,
-    }
+    LatResult { row, bytes: size * n as u64 * moved }
 }
 
 // ---- the runs --------------------------------------------------------------------------------
@@ -923,7 +806,7 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
                 {
                     let seq = posted[q] + list.len() as u64;
                     let last = if timed { seq + 1 == iters } else { past };
-                    let signaled = (seq + 1) % cq_mod == 0 || last;
+                    let signaled = (seq + 1).is_multiple_of(cq_mod) || last;
                     list.push(side.send_wr(plan, q, size, ((q as u64) << 48) | seq, signaled)?);
                     if timed {
                         tposted[q * iters as usize + seq as usize] = ns(t0);
@@ -943,9 +826,7 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
             }
         }
         wcs.clear();
-        side.cq
-            .poll(64, &mut wcs)
-            .map_err(|e| format!("poll CQ failed: {e}"))?;
+        side.cq.poll(64, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
         if !wcs.is_empty() {
             let now = ns(t0);
             for wc in &wcs {
@@ -986,21 +867,14 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
 
 /// Bandwidth, the passive side: drive the device until the client says DONE; for SEND, count and
 /// re-post receives and time them.
-fn bw_server(
-    side: &mut Side,
-    plan: &Plan,
-    size: u64,
-    ctl: &mut Ctl,
-) -> Result<Option<BwResult>, String> {
+fn bw_server(side: &mut Side, plan: &Plan, size: u64, ctl: &mut Ctl) -> Result<Option<BwResult>, String> {
     let t0 = Instant::now();
     let mut wcs = Vec::with_capacity(64);
     let mut times: Vec<u64> = Vec::new();
     let mut spins = 0u32;
     loop {
         wcs.clear();
-        side.cq
-            .poll(64, &mut wcs)
-            .map_err(|e| format!("poll CQ failed: {e}"))?;
+        side.cq.poll(64, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
         if !wcs.is_empty() {
             let now = ns(t0);
             for wc in &wcs {
@@ -1027,13 +901,7 @@ fn bw_server(
     }
     let n = times.len();
     if n < 2 {
-        return Ok(Some(BwResult {
-            iters: n as u64,
-            peak: 0.0,
-            avg: 0.0,
-            msg_rate: 0.0,
-            bytes: size * n as u64,
-        }));
+        return Ok(Some(BwResult { iters: n as u64, peak: 0.0, avg: 0.0, msg_rate: 0.0, bytes: size * n as u64 }));
     }
     // The receiver's view: from the first to the last receive completion.
     let secs = (times[n - 1] - times[0]).max(1) as f64 / 1e9;
@@ -1047,17 +915,11 @@ fn bw_server(
 }
 
 /// Poll until a completion arrives, or (passive side) the client says DONE.
-fn wait_wc(
-    side: &Side,
-    wcs: &mut Vec<WorkCompletion>,
-    ctl: Option<&mut Ctl>,
-) -> Result<bool, String> {
+fn wait_wc(side: &Side, wcs: &mut Vec<WorkCompletion>, ctl: Option<&mut Ctl>) -> Result<bool, String> {
     let mut spins = 0u32;
     let mut ctl = ctl;
     loop {
-        side.cq
-            .poll(16, wcs)
-            .map_err(|e| format!("poll CQ failed: {e}"))?;
+        side.cq.poll(16, wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
         if !wcs.is_empty() {
             return Ok(true);
         }
@@ -1086,11 +948,7 @@ fn lat_run(
 ) -> Result<(Vec<u64>, u64, bool), String> {
     let t0 = Instant::now();
     let deadline = plan.duration.map(|d| t0 + d);
-    let iters = if plan.duration.is_some() {
-        u64::MAX
-    } else {
-        plan.iters
-    };
+    let iters = if plan.duration.is_some() { u64::MAX } else { plan.iters };
     let mut posts = Vec::with_capacity(plan.iters.min(1 << 24) as usize);
     let mut wcs = Vec::with_capacity(16);
     let mut done_seen = false;
@@ -1107,9 +965,7 @@ fn lat_run(
             while i < iters && deadline.is_none_or(|d| Instant::now() < d) {
                 posts.push(ns(t0));
                 let wr = side.send_wr(plan, 0, size, i, true)?;
-                side.qps[0]
-                    .post_send(wr)
-                    .map_err(|e| format!("Couldn't post send: {e}"))?;
+                side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
                 wcs.clear();
                 wait_wc(side, &mut wcs, None)?;
                 wcs.iter().try_for_each(check)?;
@@ -1154,17 +1010,13 @@ fn lat_run(
                     for wc in &wcs {
                         check(wc)?;
                         if wc.opcode == WcOpcode::Recv {
-                            return Err(
-                                "unexpected receive while waiting for a send completion".into()
-                            );
+                            return Err("unexpected receive while waiting for a send completion".into());
                         }
                         sends_out -= 1;
                     }
                 }
                 let wr = side.send_wr(plan, 0, size, i, true)?;
-                side.qps[0]
-                    .post_send(wr)
-                    .map_err(|e| format!("Couldn't post send: {e}"))?;
+                side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
                 sends_out += 1;
                 if role == Role::Client {
                     let mut got = false;
@@ -1188,9 +1040,7 @@ fn lat_run(
             // Reap the last send completions.
             while sends_out > 0 {
                 wcs.clear();
-                side.cq
-                    .poll(16, &mut wcs)
-                    .map_err(|e| format!("poll CQ failed: {e}"))?;
+                side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                 for wc in &wcs {
                     check(wc)?;
                     if wc.opcode == WcOpcode::Recv {
@@ -1215,16 +1065,12 @@ fn lat_run(
                     // Wait for the peer's write to change our last byte.
                     let mut spins = 0u32;
                     loop {
-                        side.mr
-                            .read(poll_at, &mut byte)
-                            .map_err(|e| e.to_string())?;
+                        side.mr.read(poll_at, &mut byte).map_err(|e| e.to_string())?;
                         if byte[0] == v {
                             break;
                         }
                         wcs.clear();
-                        side.cq
-                            .poll(16, &mut wcs)
-                            .map_err(|e| format!("poll CQ failed: {e}"))?;
+                        side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                         for wc in &wcs {
                             check(wc)?;
                             writes_out -= 1;
@@ -1233,9 +1079,7 @@ fn lat_run(
                         if spins.is_multiple_of(CTL_EVERY) {
                             if let Some(l) = ctl.try_recv()? {
                                 if l != "DONE" {
-                                    return Err(format!(
-                                        "protocol error: expected DONE, got {l:?}"
-                                    ));
+                                    return Err(format!("protocol error: expected DONE, got {l:?}"));
                                 }
                                 done_seen = true;
                                 break;
@@ -1247,9 +1091,7 @@ fn lat_run(
                     }
                 }
                 posts.push(ns(t0));
-                side.mr
-                    .write(send_at + poll_at, &[v])
-                    .map_err(|e| e.to_string())?;
+                side.mr.write(send_at + poll_at, &[v]).map_err(|e| e.to_string())?;
                 while writes_out >= plan.tx_depth.max(8) {
                     wcs.clear();
                     wait_wc(side, &mut wcs, None)?;
@@ -1259,22 +1101,16 @@ fn lat_run(
                     }
                 }
                 let wr = side.send_wr(plan, 0, size, i, true)?;
-                side.qps[0]
-                    .post_send(wr)
-                    .map_err(|e| format!("Couldn't post send: {e}"))?;
+                side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
                 writes_out += 1;
                 if role == Role::Client {
                     loop {
-                        side.mr
-                            .read(poll_at, &mut byte)
-                            .map_err(|e| e.to_string())?;
+                        side.mr.read(poll_at, &mut byte).map_err(|e| e.to_string())?;
                         if byte[0] == v {
                             break;
                         }
                         wcs.clear();
-                        side.cq
-                            .poll(16, &mut wcs)
-                            .map_err(|e| format!("poll CQ failed: {e}"))?;
+                        side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                         for wc in &wcs {
                             check(wc)?;
                             writes_out -= 1;
@@ -1285,9 +1121,7 @@ fn lat_run(
             }
             while writes_out > 0 {
                 wcs.clear();
-                side.cq
-                    .poll(16, &mut wcs)
-                    .map_err(|e| format!("poll CQ failed: {e}"))?;
+                side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                 for wc in &wcs {
                     check(wc)?;
                     writes_out -= 1;
@@ -1331,22 +1165,14 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
         (false, _) => "Latency ",
     };
     out.line(&format!("                    {verb} {atomic}{kind}Test"));
-    out.line(&format!(
-        " Dual-port       : OFF\t\tDevice         : {}",
-        side.dev_name
-    ));
-    out.line(&format!(
-        " Number of qps   : {}\t\tTransport type : IB",
-        plan.qps
-    ));
+    out.line(&format!(" Dual-port       : OFF\t\tDevice         : {}", side.dev_name));
+    out.line(&format!(" Number of qps   : {}\t\tTransport type : IB", plan.qps));
     let conn = match plan.conn {
         QpType::Rc => "RC",
         QpType::Uc => "UC",
         QpType::Ud => "UD",
     };
-    out.line(&format!(
-        " Connection type : {conn}\t\tUsing SRQ      : OFF"
-    ));
+    out.line(&format!(" Connection type : {conn}\t\tUsing SRQ      : OFF"));
     out.line(" PCIe relax order: Unsupported");
     out.line(" ibv_wr* API     : OFF");
     if role == Role::Client {
@@ -1385,11 +1211,7 @@ fn print_dest(out: &Out, plan: &Plan, side: &str, d: &Dest) {
         s += &format!(" OUT {}", hash_hex(u64::from(d.out_reads), 4));
     }
     if matches!(plan.verb, Verb::Read | Verb::Write) {
-        s += &format!(
-            " RKey {} VAddr {}",
-            hash_hex(u64::from(d.rkey), 8),
-            hash_hex(d.vaddr, 16)
-        );
+        s += &format!(" RKey {} VAddr {}", hash_hex(u64::from(d.rkey), 8), hash_hex(d.vaddr, 16));
     }
     out.line(&s);
     let g: Vec<String> = d.gid.0.iter().map(|b| format!("{b:02}")).collect();
@@ -1417,11 +1239,7 @@ fn print_extras(out: &Out, cpu: &[CpuLine]) {
     for c in cpu {
         let cpu = (c.user + c.sys).as_secs_f64();
         let gb = c.bytes as f64 / 1e9;
-        let per_gb = if gb > 0.0 {
-            format!("{:.3} s", cpu / gb)
-        } else {
-            "n/a".into()
-        };
+        let per_gb = if gb > 0.0 { format!("{:.3} s", cpu / gb) } else { "n/a".into() };
         out.line(&format!(
             " CPU time per GB : {per_gb} (#bytes {}: user {:.3} s + system {:.3} s, both sides, for {:.3} GB)",
             c.size,
@@ -1431,10 +1249,7 @@ fn print_extras(out: &Out, cpu: &[CpuLine]) {
         ));
     }
     let total: u32 = COPIES.iter().map(|c| c.1).sum();
-    let parts: Vec<String> = COPIES
-        .iter()
-        .map(|(what, n)| format!("{what} {n}"))
-        .collect();
+    let parts: Vec<String> = COPIES.iter().map(|(what, n)| format!("{what} {n}")).collect();
     out.line(&format!(
         " Copies per byte : {total} ({}; plus one ICRC pass over the payload on each side)",
         parts.join(", ")
@@ -1443,14 +1258,7 @@ fn print_extras(out: &Out, cpu: &[CpuLine]) {
 
 // ---- one side, end to end ---------------------------------------------------------------------
 
-fn run_side(
-    ctx: Context,
-    plan: &Plan,
-    role: Role,
-    mut ctl: Ctl,
-    out: &Out,
-    count_cpu: bool,
-) -> Result<(), String> {
+fn run_side(ctx: Context, plan: &Plan, role: Role, mut ctl: Ctl, out: &Out, count_cpu: bool) -> Result<(), String> {
     let mut side = Side::open(ctx, plan)?;
     if plan.verb == Verb::Send {
         side.fill_receives(plan)?;
@@ -1475,10 +1283,7 @@ fn run_side(
         Role::Server => {
             let hello = ctl.recv()?;
             if hello != plan.hello() {
-                let msg = format!(
-                    "the client runs a different test: {hello:?}, this side {:?}",
-                    plan.hello()
-                );
+                let msg = format!("the client runs a different test: {hello:?}, this side {:?}", plan.hello());
                 let _ = ctl.send(&format!("ERR {msg}"));
                 return Err(msg);
             }
@@ -1501,8 +1306,7 @@ fn run_side(
         print_dest(out, plan, "remote", d);
     }
     out.line(RESULT_LINE);
-    let passive_lat =
-        !plan.bw && matches!(plan.verb, Verb::Read | Verb::Atomic) && role == Role::Server;
+    let passive_lat = !plan.bw && matches!(plan.verb, Verb::Read | Verb::Atomic) && role == Role::Server;
     if !passive_lat {
         out.line(table_header(plan));
     }
@@ -1558,11 +1362,7 @@ fn run_side(
             }
         }
         let (u1, s1) = cpu_times();
-        let (du, ds) = if count_cpu {
-            (u1 - u0, s1 - s0)
-        } else {
-            (Duration::ZERO, Duration::ZERO)
-        };
+        let (du, ds) = if count_cpu { (u1 - u0, s1 - s0) } else { (Duration::ZERO, Duration::ZERO) };
         // Results: the server sends its CPU time; the client sends its row (the passive server of
         // WRITE/READ/atomic bandwidth prints the client's figures, as perftest's does).
         match role {
@@ -1574,29 +1374,15 @@ fn run_side(
                 if plan.bw && plan.verb != Verb::Send {
                     row = Some(text.to_string());
                 }
-                cpu.push(CpuLine {
-                    size,
-                    user: du,
-                    sys: ds,
-                    bytes: bytes_s.parse().unwrap_or(0),
-                });
+                cpu.push(CpuLine { size, user: du, sys: ds, bytes: bytes_s.parse().unwrap_or(0) });
             }
             Role::Client => {
                 let l = ctl.expect("RESULT")?;
-                let f: Vec<u128> = l
-                    .split_whitespace()
-                    .skip(1)
-                    .filter_map(|x| x.parse().ok())
-                    .collect();
+                let f: Vec<u128> = l.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
                 let su = Duration::from_nanos(*f.first().unwrap_or(&0) as u64);
                 let ss = Duration::from_nanos(*f.get(1).unwrap_or(&0) as u64);
                 ctl.send(&format!("ROW {bytes} {}", row.clone().unwrap_or_default()))?;
-                cpu.push(CpuLine {
-                    size,
-                    user: du + su,
-                    sys: ds + ss,
-                    bytes,
-                });
+                cpu.push(CpuLine { size, user: du + su, sys: ds + ss, bytes });
             }
         }
         if let Some(r) = row {
@@ -1613,7 +1399,15 @@ fn run_side(
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
         eprintln!(
             "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {}; ICRC verified {} recovered-id {} bad {}",
-            side.dev_name, c.sent_pkts, c.rcvd_pkts, c.retransmits, c.rcvd_seq_err, c.ack_timeouts, v.verified, v.recovered, v.bad
+            side.dev_name,
+            c.sent_pkts,
+            c.rcvd_pkts,
+            c.retransmits,
+            c.rcvd_seq_err,
+            c.ack_timeouts,
+            v.verified,
+            v.recovered,
+            v.bad
         );
     }
     Ok(())
@@ -1626,16 +1420,14 @@ fn open_ctx(a: &PerfArgs, name: &str, ip: Option<IpAddr>) -> Result<Context, Str
             if let Some(p) = a.udp_port {
                 b = b.udp_port(p);
             }
-            b.open()
-                .map_err(|e| format!("Couldn't open device {name} on {ip}: {e}"))
+            b.open().map_err(|e| format!("Couldn't open device {name} on {ip}: {e}"))
         }
         None => match &a.ib_dev {
             Some(n) => open_device(n).map_err(|e| format!("Couldn't get context for {n}: {e}")),
             None => {
                 let list = devices().map_err(|e| format!("Failed to get IB devices list: {e}"))?;
                 let first = list.first().ok_or(" No IB devices found")?;
-                open_device(&first.name)
-                    .map_err(|e| format!("Couldn't get context for {}: {e}", first.name))
+                open_device(&first.name).map_err(|e| format!("Couldn't get context for {}: {e}", first.name))
             }
         },
     }
@@ -1655,21 +1447,12 @@ fn perf(a: &PerfArgs) -> Result<(), String> {
     match &a.servername {
         Some(host) => {
             let ctx = open_ctx(a, &name, a.bind)?;
-            let addrs = (host.as_str(), a.port)
-                .to_socket_addrs()
-                .map_err(|e| format!("{host}: {e}"))?;
+            let addrs = (host.as_str(), a.port).to_socket_addrs().map_err(|e| format!("{host}: {e}"))?;
             let sock = addrs
                 .into_iter()
                 .find_map(|ad| connect_retry(ad, Duration::from_secs(5)))
                 .ok_or_else(|| format!("Couldn't connect to {host}:{}", a.port))?;
-            run_side(
-                ctx,
-                &plan,
-                Role::Client,
-                Ctl::new(sock)?,
-                &Out { quiet: false },
-                true,
-            )
+            run_side(ctx, &plan, Role::Client, Ctl::new(sock)?, &Out { quiet: false }, true)
         }
         None => {
             let ctx = open_ctx(a, &name, a.bind)?;
@@ -1679,17 +1462,8 @@ fn perf(a: &PerfArgs) -> Result<(), String> {
             println!("************************************");
             println!("* Waiting for client to connect... *");
             println!("************************************");
-            let (sock, _) = listener
-                .accept()
-                .map_err(|e| format!("accept() failed: {e}"))?;
-            run_side(
-                ctx,
-                &plan,
-                Role::Server,
-                Ctl::new(sock)?,
-                &Out { quiet: false },
-                true,
-            )
+            let (sock, _) = listener.accept().map_err(|e| format!("accept() failed: {e}"))?;
+            run_side(ctx, &plan, Role::Server, Ctl::new(sock)?, &Out { quiet: false }, true)
         }
     }
 }
@@ -1713,39 +1487,19 @@ fn loopback(a: &PerfArgs, plan: &Plan) -> Result<(), String> {
     let ip_c = IpAddr::V4(Ipv4Addr::new(127, 0, 77, 2));
     let ctx_s = open_ctx(a, &format!("{name}0"), Some(ip_s))?;
     let ctx_c = open_ctx(a, &format!("{name}1"), Some(ip_c))?;
-    let listener =
-        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("Couldn't listen: {e}"))?;
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("Couldn't listen: {e}"))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let splan = plan.clone();
     let server = std::thread::Builder::new()
         .name("perf-server".into())
         .spawn(move || -> Result<(), String> {
-            let (sock, _) = listener
-                .accept()
-                .map_err(|e| format!("accept() failed: {e}"))?;
-            run_side(
-                ctx_s,
-                &splan,
-                Role::Server,
-                Ctl::new(sock)?,
-                &Out { quiet: true },
-                false,
-            )
+            let (sock, _) = listener.accept().map_err(|e| format!("accept() failed: {e}"))?;
+            run_side(ctx_s, &splan, Role::Server, Ctl::new(sock)?, &Out { quiet: true }, false)
         })
         .map_err(|e| e.to_string())?;
-    let sock = connect_retry(addr, Duration::from_secs(5))
-        .ok_or("Couldn't connect to the loopback server")?;
-    let res = run_side(
-        ctx_c,
-        plan,
-        Role::Client,
-        Ctl::new(sock)?,
-        &Out { quiet: false },
-        true,
-    );
-    let sres = server
-        .join()
-        .map_err(|_| "the server thread panicked".to_string())?;
+    let sock = connect_retry(addr, Duration::from_secs(5)).ok_or("Couldn't connect to the loopback server")?;
+    let res = run_side(ctx_c, plan, Role::Client, Ctl::new(sock)?, &Out { quiet: false }, true);
+    let sres = server.join().map_err(|_| "the server thread panicked".to_string())?;
     res.and(sres)
 }
 
@@ -1822,27 +1576,15 @@ mod tests {
             udp_port: None,
         };
         let plan = Plan::from_args(&a).unwrap();
-        let r = BwResult {
-            iters: 2464,
-            peak: 0.0,
-            avg: 51.31,
-            msg_rate: 0.000821,
-            bytes: 0,
-        };
+        let r = BwResult { iters: 2464, peak: 0.0, avg: 51.31, msg_rate: 0.000821, bytes: 0 };
         // From golden/tool-output/20-ib_write_bw-rxe0.txt.
-        assert_eq!(
-            bw_row(&plan, 65536, &r),
-            " 65536      2464             0.00               51.31  \t\t   0.000821"
-        );
+        assert_eq!(bw_row(&plan, 65536, &r), " 65536      2464             0.00               51.31  \t\t   0.000821");
         let mut lp = plan.clone();
         lp.verb = Verb::Send;
         lp.bw = false;
         let posts: Vec<u64> = (0..=137017u64).map(|i| i * 21900).collect();
         let row = lat_row(&lp, 2, &posts[..137017], 137017 * 21900).row;
         // From golden/tool-output/22-ib_write_lat-rxe0.txt (t_avg 10.95, tps 45662).
-        assert!(
-            row.starts_with(" 2             137017            10.95          45662.1"),
-            "{row:?}"
-        );
+        assert!(row.starts_with(" 2             137017            10.95          45662.1"), "{row:?}");
     }
 }

@@ -14,8 +14,8 @@ use clap::Args;
 use softrdma_device::registry::{RegistryError, Source};
 use softrdma_device::Registry;
 use softrdma_verbs::{
-    devices, open_device, Access, CompletionQueue, ConnectParams, Context, Gid, Mtu, Payload, Psn, QpCap,
-    QpInitAttr, QpType, Qpn, RecvWr, SendFlags, SendOp, SendWr, WcStatus, WorkCompletion,
+    devices, open_device, Access, CompletionQueue, ConnectParams, Context, Gid, Mtu, Payload, Psn, QpCap, QpInitAttr,
+    QpType, Qpn, RecvWr, SendFlags, SendOp, SendWr, WcStatus, WorkCompletion,
 };
 
 /// Flags of `ibv_rc_pingpong`.
@@ -99,10 +99,7 @@ impl Dest {
     }
 
     fn print(&self, what: &str) {
-        println!(
-            "  {what} LID 0x{:04x}, QPN 0x{:06x}, PSN 0x{:06x}, GID {}",
-            self.lid, self.qpn, self.psn, self.gid
-        );
+        println!("  {what} LID 0x{:04x}, QPN 0x{:06x}, PSN 0x{:06x}, GID {}", self.lid, self.qpn, self.psn, self.gid);
     }
 }
 
@@ -157,7 +154,8 @@ pub fn run(args: PingpongArgs) -> ExitCode {
 }
 
 fn pingpong(args: &PingpongArgs) -> Result<(), String> {
-    let mtu = Mtu::from_bytes(args.mtu).ok_or_else(|| format!("Invalid MTU {}: use 256, 512, 1024, 2048 or 4096", args.mtu))?;
+    let mtu = Mtu::from_bytes(args.mtu)
+        .ok_or_else(|| format!("Invalid MTU {}: use 256, 512, 1024, 2048 or 4096", args.mtu))?;
     if args.size == 0 || args.size > u32::MAX as usize {
         return Err(format!("Invalid size {}", args.size));
     }
@@ -178,17 +176,18 @@ fn pingpong(args: &PingpongArgs) -> Result<(), String> {
     };
     ctx.query_port(args.ib_port).map_err(|e| format!("Couldn't get port info: {e}"))?;
     let gid_idx = args.gid_idx.unwrap_or(1);
-    let gid = ctx.query_gid(args.ib_port, usize::from(gid_idx)).map_err(|e| format!("can't read sgid of index {gid_idx}: {e}"))?;
+    let gid = ctx
+        .query_gid(args.ib_port, usize::from(gid_idx))
+        .map_err(|e| format!("can't read sgid of index {gid_idx}: {e}"))?;
     let pd = ctx.alloc_pd();
     // Receive buffer and send buffer side by side.
-    let mr = pd
-        .reg_mr(2 * args.size, Access::LOCAL_WRITE)
-        .map_err(|e| format!("Couldn't register MR: {e}"))?;
+    let mr = pd.reg_mr(2 * args.size, Access::LOCAL_WRITE).map_err(|e| format!("Couldn't register MR: {e}"))?;
     let pattern: Vec<u8> = (0..args.size).map(|i| (i % 251) as u8).collect();
     mr.write(args.size, &pattern).map_err(|e| e.to_string())?;
     let channel = if args.events { Some(ctx.create_comp_channel().map_err(|e| e.to_string())?) } else { None };
     let cq = ctx.create_cq(args.rx_depth + 1, channel.as_ref()).map_err(|e| format!("Couldn't create CQ: {e}"))?;
-    let cap = QpCap { max_send_wr: 1, max_recv_wr: args.rx_depth, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let cap =
+        QpCap { max_send_wr: 1, max_recv_wr: args.rx_depth, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let qp = pd
         .create_qp(&QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false })
         .map_err(|e| format!("Couldn't create QP: {e}"))?;
@@ -219,7 +218,8 @@ fn pingpong(args: &PingpongArgs) -> Result<(), String> {
             rem
         }
         None => {
-            let listener = TcpListener::bind(("0.0.0.0", args.port)).map_err(|e| format!("Couldn't listen to port {}: {e}", args.port))?;
+            let listener = TcpListener::bind(("0.0.0.0", args.port))
+                .map_err(|e| format!("Couldn't listen to port {}: {e}", args.port))?;
             let (mut stream, _) = listener.accept().map_err(|e| format!("accept() failed: {e}"))?;
             let mut buf = [0u8; Dest::WIRE_LEN];
             stream.read_exact(&mut buf).map_err(|_| "Couldn't read remote address".to_string())?;
@@ -257,7 +257,12 @@ fn pingpong(args: &PingpongArgs) -> Result<(), String> {
         wait_some(&cq, &mut wcs, channel.is_none())?;
         for wc in &wcs {
             if wc.status != WcStatus::Success {
-                return Err(format!("Failed status {} ({}) for wr_id {}", wc.status.description(), wc.status as u32, wc.wr_id));
+                return Err(format!(
+                    "Failed status {} ({}) for wr_id {}",
+                    wc.status.description(),
+                    wc.status as u32,
+                    wc.wr_id
+                ));
             }
             match wc.wr_id {
                 SEND_WRID => scnt += 1,
@@ -311,7 +316,12 @@ mod tests {
 
     #[test]
     fn wire_format_matches_rc_pingpong() {
-        let d = Dest { lid: 0, qpn: 0x11, psn: 0x81590e, gid: Gid([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 77, 0, 11]) };
+        let d = Dest {
+            lid: 0,
+            qpn: 0x11,
+            psn: 0x81590e,
+            gid: Gid([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 77, 0, 11]),
+        };
         let w = d.to_wire();
         assert_eq!(&w[..51], b"0000:000011:81590e:00000000000000000000ffff0a4d000b");
         assert_eq!(w[51], 0);

@@ -129,10 +129,7 @@ pub fn render_link(name: &str, netdev_name: &str, nd: Option<&Netdev>) -> String
     let (state, phys) = match nd {
         Some(n) => {
             let p = PortAttr::for_netdev(n);
-            (
-                p.state.name().trim_start_matches("PORT_").to_string(),
-                p.phys_state.name().to_string(),
-            )
+            (p.state.name().trim_start_matches("PORT_").to_string(), p.phys_state.name().to_string())
         }
         None => ("DOWN".to_string(), "DISABLED".to_string()),
     };
@@ -182,11 +179,7 @@ pub fn run_link(cmd: Option<LinkCommand>) -> ExitCode {
                 if want.is_some_and(|w| w != e.config.name) {
                     continue;
                 }
-                out.push_str(&render_link(
-                    &e.config.name,
-                    &e.config.netdev,
-                    e.netdev.as_ref(),
-                ));
+                out.push_str(&render_link(&e.config.name, &e.config.netdev, e.netdev.as_ref()));
             }
             if let (Some(w), true) = (want, out.is_empty()) {
                 return fail(format!("Wrong device name {w}"));
@@ -216,9 +209,7 @@ pub fn run_link(cmd: Option<LinkCommand>) -> ExitCode {
         LinkCommand::Delete { name } => {
             let r = match Admin::connect() {
                 Some(a) => a.link_delete(&name).map_err(|e| e.to_string()),
-                None => {
-                    edit_registry(|reg| reg.remove(&name).map(|_| ()).map_err(|e| e.to_string()))
-                }
+                None => edit_registry(|reg| reg.remove(&name).map(|_| ()).map_err(|e| e.to_string())),
             };
             r.map_or_else(fail, |_| ExitCode::SUCCESS)
         }
@@ -236,17 +227,8 @@ fn parse_link_add(words: &[&str]) -> Result<(String, Option<IpAddr>), String> {
         match *k {
             "type" => ty = Some(*v),
             "netdev" => netdev = Some(v.to_string()),
-            "addr" => {
-                addr = Some(
-                    v.parse::<IpAddr>()
-                        .map_err(|_| format!("invalid address {v:?}"))?,
-                )
-            }
-            _ => {
-                return Err(format!(
-                    "unknown keyword {k:?} (link add NAME type rxe netdev IFACE [addr IP])"
-                ))
-            }
+            "addr" => addr = Some(v.parse::<IpAddr>().map_err(|_| format!("invalid address {v:?}"))?),
+            _ => return Err(format!("unknown keyword {k:?} (link add NAME type rxe netdev IFACE [addr IP])")),
         }
     }
     match ty {
@@ -254,10 +236,7 @@ fn parse_link_add(words: &[&str]) -> Result<(String, Option<IpAddr>), String> {
         Some(t) => return Err(format!("link type {t:?} is not supported (only rxe)")),
         None => return Err("link add NAME type rxe netdev IFACE: the type is missing".into()),
     }
-    Ok((
-        netdev.ok_or("link add NAME type rxe netdev IFACE: the netdev is missing")?,
-        addr,
-    ))
+    Ok((netdev.ok_or("link add NAME type rxe netdev IFACE: the netdev is missing")?, addr))
 }
 
 /// `softrdma dev set NAME name NEWNAME`.
@@ -296,9 +275,7 @@ pub fn run_roce_mode(args: RoceModeArgs) -> ExitCode {
         Some(m) => return fail(format!("invalid RoCE mode {m:?}: v1 or v2")),
     };
     let r = match Admin::connect() {
-        Some(a) => a
-            .roce_mode(&args.name, args.port, v1)
-            .map_err(|e| e.to_string()),
+        Some(a) => a.roce_mode(&args.name, args.port, v1).map_err(|e| e.to_string()),
         None if args.port != 1 => Err(format!("device {} has one port (1)", args.name)),
         None => edit_registry(|reg| reg.set_roce_v1(&args.name, v1).map_err(|e| e.to_string())),
     };
@@ -315,11 +292,7 @@ pub fn render_ibstat(dev: &DeviceInfo, port: Option<u32>) -> String {
     let _ = writeln!(s, "\tFirmware version: ");
     let _ = writeln!(s, "\tHardware version: ");
     let _ = writeln!(s, "\tNode GUID: {guid}");
-    let _ = writeln!(
-        s,
-        "\tSystem image GUID: 0x{}",
-        dev.attr.sys_image_guid.hex()
-    );
+    let _ = writeln!(s, "\tSystem image GUID: 0x{}", dev.attr.sys_image_guid.hex());
     for p in 1..=u32::from(dev.attr.phys_port_cnt) {
         if port.is_some_and(|w| w != p) {
             continue;
@@ -431,11 +404,7 @@ pub fn run_stat(args: StatArgs) -> ExitCode {
         match DeviceInfo::new(&e.config, nd) {
             Ok(d) => {
                 if args.port.is_some_and(|p| d.check_port(p).is_err()) {
-                    return fail(format!(
-                        "'{}' port {} not found",
-                        e.config.name,
-                        args.port.unwrap_or(0)
-                    ));
+                    return fail(format!("'{}' port {} not found", e.config.name, args.port.unwrap_or(0)));
                 }
                 print!("{}", render_ibstat(&d, args.port));
                 shown += 1;
@@ -460,12 +429,7 @@ mod tests {
         Netdev {
             index: 2,
             name: "eth0".into(),
-            flags: IfFlags {
-                up,
-                running: up,
-                lower_up: up,
-                loopback: false,
-            },
+            flags: IfFlags { up, running: up, lower_up: up, loopback: false },
             mtu: 1500,
             mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
             addrs: vec![IfAddr::new("10.77.9.2".parse().unwrap(), 24)],
@@ -480,35 +444,22 @@ mod tests {
             "link rxe0/1 state ACTIVE physical_state LINK_UP netdev eth0 \n"
         );
         let down = render_link("rxe0", "eth0", Some(&eth0(false)));
-        assert!(
-            down.starts_with("link rxe0/1 state DOWN physical_state "),
-            "{down}"
-        );
+        assert!(down.starts_with("link rxe0/1 state DOWN physical_state "), "{down}");
     }
 
     #[test]
     fn ibstat_matches_golden() {
-        let dev = DeviceInfo::with_attr(
-            &DeviceConfig::new("rxe0", "eth0"),
-            eth0(true),
-            softrdma_device::DeviceAttr::rxe,
-        )
-        .unwrap();
-        let want: String = GOLDEN_IBSTAT
-            .lines()
-            .skip(1)
-            .filter(|l| !l.starts_with("[rc="))
-            .map(|l| format!("{l}\n"))
-            .collect();
+        let dev =
+            DeviceInfo::with_attr(&DeviceConfig::new("rxe0", "eth0"), eth0(true), softrdma_device::DeviceAttr::rxe)
+                .unwrap();
+        let want: String =
+            GOLDEN_IBSTAT.lines().skip(1).filter(|l| !l.starts_with("[rc=")).map(|l| format!("{l}\n")).collect();
         assert_eq!(render_ibstat(&dev, None), want);
     }
 
     #[test]
     fn link_add_words() {
-        assert_eq!(
-            parse_link_add(&["type", "rxe", "netdev", "lo"]).unwrap(),
-            ("lo".into(), None)
-        );
+        assert_eq!(parse_link_add(&["type", "rxe", "netdev", "lo"]).unwrap(), ("lo".into(), None));
         assert!(parse_link_add(&["type", "siw", "netdev", "lo"]).is_err());
         assert!(parse_link_add(&["netdev", "lo"]).is_err());
         assert!(parse_link_add(&["type", "rxe"]).is_err());

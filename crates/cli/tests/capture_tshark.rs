@@ -24,9 +24,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use softrdma_verbs::{
-    Access, AhAttr, CompletionQueue, ConnectParams, Context, DeviceBuilder, MemoryRegion, ModifyQp,
-    Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpState, QpType, QueuePair, RecvWr,
-    SendFlags, SendOp, SendWr, WcStatus, WorkCompletion, ROCE_PORT,
+    Access, AhAttr, CompletionQueue, ConnectParams, Context, DeviceBuilder, MemoryRegion, ModifyQp, Mtu, Payload,
+    ProtectionDomain, Psn, QpCap, QpInitAttr, QpState, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcStatus,
+    WorkCompletion, ROCE_PORT,
 };
 
 const STRICT_ENV: &str = "SOFTRDMA_TEST_STRICT";
@@ -56,11 +56,7 @@ fn skip(reason: &str) {
 
 #[test]
 fn captured_traffic_decodes_in_tshark_and_passes_pcap_check() {
-    let have_tshark = Command::new("tshark")
-        .arg("-v")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+    let have_tshark = Command::new("tshark").arg("-v").stdout(Stdio::null()).stderr(Stdio::null()).status();
     if !have_tshark.is_ok_and(|s| s.success()) {
         return skip("tshark is not installed (Debian package tshark)");
     }
@@ -86,16 +82,10 @@ fn captured_traffic_decodes_in_tshark_and_passes_pcap_check() {
         "the capture holds {} frames, the devices sent {sent} packets; tshark said:\n{log}",
         frames.len()
     );
-    let flagged: Vec<u64> = frames
-        .iter()
-        .filter(|f| f.malformed || f.protocols.contains("rpcordma"))
-        .map(|f| f.number)
-        .collect();
-    let short_sends: Vec<u64> = frames
-        .iter()
-        .filter(|f| f.opcode == RC_SEND_ONLY && f.udp_len - 8 - 12 - 4 < 16)
-        .map(|f| f.number)
-        .collect();
+    let flagged: Vec<u64> =
+        frames.iter().filter(|f| f.malformed || f.protocols.contains("rpcordma")).map(|f| f.number).collect();
+    let short_sends: Vec<u64> =
+        frames.iter().filter(|f| f.opcode == RC_SEND_ONLY && f.udp_len - 8 - 12 - 4 < 16).map(|f| f.number).collect();
     // (Equal with tshark 4.0; a Wireshark whose heuristic checks the length first flags none.)
     assert!(
         flagged.iter().all(|n| short_sends.contains(n)),
@@ -116,11 +106,7 @@ fn captured_traffic_decodes_in_tshark_and_passes_pcap_check() {
             f.protocols,
             f.malformed
         );
-        assert_eq!(
-            f.ip_checksum_status, "1",
-            "frame {}: IP header checksum status (1 = good)",
-            f.number
-        );
+        assert_eq!(f.ip_checksum_status, "1", "frame {}: IP header checksum status (1 = good)", f.number);
         opcodes.insert(f.opcode);
     }
     // Every RC opcode (SEND first..only with immediate, WRITE first..only with immediate, READ
@@ -179,10 +165,7 @@ impl Capture {
             let _ = r.read_to_string(&mut rest);
             let _ = tx.send(rest);
         });
-        let mut cap = Capture {
-            child: Some(child),
-            log: rx,
-        };
+        let mut cap = Capture { child: Some(child), log: rx };
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut said = String::new();
         // Versions that do not log the start: "Capturing on" and still running two seconds later.
@@ -226,9 +209,7 @@ impl Capture {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        self.log
-            .recv_timeout(Duration::from_secs(5))
-            .unwrap_or_default()
+        self.log.recv_timeout(Duration::from_secs(5)).unwrap_or_default()
     }
 }
 
@@ -242,18 +223,8 @@ impl Drop for Capture {
 }
 
 fn tshark(args: &[&str], file: &Path) -> String {
-    let out = Command::new("tshark")
-        .arg("-r")
-        .arg(file)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "tshark {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = Command::new("tshark").arg("-r").arg(file).args(args).stdin(Stdio::null()).output().unwrap();
+    assert!(out.status.success(), "tshark {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -267,14 +238,7 @@ struct Frame {
 }
 
 fn decode(file: &Path, extra: &[&str]) -> Vec<Frame> {
-    let mut args = vec![
-        "-o",
-        "ip.check_checksum:TRUE",
-        "-T",
-        "fields",
-        "-E",
-        "separator=;",
-    ];
+    let mut args = vec!["-o", "ip.check_checksum:TRUE", "-T", "fields", "-E", "separator=;"];
     for field in [
         "frame.number",
         "frame.protocols",
@@ -294,9 +258,7 @@ fn decode(file: &Path, extra: &[&str]) -> Vec<Frame> {
             Frame {
                 number: f[0].parse().unwrap(),
                 protocols: f[1].to_string(),
-                opcode: f[2]
-                    .parse()
-                    .unwrap_or_else(|_| panic!("frame {} has no BTH opcode: {l:?}", f[0])),
+                opcode: f[2].parse().unwrap_or_else(|_| panic!("frame {} has no BTH opcode: {l:?}", f[0])),
                 udp_len: f[3].parse().unwrap(),
                 malformed: !f[4].is_empty(),
                 ip_checksum_status: f[5].to_string(),
@@ -310,11 +272,7 @@ fn decode(file: &Path, extra: &[&str]) -> Vec<Frame> {
 fn expert_clean(file: &Path) {
     // One run: the full decode, then the expert summary (which has an "Errors (N)" or
     // "Warnings (N)" section only if there is such an item).
-    let args = [
-        &["-o", "ip.check_checksum:TRUE", "-V", "-z", "expert"],
-        NO_RPCRDMA_HEURISTIC,
-    ]
-    .concat();
+    let args = [&["-o", "ip.check_checksum:TRUE", "-V", "-z", "expert"], NO_RPCRDMA_HEURISTIC].concat();
     let out = tshark(&args, file);
     let bad: Vec<&str> = out
         .lines()
@@ -329,36 +287,18 @@ fn expert_clean(file: &Path) {
         })
         .take(10)
         .collect();
-    assert!(
-        bad.is_empty(),
-        "tshark -V -z expert complains:\n{}",
-        bad.join("\n")
-    );
-    assert!(
-        out.contains("InfiniBand"),
-        "tshark -V shows no InfiniBand layer"
-    );
+    assert!(bad.is_empty(), "tshark -V -z expert complains:\n{}", bad.join("\n"));
+    assert!(out.contains("InfiniBand"), "tshark -V shows no InfiniBand layer");
 }
 
 /// `softrdma pcap check`: exit 0 and every packet RoCE with a good ICRC.
 fn pcap_check(file: &Path, n: u64) {
-    let out = Command::new(env!("CARGO_BIN_EXE_softrdma"))
-        .args(["pcap", "check"])
-        .arg(file)
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_softrdma")).args(["pcap", "check"]).arg(file).output().unwrap();
     let stdout = String::from_utf8(out.stdout).unwrap();
-    assert!(
-        out.status.success(),
-        "pcap check failed:\n{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "pcap check failed:\n{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(
         stdout.trim_end(),
-        format!(
-            "{}: {n} packets, {n} roce, {n} icrc-ok, 0 icrc-bad, 0 malformed",
-            file.display()
-        )
+        format!("{}: {n} packets, {n} roce, {n} icrc-ok, 0 icrc-bad, 0 malformed", file.display())
     );
 }
 
@@ -374,45 +314,17 @@ struct Host {
 }
 
 fn host(name: &str, ip: Ipv4Addr) -> Host {
-    let ctx = DeviceBuilder::new(name, "lo")
-        .addr(IpAddr::V4(ip))
-        .udp_port(ROCE_PORT)
-        .open()
-        .expect("open device");
+    let ctx = DeviceBuilder::new(name, "lo").addr(IpAddr::V4(ip)).udp_port(ROCE_PORT).open().expect("open device");
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(256, None).unwrap();
-    let cap = QpCap {
-        max_send_wr: 64,
-        max_recv_wr: 64,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let qp = |qp_type| {
-        pd.create_qp(&QpInitAttr {
-            qp_type,
-            send_cq: &cq,
-            recv_cq: &cq,
-            srq: None,
-            cap,
-            sq_sig_all: false,
-        })
-        .unwrap()
+        pd.create_qp(&QpInitAttr { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false }).unwrap()
     };
     let (rc, ud) = (qp(QpType::Rc), qp(QpType::Ud));
-    let rights = Access::LOCAL_WRITE
-        .with(Access::REMOTE_WRITE)
-        .with(Access::REMOTE_READ)
-        .with(Access::REMOTE_ATOMIC);
+    let rights = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
     let mr = pd.reg_mr(64 << 10, rights).unwrap();
-    Host {
-        ctx,
-        pd,
-        cq,
-        rc,
-        ud,
-        mr,
-    }
+    Host { ctx, pd, cq, rc, ud, mr }
 }
 
 fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
@@ -420,32 +332,15 @@ fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
     let start = Instant::now();
     while out.len() < n {
         cq.poll(n - out.len(), &mut out).unwrap();
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out, got {out:?}"
-        );
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out, got {out:?}");
     }
     assert!(out.iter().all(|w| w.status == WcStatus::Success), "{out:?}");
     out
 }
 
-fn post(
-    h: &Host,
-    qp: &QueuePair,
-    op: SendOp,
-    off: usize,
-    len: usize,
-    ud: Option<softrdma_verbs::UdDest>,
-) {
+fn post(h: &Host, qp: &QueuePair, op: SendOp, off: usize, len: usize, ud: Option<softrdma_verbs::UdDest>) {
     let sgl = vec![h.mr.sge(off, len).unwrap()];
-    qp.post_send(SendWr {
-        wr_id: 1,
-        op,
-        payload: Payload::Sgl(sgl),
-        flags: SendFlags::SIGNALED,
-        ud,
-    })
-    .unwrap();
+    qp.post_send(SendWr { wr_id: 1, op, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud }).unwrap();
 }
 
 /// One of every operation between two devices; returns the packets both sent.
@@ -453,12 +348,8 @@ fn traffic(addr_a: Ipv4Addr, addr_b: Ipv4Addr) -> u64 {
     let a = host("cap0", addr_a);
     let b = host("cap1", addr_b);
     for (me, peer, mine, theirs) in [(&a, &b, 0x100, 0x200), (&b, &a, 0x200, 0x100)] {
-        let mut p = ConnectParams::new(
-            peer.rc.qpn(),
-            Psn::new(theirs),
-            peer.ctx.query_gid(1, 1).unwrap(),
-            Psn::new(mine),
-        );
+        let mut p =
+            ConnectParams::new(peer.rc.qpn(), Psn::new(theirs), peer.ctx.query_gid(1, 1).unwrap(), Psn::new(mine));
         p.mtu = Mtu::M1024;
         me.rc.connect(&me.pd, &p).unwrap();
         me.ud
@@ -470,115 +361,36 @@ fn traffic(addr_a: Ipv4Addr, addr_b: Ipv4Addr) -> u64 {
                 ..Default::default()
             })
             .unwrap();
+        me.ud.modify(&ModifyQp { state: Some(QpState::Rtr), ..Default::default() }).unwrap();
         me.ud
-            .modify(&ModifyQp {
-                state: Some(QpState::Rtr),
-                ..Default::default()
-            })
-            .unwrap();
-        me.ud
-            .modify(&ModifyQp {
-                state: Some(QpState::Rts),
-                sq_psn: Some(Psn::new(mine)),
-                ..Default::default()
-            })
+            .modify(&ModifyQp { state: Some(QpState::Rts), sq_psn: Some(Psn::new(mine)), ..Default::default() })
             .unwrap();
     }
-    let data: Vec<u8> = (0..8192u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
+    let data: Vec<u8> = (0..8192u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     a.mr.write(0, &data).unwrap();
     let (raddr, rkey) = (b.mr.addr(), b.mr.rkey());
     for len in [0usize, 8, 1024, 3000] {
         // SEND, SEND with immediate, WRITE with immediate: each consumes a receive.
         for _ in 0..3 {
-            b.rc.post_recv(RecvWr {
-                wr_id: 2,
-                sgl: vec![b.mr.sge(16 << 10, 4096).unwrap()],
-            })
-            .unwrap();
+            b.rc.post_recv(RecvWr { wr_id: 2, sgl: vec![b.mr.sge(16 << 10, 4096).unwrap()] }).unwrap();
         }
         post(&a, &a.rc, SendOp::Send, 0, len, None);
         post(&a, &a.rc, SendOp::SendWithImm(0x1234_5678), 0, len, None);
-        post(
-            &a,
-            &a.rc,
-            SendOp::Write {
-                remote_addr: raddr + 4096,
-                rkey,
-            },
-            0,
-            len,
-            None,
-        );
-        post(
-            &a,
-            &a.rc,
-            SendOp::WriteWithImm {
-                remote_addr: raddr + 8192,
-                rkey,
-                imm: 0x9abc,
-            },
-            0,
-            len,
-            None,
-        );
-        post(
-            &a,
-            &a.rc,
-            SendOp::Read {
-                remote_addr: raddr + 4096,
-                rkey,
-            },
-            32 << 10,
-            len,
-            None,
-        );
+        post(&a, &a.rc, SendOp::Write { remote_addr: raddr + 4096, rkey }, 0, len, None);
+        post(&a, &a.rc, SendOp::WriteWithImm { remote_addr: raddr + 8192, rkey, imm: 0x9abc }, 0, len, None);
+        post(&a, &a.rc, SendOp::Read { remote_addr: raddr + 4096, rkey }, 32 << 10, len, None);
         wait(&a.cq, 5);
         wait(&b.cq, 3);
-        assert_eq!(
-            a.mr.to_vec(32 << 10, len).unwrap(),
-            data[..len],
-            "READ of {len} bytes"
-        );
+        assert_eq!(a.mr.to_vec(32 << 10, len).unwrap(), data[..len], "READ of {len} bytes");
     }
-    post(
-        &a,
-        &a.rc,
-        SendOp::FetchAdd {
-            remote_addr: raddr + 64,
-            rkey,
-            add: 5,
-        },
-        48 << 10,
-        8,
-        None,
-    );
-    post(
-        &a,
-        &a.rc,
-        SendOp::CompareSwap {
-            remote_addr: raddr + 64,
-            rkey,
-            compare: 5,
-            swap: 9,
-        },
-        48 << 10,
-        8,
-        None,
-    );
+    post(&a, &a.rc, SendOp::FetchAdd { remote_addr: raddr + 64, rkey, add: 5 }, 48 << 10, 8, None);
+    post(&a, &a.rc, SendOp::CompareSwap { remote_addr: raddr + 64, rkey, compare: 5, swap: 9 }, 48 << 10, 8, None);
     wait(&a.cq, 2);
     assert_eq!(b.mr.to_vec(64, 8).unwrap(), 9u64.to_ne_bytes());
     // UD: SEND only, and SEND only with immediate.
-    let ah =
-        a.pd.create_ah(&AhAttr::new(b.ctx.query_gid(1, 1).unwrap(), 1))
-            .unwrap();
+    let ah = a.pd.create_ah(&AhAttr::new(b.ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
     for op in [SendOp::Send, SendOp::SendWithImm(7)] {
-        b.ud.post_recv(RecvWr {
-            wr_id: 3,
-            sgl: vec![b.mr.sge(16 << 10, 40 + 512).unwrap()],
-        })
-        .unwrap();
+        b.ud.post_recv(RecvWr { wr_id: 3, sgl: vec![b.mr.sge(16 << 10, 40 + 512).unwrap()] }).unwrap();
         post(&a, &a.ud, op, 0, 512, Some(ah.ud(b.ud.qpn(), 0x1111_1111)));
         wait(&a.cq, 1);
         wait(&b.cq, 1);

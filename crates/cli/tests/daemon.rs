@@ -13,10 +13,9 @@ use std::time::{Duration, Instant};
 
 use softrdma_verbs::daemon::admin::Admin;
 use softrdma_verbs::{
-    open_device, Access, AhAttr, AsyncEvent, CmConnParam, CmEventChannel, CmEventKind,
-    CompletionQueue, ConnectParams, Context, Gid, MemoryRegion, Mtu, Payload, PortSpace,
-    ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr,
-    WcOpcode, WcStatus, WorkCompletion,
+    open_device, Access, AhAttr, AsyncEvent, CmConnParam, CmEventChannel, CmEventKind, CompletionQueue, ConnectParams,
+    Context, Gid, MemoryRegion, Mtu, Payload, PortSpace, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, QueuePair,
+    RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 // ---- the daemon ---------------------------------------------------------------------------------
@@ -35,8 +34,7 @@ fn softrdma() -> Command {
 impl Daemon {
     /// A fresh directory (world-readable, so `nobody` can reach the socket) with a config.
     fn dir(name: &str, config: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("softrdmad-test-{name}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("softrdmad-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -46,12 +44,7 @@ impl Daemon {
 
     fn start(dir: &Path, port: u16, metrics: Option<u16>) -> Daemon {
         let child = Daemon::spawn(dir, port, metrics);
-        let d = Daemon {
-            child,
-            dir: dir.to_owned(),
-            port,
-            metrics,
-        };
+        let d = Daemon { child, dir: dir.to_owned(), port, metrics };
         d.wait_up();
         d
     }
@@ -64,11 +57,7 @@ impl Daemon {
     }
 
     fn spawn(dir: &Path, port: u16, metrics: Option<u16>) -> Child {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join("log"))
-            .unwrap();
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("log")).unwrap();
         let mut cmd = softrdma();
         cmd.args(["daemon", "--udp-port", &port.to_string()])
             .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
@@ -84,11 +73,7 @@ impl Daemon {
     fn wait_up(&self) {
         let t = Instant::now();
         while Admin::connect_to(&self.socket()).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "softrdmad did not come up:\n{}",
-                self.log()
-            );
+            assert!(t.elapsed() < Duration::from_secs(10), "softrdmad did not come up:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -107,11 +92,7 @@ impl Daemon {
 
     fn counter(&self, name: &str) -> u64 {
         let s = self.admin().stats(Some("rxe0")).unwrap();
-        s[0].counters
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| *v)
-            .unwrap()
+        s[0].counters.iter().find(|(k, _)| k == name).map(|(_, v)| *v).unwrap()
     }
 
     /// Wait until the daemon holds no objects for any client.
@@ -122,20 +103,13 @@ impl Daemon {
             let busy: Vec<_> = s[0]
                 .counters
                 .iter()
-                .filter(|(k, v)| {
-                    (k.starts_with("objects_") && k != "objects_clients" || k == "engine_mrs")
-                        && *v != 0
-                })
+                .filter(|(k, v)| (k.starts_with("objects_") && k != "objects_clients" || k == "engine_mrs") && *v != 0)
                 .collect();
             // Our own admin connection is a client without objects.
             if busy.is_empty() {
                 return;
             }
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "objects left: {busy:?}\n{}",
-                self.log()
-            );
+            assert!(t.elapsed() < Duration::from_secs(10), "objects left: {busy:?}\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -147,11 +121,7 @@ impl Daemon {
             .env("SOFTRDMA_CONFIG", self.dir.join("devices.conf"))
             .output()
             .unwrap();
-        (
-            o.status.success(),
-            String::from_utf8_lossy(&o.stdout).into(),
-            String::from_utf8_lossy(&o.stderr).into(),
-        )
+        (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
     }
 
     fn stop(&mut self) {
@@ -183,8 +153,7 @@ impl Client {
         let exe = std::env::current_exe().unwrap();
         let cmd = if as_nobody {
             let mut c = Command::new("setpriv");
-            c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
-                .arg(exe);
+            c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]).arg(exe);
             c
         } else {
             Command::new(exe)
@@ -203,12 +172,7 @@ impl Client {
         let mut child = cmd.spawn().unwrap();
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
-        Client {
-            child,
-            stdin,
-            stdout,
-            role: role.into(),
-        }
+        Client { child, stdin, stdout, role: role.into() }
     }
 
     /// The next `@@` line (without the marker).
@@ -266,19 +230,11 @@ fn try_foreign_handles(d: &Daemon, qpn: u32, keys: &[u32]) {
         conn.send(&r.encode(), &[]).unwrap();
         Response::decode(&conn.recv().unwrap().unwrap().0).unwrap()
     };
-    assert!(matches!(
-        call(Request::OpenDevice {
-            name: "rxe0".into()
-        }),
-        Response::Opened(_)
-    ));
+    assert!(matches!(call(Request::OpenDevice { name: "rxe0".into() }), Response::Opened(_)));
     let refused = Response::Error(Refusal::Verbs(VerbsError::NoSuchObject));
     assert_eq!(call(Request::QueryQp { qpn }), refused);
     assert_eq!(call(Request::DestroyQp { qpn }), refused);
-    let attr = softrdma_verbs::ModifyQp {
-        state: Some(softrdma_verbs::QpState::Err),
-        ..Default::default()
-    };
+    let attr = softrdma_verbs::ModifyQp { state: Some(softrdma_verbs::QpState::Err), ..Default::default() };
     assert_eq!(call(Request::ModifyQp { qpn, attr }), refused);
     for &key in keys {
         assert_eq!(call(Request::DeregMr { key }), refused);
@@ -296,15 +252,7 @@ fn try_foreign_cm_handles(d: &Daemon, id: u32, channel: u32, qpn: u32) {
         conn.send(&r.encode(), fds).unwrap();
         Response::decode(&conn.recv().unwrap().unwrap().0).unwrap()
     };
-    assert!(matches!(
-        call(
-            Request::OpenDevice {
-                name: "rxe0".into()
-            },
-            &[]
-        ),
-        Response::Opened(_)
-    ));
+    assert!(matches!(call(Request::OpenDevice { name: "rxe0".into() }, &[]), Response::Opened(_)));
     let refused = Response::Error(Refusal::Verbs(VerbsError::NoSuchObject));
     assert_eq!(call(Request::CmQuery { id }, &[]), refused);
     assert_eq!(call(Request::CmDisconnect { id }, &[]), refused);
@@ -312,32 +260,12 @@ fn try_foreign_cm_handles(d: &Daemon, id: u32, channel: u32, qpn: u32) {
     assert_eq!(call(Request::CmGetEvent { channel }, &[]), refused);
     assert_eq!(call(Request::CmDestroyChannel { channel }, &[]), refused);
     let (tx, _rx) = std::os::unix::net::UnixDatagram::pair().unwrap();
-    let Response::Id(mine) = call(Request::CmCreateChannel, &[tx.as_raw_fd()]) else {
-        panic!("no channel")
-    };
-    assert_eq!(
-        call(
-            Request::CmCreateId {
-                channel,
-                ps: PortSpace::Tcp
-            },
-            &[]
-        ),
-        refused
-    );
-    let Response::Id(my_id) = call(
-        Request::CmCreateId {
-            channel: mine,
-            ps: PortSpace::Tcp,
-        },
-        &[],
-    ) else {
+    let Response::Id(mine) = call(Request::CmCreateChannel, &[tx.as_raw_fd()]) else { panic!("no channel") };
+    assert_eq!(call(Request::CmCreateId { channel, ps: PortSpace::Tcp }, &[]), refused);
+    let Response::Id(my_id) = call(Request::CmCreateId { channel: mine, ps: PortSpace::Tcp }, &[]) else {
         panic!("no id")
     };
-    assert_eq!(
-        call(Request::CmMigrate { id: my_id, channel }, &[]),
-        refused
-    );
+    assert_eq!(call(Request::CmMigrate { id: my_id, channel }, &[]), refused);
     let param = CmConnParam::new(softrdma_verbs::Qpn::new(qpn));
     assert_eq!(call(Request::CmConnect { id: my_id, param }, &[]), refused);
 }
@@ -356,13 +284,7 @@ fn input() -> String {
 }
 
 fn pattern(seed: u32, tag: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            (i as u32)
-                .wrapping_mul(31)
-                .wrapping_add(seed * 7 + u32::from(tag)) as u8
-        })
-        .collect()
+    (0..len).map(|i| (i as u32).wrapping_mul(31).wrapping_add(seed * 7 + u32::from(tag)) as u8).collect()
 }
 
 fn wait_wcs(cq: &CompletionQueue, n: usize, secs: u64) -> Vec<WorkCompletion> {
@@ -370,52 +292,26 @@ fn wait_wcs(cq: &CompletionQueue, n: usize, secs: u64) -> Vec<WorkCompletion> {
     let t = Instant::now();
     while v.len() < n {
         cq.poll(n - v.len(), &mut v).unwrap();
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out with {} of {n} completions: {v:?}",
-            v.len()
-        );
+        assert!(t.elapsed() < Duration::from_secs(secs), "timed out with {} of {n} completions: {v:?}", v.len());
         std::thread::yield_now();
     }
     v
 }
 
-const RW: Access = Access::LOCAL_WRITE
-    .with(Access::REMOTE_WRITE)
-    .with(Access::REMOTE_READ)
-    .with(Access::REMOTE_ATOMIC);
+const RW: Access = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
 
 fn rc_qp(ctx: &Context) -> (ProtectionDomain, CompletionQueue, QueuePair) {
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1024, None).unwrap();
-    let cap = QpCap {
-        max_send_wr: 256,
-        max_recv_wr: 256,
-        max_send_sge: 2,
-        max_recv_sge: 2,
-        max_inline_data: 64,
-    };
+    let cap = QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 64 };
     let qp = pd
-        .create_qp(&QpInitAttr {
-            qp_type: QpType::Rc,
-            send_cq: &cq,
-            recv_cq: &cq,
-            srq: None,
-            cap,
-            sq_sig_all: false,
-        })
+        .create_qp(&QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false })
         .unwrap();
     (pd, cq, qp)
 }
 
 fn send(wr_id: u64, op: SendOp, mr: &MemoryRegion, off: usize, len: usize) -> SendWr {
-    SendWr {
-        wr_id,
-        op,
-        payload: Payload::Sgl(vec![mr.sge(off, len).unwrap()]),
-        flags: SendFlags::SIGNALED,
-        ud: None,
-    }
+    SendWr { wr_id, op, payload: Payload::Sgl(vec![mr.sge(off, len).unwrap()]), flags: SendFlags::SIGNALED, ud: None }
 }
 
 const MSGS: usize = 100;
@@ -437,42 +333,16 @@ fn rc_role(ctx: &Context) {
     read_area.write(0, &pattern(me, b'R', AREA)).unwrap();
     qp.init(RW).unwrap();
     for i in 0..=MSGS {
-        qp.post_recv(RecvWr {
-            wr_id: 1000 + i as u64,
-            sgl: vec![recv_mr.sge(i * MSG, MSG).unwrap()],
-        })
-        .unwrap();
+        qp.post_recv(RecvWr { wr_id: 1000 + i as u64, sgl: vec![recv_mr.sge(i * MSG, MSG).unwrap()] }).unwrap();
     }
     let gid = ctx.query_gid(1, 1).unwrap();
-    out(&format!(
-        "{me} {} {} {} {}",
-        write_area.addr(),
-        write_area.rkey(),
-        read_area.addr(),
-        read_area.rkey()
-    ));
+    out(&format!("{me} {} {} {} {}", write_area.addr(), write_area.rkey(), read_area.addr(), read_area.rkey()));
     let peer: Vec<u64> = input().split(' ').map(|w| w.parse().unwrap()).collect();
-    let (pqpn, pw_addr, pw_rkey, pr_addr, pr_rkey) = (
-        peer[0] as u32,
-        peer[1],
-        peer[2] as u32,
-        peer[3],
-        peer[4] as u32,
-    );
-    qp.connect(
-        &pd,
-        &ConnectParams::new(
-            softrdma_verbs::Qpn::new(pqpn),
-            Psn::new(pqpn),
-            gid,
-            Psn::new(me),
-        ),
-    )
-    .unwrap();
+    let (pqpn, pw_addr, pw_rkey, pr_addr, pr_rkey) = (peer[0] as u32, peer[1], peer[2] as u32, peer[3], peer[4] as u32);
+    qp.connect(&pd, &ConnectParams::new(softrdma_verbs::Qpn::new(pqpn), Psn::new(pqpn), gid, Psn::new(me))).unwrap();
 
     for i in 0..MSGS {
-        qp.post_send(send(i as u64, SendOp::Send, &send_mr, i * MSG, MSG))
-            .unwrap();
+        qp.post_send(send(i as u64, SendOp::Send, &send_mr, i * MSG, MSG)).unwrap();
     }
     let wcs = wait_wcs(&cq, 2 * MSGS, 30);
     let mut recvs = 0;
@@ -484,74 +354,29 @@ fn rc_role(ctx: &Context) {
         }
     }
     assert_eq!(recvs, MSGS);
-    assert_eq!(
-        recv_mr.to_vec(0, MSGS * MSG).unwrap(),
-        pattern(pqpn, b'S', MSGS * MSG),
-        "SEND data"
-    );
+    assert_eq!(recv_mr.to_vec(0, MSGS * MSG).unwrap(), pattern(pqpn, b'S', MSGS * MSG), "SEND data");
 
     // RDMA WRITE into the peer, then a SEND with immediate data to say it is there.
     local.write(0, &pattern(me, b'W', AREA)).unwrap();
-    qp.post_send(send(
-        1,
-        SendOp::Write {
-            remote_addr: pw_addr,
-            rkey: pw_rkey,
-        },
-        &local,
-        0,
-        AREA,
-    ))
-    .unwrap();
-    qp.post_send(send(2, SendOp::SendWithImm(me), &local, 0, 0))
-        .unwrap();
+    qp.post_send(send(1, SendOp::Write { remote_addr: pw_addr, rkey: pw_rkey }, &local, 0, AREA)).unwrap();
+    qp.post_send(send(2, SendOp::SendWithImm(me), &local, 0, 0)).unwrap();
     let wcs = wait_wcs(&cq, 3, 30);
     assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
-    assert!(wcs
-        .iter()
-        .any(|w| w.opcode == WcOpcode::Recv && w.imm == pqpn));
-    assert_eq!(
-        write_area.to_vec(0, AREA).unwrap(),
-        pattern(pqpn, b'W', AREA),
-        "RDMA WRITE data"
-    );
+    assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == pqpn));
+    assert_eq!(write_area.to_vec(0, AREA).unwrap(), pattern(pqpn, b'W', AREA), "RDMA WRITE data");
 
     // RDMA READ from the peer.
     local.fill(0);
-    qp.post_send(send(
-        3,
-        SendOp::Read {
-            remote_addr: pr_addr,
-            rkey: pr_rkey,
-        },
-        &local,
-        0,
-        AREA,
-    ))
-    .unwrap();
+    qp.post_send(send(3, SendOp::Read { remote_addr: pr_addr, rkey: pr_rkey }, &local, 0, AREA)).unwrap();
     let wcs = wait_wcs(&cq, 1, 30);
     assert_eq!(wcs[0].status, WcStatus::Success);
-    assert_eq!(
-        local.to_vec(0, AREA).unwrap(),
-        pattern(pqpn, b'R', AREA),
-        "RDMA READ data"
-    );
+    assert_eq!(local.to_vec(0, AREA).unwrap(), pattern(pqpn, b'R', AREA), "RDMA READ data");
 
     out("PHASE2");
     match input().as_str() {
         "probe" => {
             // The peer granted REMOTE_READ only on this region: a write must fail, untouched.
-            qp.post_send(send(
-                4,
-                SendOp::Write {
-                    remote_addr: pr_addr,
-                    rkey: pr_rkey,
-                },
-                &local,
-                0,
-                8,
-            ))
-            .unwrap();
+            qp.post_send(send(4, SendOp::Write { remote_addr: pr_addr, rkey: pr_rkey }, &local, 0, 8)).unwrap();
             let wcs = wait_wcs(&cq, 1, 30);
             assert_eq!(wcs[0].status, WcStatus::RemAccessErr, "{wcs:?}");
         }
@@ -560,17 +385,10 @@ fn rc_role(ctx: &Context) {
             loop {
                 match ctx.get_async_event(Duration::from_millis(100)) {
                     Some(AsyncEvent::QpAccessError(q)) if q == qp.qpn() => break,
-                    _ => assert!(
-                        t.elapsed() < Duration::from_secs(20),
-                        "no access error event"
-                    ),
+                    _ => assert!(t.elapsed() < Duration::from_secs(20), "no access error event"),
                 }
             }
-            assert_eq!(
-                read_area.to_vec(0, AREA).unwrap(),
-                pattern(me, b'R', AREA),
-                "memory changed"
-            );
+            assert_eq!(read_area.to_vec(0, AREA).unwrap(), pattern(me, b'R', AREA), "memory changed");
         }
     }
     out("OK");
@@ -582,22 +400,9 @@ fn ud_role(ctx: &Context) {
     const LEN: usize = 1000;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(512, None).unwrap();
-    let cap = QpCap {
-        max_send_wr: 128,
-        max_recv_wr: 128,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let cap = QpCap { max_send_wr: 128, max_recv_wr: 128, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let qp = pd
-        .create_qp(&QpInitAttr {
-            qp_type: QpType::Ud,
-            send_cq: &cq,
-            recv_cq: &cq,
-            srq: None,
-            cap,
-            sq_sig_all: true,
-        })
+        .create_qp(&QpInitAttr { qp_type: QpType::Ud, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: true })
         .unwrap();
     let me = qp.qpn().value();
     let smr = pd.reg_mr(N * LEN, Access::LOCAL_WRITE).unwrap();
@@ -607,17 +412,11 @@ fn ud_role(ctx: &Context) {
         let mut p = pattern(me, i as u8, LEN);
         p[..4].copy_from_slice(&(i as u32).to_le_bytes());
         smr.write(i * LEN, &p).unwrap();
-        qp.post_recv(RecvWr {
-            wr_id: i as u64,
-            sgl: vec![rmr.sge(i * (LEN + 40), LEN + 40).unwrap()],
-        })
-        .unwrap();
+        qp.post_recv(RecvWr { wr_id: i as u64, sgl: vec![rmr.sge(i * (LEN + 40), LEN + 40).unwrap()] }).unwrap();
     }
     out(&me.to_string());
     let peer: u32 = input().parse().unwrap();
-    let ah = pd
-        .create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1))
-        .unwrap();
+    let ah = pd.create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
     for i in 0..N {
         let wr = SendWr {
             wr_id: i as u64,
@@ -635,9 +434,7 @@ fn ud_role(ctx: &Context) {
         if wc.opcode == WcOpcode::Recv {
             assert_eq!(wc.src_qp.value(), peer);
             assert_eq!(wc.byte_len as usize, LEN + 40);
-            let data = rmr
-                .to_vec(wc.wr_id as usize * (LEN + 40) + 40, LEN)
-                .unwrap();
+            let data = rmr.to_vec(wc.wr_id as usize * (LEN + 40) + 40, LEN).unwrap();
             let i = u32::from_le_bytes(data[..4].try_into().unwrap()) as usize;
             let mut want = pattern(peer, i as u8, LEN);
             want[..4].copy_from_slice(&(i as u32).to_le_bytes());
@@ -671,17 +468,8 @@ fn stream_role(ctx: &Context) {
     let mut said = false;
     while t.elapsed() < Duration::from_secs(20) {
         while posted - done < 16 {
-            qp.post_send(send(
-                posted,
-                SendOp::Write {
-                    remote_addr: peer[1],
-                    rkey: peer[2] as u32,
-                },
-                &mr,
-                0,
-                16 * 1024,
-            ))
-            .unwrap();
+            qp.post_send(send(posted, SendOp::Write { remote_addr: peer[1], rkey: peer[2] as u32 }, &mr, 0, 16 * 1024))
+                .unwrap();
             posted += 1;
         }
         wcs.clear();
@@ -711,13 +499,7 @@ fn selftest_role(ctx: &Context) {
             send_cq: &cq,
             recv_cq: &cq,
             srq: None,
-            cap: QpCap {
-                max_send_wr: 16,
-                max_recv_wr: 16,
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
+            cap: QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
             sq_sig_all: false,
         })
         .unwrap();
@@ -726,33 +508,11 @@ fn selftest_role(ctx: &Context) {
     let dst = pd.reg_mr(AREA, RW).unwrap();
     src.write(0, &pattern(1, b'X', AREA)).unwrap();
     b.init(RW).unwrap();
-    b.post_recv(RecvWr {
-        wr_id: 7,
-        sgl: vec![dst.sge(0, 4096).unwrap()],
-    })
-    .unwrap();
-    a.connect(
-        &pd,
-        &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9)),
-    )
-    .unwrap();
-    b.connect(
-        &pd,
-        &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5)),
-    )
-    .unwrap();
+    b.post_recv(RecvWr { wr_id: 7, sgl: vec![dst.sge(0, 4096).unwrap()] }).unwrap();
+    a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
+    b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
     a.post_send(send(1, SendOp::Send, &src, 0, 4096)).unwrap();
-    a.post_send(send(
-        2,
-        SendOp::Write {
-            remote_addr: dst.addr(),
-            rkey: dst.rkey(),
-        },
-        &src,
-        0,
-        AREA,
-    ))
-    .unwrap();
+    a.post_send(send(2, SendOp::Write { remote_addr: dst.addr(), rkey: dst.rkey() }, &src, 0, AREA)).unwrap();
     let wcs = wait_wcs(&cq, 3, 30);
     assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
     assert_eq!(dst.to_vec(0, AREA).unwrap(), pattern(1, b'X', AREA));
@@ -769,13 +529,7 @@ fn selftest_role(ctx: &Context) {
     let ch = ctx.create_comp_channel().unwrap();
     let ecq = ctx.create_cq(16, Some(&ch)).unwrap();
     let srq = pd.create_srq(16, 1).unwrap();
-    let cap = QpCap {
-        max_send_wr: 16,
-        max_recv_wr: 0,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 32,
-    };
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 32 };
     let ud = pd
         .create_qp(&QpInitAttr {
             qp_type: QpType::Ud,
@@ -787,11 +541,7 @@ fn selftest_role(ctx: &Context) {
         })
         .unwrap();
     ud.bring_up_ud(9, Psn::new(0)).unwrap();
-    srq.post_recv(RecvWr {
-        wr_id: 77,
-        sgl: vec![dst.sge(0, 1024).unwrap()],
-    })
-    .unwrap();
+    srq.post_recv(RecvWr { wr_id: 77, sgl: vec![dst.sge(0, 1024).unwrap()] }).unwrap();
     ecq.req_notify(false).unwrap();
     let ah = pd.create_ah(&AhAttr::new(gid, 1)).unwrap();
     let wr = SendWr {
@@ -802,15 +552,9 @@ fn selftest_role(ctx: &Context) {
         ud: Some(ah.ud(ud.qpn(), 9)),
     };
     ud.post_send(wr).unwrap();
-    assert_eq!(
-        ch.get_cq_event(Some(Duration::from_secs(10))),
-        Some(ecq.handle())
-    );
+    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(ecq.handle()));
     let wcs = wait_wcs(&ecq, 1, 10);
-    assert_eq!(
-        (wcs[0].wr_id, wcs[0].imm, wcs[0].status),
-        (77, 0xabcd, WcStatus::Success)
-    );
+    assert_eq!((wcs[0].wr_id, wcs[0].imm, wcs[0].status), (77, 0xabcd, WcStatus::Success));
     assert_eq!(dst.to_vec(40, 19).unwrap(), b"through the channel");
     // SAFETY: geteuid cannot fail.
     out(&format!("OK uid {}", unsafe { libc_geteuid() }));
@@ -825,35 +569,16 @@ extern "C" {
 fn nopoll_role(ctx: &Context) {
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(4, None).unwrap();
-    let cap = QpCap {
-        max_send_wr: 64,
-        max_recv_wr: 64,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let qp = pd
-        .create_qp(&QpInitAttr {
-            qp_type: QpType::Ud,
-            send_cq: &cq,
-            recv_cq: &cq,
-            srq: None,
-            cap,
-            sq_sig_all: true,
-        })
+        .create_qp(&QpInitAttr { qp_type: QpType::Ud, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: true })
         .unwrap();
     let mr = pd.reg_mr(64 * 128, Access::LOCAL_WRITE).unwrap();
     qp.bring_up_ud(7, Psn::new(0)).unwrap();
     for i in 0..32 {
-        qp.post_recv(RecvWr {
-            wr_id: i,
-            sgl: vec![mr.sge(i as usize * 128, 128).unwrap()],
-        })
-        .unwrap();
+        qp.post_recv(RecvWr { wr_id: i, sgl: vec![mr.sge(i as usize * 128, 128).unwrap()] }).unwrap();
     }
-    let ah = pd
-        .create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1))
-        .unwrap();
+    let ah = pd.create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
     for i in 0..32 {
         let wr = SendWr {
             wr_id: i,
@@ -898,10 +623,7 @@ fn child() {
     };
     let name = std::env::var("SOFTRDMA_DEV").unwrap_or_else(|_| "rxe0".into());
     let ctx = open_device(&name).unwrap();
-    assert!(
-        ctx.is_daemon(),
-        "rxe0 should resolve to the daemon's device"
-    );
+    assert!(ctx.is_daemon(), "rxe0 should resolve to the daemon's device");
     match role.as_str() {
         "rc" => rc_role(&ctx),
         "ud" => ud_role(&ctx),
@@ -920,9 +642,7 @@ fn child() {
 const CM_WAIT: Option<Duration> = Some(Duration::from_secs(10));
 
 fn cm_expect(ch: &CmEventChannel, ctx: &Context, kind: CmEventKind) -> softrdma_verbs::CmEvent {
-    let ev = ch
-        .get_event(ctx, CM_WAIT)
-        .unwrap_or_else(|| panic!("no event, expected {kind:?}"));
+    let ev = ch.get_event(ctx, CM_WAIT).unwrap_or_else(|| panic!("no event, expected {kind:?}"));
     assert_eq!(ev.kind, kind, "{ev:?}");
     ev
 }
@@ -933,31 +653,21 @@ fn cm_expect(ch: &CmEventChannel, ctx: &Context, kind: CmEventKind) -> softrdma_
 fn cm_server_role(ctx: &Context) {
     let ch = CmEventChannel::new().unwrap();
     let listener = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
-    listener
-        .bind_addr("127.0.0.1:7471".parse().unwrap())
-        .unwrap();
+    listener.bind_addr("127.0.0.1:7471".parse().unwrap()).unwrap();
     listener.listen(4).unwrap();
     assert_eq!(listener.addrs().0, Some("127.0.0.1:7471".parse().unwrap()));
     out("LISTENING");
     let (pd, cq, qp) = rc_qp(ctx);
     let mr = pd.reg_mr(16384, RW).unwrap();
     qp.init(RW).unwrap();
-    qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: vec![mr.sge(0, 8192).unwrap()],
-    })
-    .unwrap();
+    qp.post_recv(RecvWr { wr_id: 1, sgl: vec![mr.sge(0, 8192).unwrap()] }).unwrap();
     let req = ch.get_event(ctx, CM_WAIT).expect("connect request");
-    assert!(
-        matches!(req.kind, CmEventKind::ConnectRequest { .. }),
-        "{req:?}"
-    );
+    assert!(matches!(req.kind, CmEventKind::ConnectRequest { .. }), "{req:?}");
     assert_eq!(&req.conn.private_data[..21], b"hello from the client");
     let sid = req.new_id.expect("a new id");
     let mut p = CmConnParam::new(qp.qpn());
     p.private_data = b"welcome".to_vec();
-    p.private_data
-        .extend_from_slice(&(mr.addr() + 10000).to_le_bytes());
+    p.private_data.extend_from_slice(&(mr.addr() + 10000).to_le_bytes());
     p.private_data.extend_from_slice(&mr.rkey().to_le_bytes());
     sid.accept(p).unwrap();
     cm_expect(&ch, ctx, CmEventKind::Established);
@@ -970,10 +680,7 @@ fn cm_server_role(ctx: &Context) {
     drop(sid);
     // The second request: rejected with private data.
     let req = ch.get_event(ctx, CM_WAIT).expect("second connect request");
-    assert!(
-        matches!(req.kind, CmEventKind::ConnectRequest { .. }),
-        "{req:?}"
-    );
+    assert!(matches!(req.kind, CmEventKind::ConnectRequest { .. }), "{req:?}");
     req.new_id.unwrap().reject(b"not today").unwrap();
     out("DONE");
     assert_eq!(input(), "bye");
@@ -1008,17 +715,7 @@ fn cm_client_role(ctx: &Context) {
     let raddr = u64::from_le_bytes(pd_[7..15].try_into().unwrap());
     let rkey = u32::from_le_bytes(pd_[15..19].try_into().unwrap());
     qp.post_send(send(1, SendOp::Send, &mr, 0, 5000)).unwrap();
-    qp.post_send(send(
-        2,
-        SendOp::Write {
-            remote_addr: raddr,
-            rkey,
-        },
-        &mr,
-        0,
-        100,
-    ))
-    .unwrap();
+    qp.post_send(send(2, SendOp::Write { remote_addr: raddr, rkey }, &mr, 0, 100)).unwrap();
     let w = wait_wcs(&cq, 2, 10);
     assert!(w.iter().all(|w| w.status == WcStatus::Success), "{w:?}");
     cid.disconnect().unwrap();
@@ -1038,8 +735,7 @@ fn cm_client_role(ctx: &Context) {
     assert_eq!(&ev.conn.private_data[..9], b"not today");
     // Nobody listens on another port: the CM itself rejects ("invalid service ID").
     let cid2 = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
-    cid2.resolve_addr(None, "127.0.0.1:7472".parse().unwrap())
-        .unwrap();
+    cid2.resolve_addr(None, "127.0.0.1:7472".parse().unwrap()).unwrap();
     cm_expect(&ch, ctx, CmEventKind::AddrResolved);
     cid2.resolve_route().unwrap();
     cm_expect(&ch, ctx, CmEventKind::RouteResolved);
@@ -1096,23 +792,9 @@ fn sigkill_mid_transfer() {
     let pid = victim.pid();
     // Per-QP counters name the owner and count its traffic.
     let (ok, text, _) = d.cli(&["stat", "--counters", "rxe0"]);
-    let line = text
-        .lines()
-        .find(|l| l.contains(&format!(" pid {pid} ")))
-        .unwrap_or_else(|| panic!("{text}"));
-    assert!(
-        ok && line.starts_with("qp rxe0/1 lqpn ") && line.contains(" retransmits "),
-        "{line}"
-    );
-    let sent: u64 = line
-        .split(" sent_pkts ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let line = text.lines().find(|l| l.contains(&format!(" pid {pid} "))).unwrap_or_else(|| panic!("{text}"));
+    assert!(ok && line.starts_with("qp rxe0/1 lqpn ") && line.contains(" retransmits "), "{line}");
+    let sent: u64 = line.split(" sent_pkts ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
     assert!(sent > 0, "{line}");
     // SAFETY: kill(2) on our own child.
     unsafe { kill(pid as i32, 9) };
@@ -1127,10 +809,7 @@ fn sigkill_mid_transfer() {
     assert_eq!(y.finish(), "OK");
     d.wait_idle();
     let log = d.log();
-    assert!(
-        log.contains(&format!("client pid {pid} uid 0 gone: freed 1 QPs, 1 CQs")),
-        "{log}"
-    );
+    assert!(log.contains(&format!("client pid {pid} uid 0 gone: freed 1 QPs, 1 CQs")), "{log}");
 }
 
 extern "C" {
@@ -1160,32 +839,21 @@ fn misbehaving_clients_are_survived() {
     let a = d.admin();
     let answer = a.raw(b"\xff\xfe garbage").unwrap();
     assert!(!answer.is_empty());
-    assert!(
-        a.raw(b"more garbage").is_err() || a.raw(b"x").is_err(),
-        "connection not closed"
-    );
+    assert!(a.raw(b"more garbage").is_err() || a.raw(b"x").is_err(), "connection not closed");
     let c = Client::spawn(&d, "nopoll", false);
     assert_eq!(c.finish(), "OVERFLOW");
     d.wait_idle();
     let log = d.log();
     assert!(log.contains("sent garbage"), "{log}");
-    assert!(
-        log.contains("overflowed (the client does not poll it)"),
-        "{log}"
-    );
+    assert!(log.contains("overflowed (the client does not poll it)"), "{log}");
     assert!(d.counter("garbage_messages") >= 1);
     // Still serving: a client works, and Prometheus text is there.
-    assert!(Client::spawn(&d, "selftest", false)
-        .finish()
-        .starts_with("OK"));
+    assert!(Client::spawn(&d, "selftest", false).finish().starts_with("OK"));
     let mut s = TcpStream::connect(("127.0.0.1", 18974)).unwrap();
     s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).unwrap();
-    assert!(
-        body.contains("softrdma_objects_qps{device=\"rxe0\"} 0"),
-        "{body}"
-    );
+    assert!(body.contains("softrdma_objects_qps{device=\"rxe0\"} 0"), "{body}");
     assert!(body.contains("# TYPE softrdma_sent_pkts counter"), "{body}");
     let (ok, text, _) = d.cli(&["stat", "--counters"]);
     assert!(ok && text.starts_with("link rxe0/1 sent_pkts "), "{text}");
@@ -1196,12 +864,7 @@ fn misbehaving_clients_are_survived() {
 /// clients reach it through its socket, from the host's namespace.
 #[test]
 fn port_state_follows_the_netdev() {
-    if !is_root()
-        || Command::new("unshare")
-            .args(["-n", "true"])
-            .status()
-            .map_or(true, |s| !s.success())
-    {
+    if !is_root() || Command::new("unshare").args(["-n", "true"]).status().map_or(true, |s| !s.success()) {
         eprintln!("skipped: cannot create a network namespace here");
         return;
     }
@@ -1219,58 +882,31 @@ fn port_state_follows_the_netdev() {
         .stderr(log)
         .spawn()
         .unwrap();
-    let d = Daemon {
-        child,
-        dir: dir.clone(),
-        port: 18966,
-        metrics: None,
-    };
+    let d = Daemon { child, dir: dir.clone(), port: 18966, metrics: None };
     d.wait_up();
     let ip = |args: &str| {
         let pid = d.child.id().to_string();
-        let st = Command::new("nsenter")
-            .args(["-t", &pid, "-n", "ip"])
-            .args(args.split(' '))
-            .status()
-            .unwrap();
+        let st = Command::new("nsenter").args(["-t", &pid, "-n", "ip"]).args(args.split(' ')).status().unwrap();
         assert!(st.success(), "ip {args}");
     };
     // The veth's carrier comes up a moment after the daemon starts.
     let t = Instant::now();
-    while d.cli(&["link", "show"]).1
-        != "link rxd/1 state ACTIVE physical_state LINK_UP netdev d0 \n"
-    {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "{}",
-            d.cli(&["link", "show"]).1
-        );
+    while d.cli(&["link", "show"]).1 != "link rxd/1 state ACTIVE physical_state LINK_UP netdev d0 \n" {
+        assert!(t.elapsed() < Duration::from_secs(10), "{}", d.cli(&["link", "show"]).1);
         std::thread::sleep(Duration::from_millis(50));
     }
     let exe = std::env::current_exe().unwrap();
-    let mut c = Client::spawn_with(
-        &d,
-        "portwatch",
-        Command::new(exe),
-        &[("SOFTRDMA_DEV", "rxd")],
-    );
+    let mut c = Client::spawn_with(&d, "portwatch", Command::new(exe), &[("SOFTRDMA_DEV", "rxd")]);
     assert_eq!(c.line(), "READY");
     ip("link set d0 down");
     assert_eq!(c.line(), "PortError(1)");
     let (_, show, _) = d.cli(&["link", "show", "rxd"]);
-    assert_eq!(
-        show,
-        "link rxd/1 state DOWN physical_state DISABLED netdev d0 \n"
-    );
+    assert_eq!(show, "link rxd/1 state DOWN physical_state DISABLED netdev d0 \n");
     let (_, stat, _) = d.cli(&["stat", "rxd"]);
     assert!(stat.contains("\t\tState: Down\n"), "{stat}");
     ip("link set d0 up");
     assert_eq!(c.finish(), "PortActive(1)");
-    assert!(
-        d.log().contains("netdev d0 link down, port 1 DOWN"),
-        "{}",
-        d.log()
-    );
+    assert!(d.log().contains("netdev d0 link down, port 1 DOWN"), "{}", d.log());
 }
 
 /// A client that writes garbage into its own rings (a malformed WQE; a producer index far beyond
@@ -1288,52 +924,21 @@ fn hostile_rings_are_contained() {
         let (b, fds) = conn.recv().unwrap().unwrap();
         (Response::decode(&b).unwrap(), fds)
     };
-    assert!(matches!(
-        call(Request::OpenDevice {
-            name: "rxe0".into()
-        })
-        .0,
-        Response::Opened(_)
-    ));
-    let Response::Id(pd) = call(Request::AllocPd).0 else {
-        panic!()
-    };
-    let Response::Cq { id: cq, .. } = call(Request::CreateCq {
-        cqe: 16,
-        channel: None,
-    })
-    .0
-    else {
-        panic!()
-    };
-    let cap = QpCap {
-        max_send_wr: 8,
-        max_recv_wr: 8,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    assert!(matches!(call(Request::OpenDevice { name: "rxe0".into() }).0, Response::Opened(_)));
+    let Response::Id(pd) = call(Request::AllocPd).0 else { panic!() };
+    let Response::Cq { id: cq, .. } = call(Request::CreateCq { cqe: 16, channel: None }).0 else { panic!() };
+    let cap = QpCap { max_send_wr: 8, max_recv_wr: 8, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let mut qps = Vec::new();
     for _ in 0..2 {
-        let req = Request::CreateQp {
-            pd,
-            qp_type: QpType::Rc,
-            send_cq: cq,
-            recv_cq: cq,
-            srq: None,
-            cap,
-            sq_sig_all: false,
-        };
-        let (Response::Qp { qpn, sq_slot, .. }, mut fds) = call(req) else {
-            panic!()
-        };
+        let req =
+            Request::CreateQp { pd, qp_type: QpType::Rc, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false };
+        let (Response::Qp { qpn, sq_slot, .. }, mut fds) = call(req) else { panic!() };
         qps.push((qpn, sq_slot, std::fs::File::from(fds.pop().unwrap())));
     }
     // QP 1: a slot of garbage (opcode 0xee), published properly.
     let (qpn1, slot, f) = &qps[0];
     let garbage = vec![0xeeu8; *slot as usize];
-    f.write_all_at(&garbage, softrdma_abi::ring::HEADER_LEN as u64)
-        .unwrap();
+    f.write_all_at(&garbage, softrdma_abi::ring::HEADER_LEN as u64).unwrap();
     f.write_all_at(&1u32.to_le_bytes(), 64).unwrap();
     // QP 2: a producer index a million slots ahead.
     let (qpn2, _, f2) = &qps[1];
@@ -1343,19 +948,12 @@ fn hostile_rings_are_contained() {
         assert!(t.elapsed() < Duration::from_secs(10), "{}", d.log());
         std::thread::sleep(Duration::from_millis(20));
     }
-    let Response::QpInfo(info) = call(Request::QueryQp { qpn: *qpn1 }).0 else {
-        panic!()
-    };
+    let Response::QpInfo(info) = call(Request::QueryQp { qpn: *qpn1 }).0 else { panic!() };
     assert_eq!(info.state, softrdma_verbs::QpState::Err);
-    assert!(matches!(
-        call(Request::QueryQp { qpn: *qpn2 }).0,
-        Response::QpInfo(_)
-    ));
+    assert!(matches!(call(Request::QueryQp { qpn: *qpn2 }).0, Response::QpInfo(_)));
     assert!(d.counter("bad_wqes") >= 1);
     // Others are served meanwhile.
-    assert!(Client::spawn(&d, "selftest", false)
-        .finish()
-        .starts_with("OK"));
+    assert!(Client::spawn(&d, "selftest", false).finish().starts_with("OK"));
     drop(conn);
     d.wait_idle();
     assert!(d.log().contains("gone: freed 2 QPs, 1 CQs"), "{}", d.log());
@@ -1366,17 +964,7 @@ fn hostile_rings_are_contained() {
 fn link_management_survives_restart() {
     let dir = Daemon::dir("links", "rxe0 netdev lo addr 127.0.0.1\n");
     let mut d = Daemon::start(&dir, 18965, None);
-    let (ok, _, err) = d.cli(&[
-        "link",
-        "add",
-        "rxe1",
-        "type",
-        "rxe",
-        "netdev",
-        "lo",
-        "addr",
-        "127.0.0.2",
-    ]);
+    let (ok, _, err) = d.cli(&["link", "add", "rxe1", "type", "rxe", "netdev", "lo", "addr", "127.0.0.2"]);
     assert!(ok, "{err}");
     let (ok, _, err) = d.cli(&["link", "add", "rxe1", "type", "rxe", "netdev", "lo"]);
     assert!(!ok && err.contains("defined twice"), "{err}");
@@ -1389,28 +977,16 @@ fn link_management_survives_restart() {
     assert!(d.cli(&["roce-mode", "rxe7", "1", "v1"]).0);
     d.restart();
     let (_, show, _) = d.cli(&["link", "show", "rxe7"]);
-    assert_eq!(
-        show,
-        "link rxe7/1 state ACTIVE physical_state LINK_UP netdev lo \n"
-    );
+    assert_eq!(show, "link rxe7/1 state ACTIVE physical_state LINK_UP netdev lo \n");
     assert_eq!(d.cli(&["roce-mode", "rxe7", "1"]).1, "IB/RoCE v1\n");
     let (_, devices, _) = d.cli(&["devices"]);
-    assert!(
-        devices.contains("rxe0") && devices.contains("rxe7"),
-        "{devices}"
-    );
+    assert!(devices.contains("rxe0") && devices.contains("rxe7"), "{devices}");
     let (_, stat, _) = d.cli(&["stat", "rxe7"]);
-    assert!(
-        stat.starts_with("CA 'rxe7'\n") && stat.contains("\t\tState: Active\n"),
-        "{stat}"
-    );
+    assert!(stat.starts_with("CA 'rxe7'\n") && stat.contains("\t\tState: Active\n"), "{stat}");
     assert!(d.cli(&["link", "delete", "rxe7"]).0);
     d.restart();
     let (_, show, _) = d.cli(&["link", "show"]);
-    assert_eq!(
-        show,
-        "link rxe0/1 state ACTIVE physical_state LINK_UP netdev lo \n"
-    );
+    assert_eq!(show, "link rxe0/1 state ACTIVE physical_state LINK_UP netdev lo \n");
     let (ok, _, err) = d.cli(&["link", "show", "rxe7"]);
     assert!(!ok && err.contains("rxe7"), "{err}");
 }
@@ -1451,8 +1027,7 @@ fn rdma_cm_ids_of_a_dead_process_are_destroyed() {
     assert!(ctx.is_daemon());
     let ch = CmEventChannel::new().unwrap();
     let cid = ctx.create_cm_id(&ch, PortSpace::Tcp).unwrap();
-    cid.resolve_addr(None, "127.0.0.1:7471".parse().unwrap())
-        .unwrap();
+    cid.resolve_addr(None, "127.0.0.1:7471".parse().unwrap()).unwrap();
     cm_expect(&ch, &ctx, CmEventKind::AddrResolved);
     cid.resolve_route().unwrap();
     cm_expect(&ch, &ctx, CmEventKind::RouteResolved);
@@ -1468,10 +1043,7 @@ fn rdma_cm_ids_of_a_dead_process_are_destroyed() {
     // The foreign session's own ID goes with its connection.
     let t = Instant::now();
     while ctx.cm_id_count().unwrap() != 3 {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the foreign session's CM ID is left"
-        );
+        assert!(t.elapsed() < Duration::from_secs(10), "the foreign session's CM ID is left");
         std::thread::sleep(Duration::from_millis(10));
     }
     let _ = server.child.kill();

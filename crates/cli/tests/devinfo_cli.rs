@@ -87,10 +87,7 @@ fn devinfo_bound_address() {
     let o = run(&path, &["devinfo", "-v", "--ib-dev=rxe9"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    assert!(
-        out.contains("\t\t\tGID[  1]:\t\t::ffff:127.0.0.2, RoCE v2\n"),
-        "{out}"
-    );
+    assert!(out.contains("\t\t\tGID[  1]:\t\t::ffff:127.0.0.2, RoCE v2\n"), "{out}");
     assert!(!out.contains("GID[  2]"), "{out}");
 }
 
@@ -105,10 +102,7 @@ fn devinfo_errors() {
 
     let o = run(&path, &["devinfo", "-d", "rxe0", "-i", "2"]);
     assert_eq!(o.status.code(), Some(4));
-    assert_eq!(
-        stderr(&o),
-        "Invalid port requested for device: rxe0: invalid port 2: the device has 1 port (1..=1)\n"
-    );
+    assert_eq!(stderr(&o), "Invalid port requested for device: rxe0: invalid port 2: the device has 1 port (1..=1)\n");
 
     let o = run(&path, &["devinfo", "-i", "0"]);
     assert_eq!(o.status.code(), Some(1));
@@ -127,10 +121,7 @@ fn config_errors() {
     let o = run(&path, &["devices"]);
     assert_eq!(o.status.code(), Some(255));
     let err = stderr(&o);
-    assert!(
-        err.contains("devices.conf:2: \"netdev\" needs a value"),
-        "{err}"
-    );
+    assert!(err.contains("devices.conf:2: \"netdev\" needs a value"), "{err}");
 
     // A device whose interface is missing is skipped with a message.
     let (_dir, path) = config("rxe0 netdev lo\nghost netdev nosuch-if0\n");

@@ -27,8 +27,7 @@ fn golden_files() -> Vec<PathBuf> {
 
 /// Run `softrdma pcap check` and return (exit success, stdout, stderr).
 fn check(files: &[&Path]) -> (bool, String, String) {
-    let out =
-        Command::new(env!("CARGO_BIN_EXE_softrdma")).arg("pcap").arg("check").args(files).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_softrdma")).arg("pcap").arg("check").args(files).output().unwrap();
     (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
 }
 

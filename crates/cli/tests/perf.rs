@@ -8,36 +8,26 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_softrdma"))
-        .args(args)
-        .output()
-        .expect("run softrdma")
+    Command::new(env!("CARGO_BIN_EXE_softrdma")).args(args).output().expect("run softrdma")
 }
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-const DASHES: &str =
-    "---------------------------------------------------------------------------------------";
-const BW_HEADER: &str =
-    " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
+const DASHES: &str = "---------------------------------------------------------------------------------------";
+const BW_HEADER: &str = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
 const LAT_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ";
 const LAT_DUR_HEADER: &str = " #bytes        #iterations       t_avg[usec]    tps average";
 
 /// The numbers of the row after `header`, checked to be `fields` many.
 fn row_after(out: &str, header: &str, fields: usize) -> Vec<f64> {
     let lines: Vec<&str> = out.lines().collect();
-    let i = lines
-        .iter()
-        .position(|l| *l == header)
-        .unwrap_or_else(|| panic!("no header {header:?} in:\n{out}"));
+    let i = lines.iter().position(|l| *l == header).unwrap_or_else(|| panic!("no header {header:?} in:\n{out}"));
     let row = lines[i + 1];
     assert!(row.starts_with(' '), "{row:?}");
-    let nums: Vec<f64> = row
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or_else(|_| panic!("{x:?} in {row:?}")))
-        .collect();
+    let nums: Vec<f64> =
+        row.split_whitespace().map(|x| x.parse().unwrap_or_else(|_| panic!("{x:?} in {row:?}"))).collect();
     assert_eq!(nums.len(), fields, "{row:?}");
     assert_eq!(lines[i + 2], DASHES, "{out}");
     nums
@@ -49,18 +39,11 @@ fn loopback(test: &str, udp_port: u16, extra: &[&str]) -> String {
     args.extend_from_slice(extra);
     let o = run(&args);
     let out = text(&o.stdout);
-    assert!(
-        o.status.success(),
-        "softrdma {args:?} failed:\n{out}\n{}",
-        text(&o.stderr)
-    );
+    assert!(o.status.success(), "softrdma {args:?} failed:\n{out}\n{}", text(&o.stderr));
     assert!(out.starts_with(&format!("{DASHES}\n")), "{out}");
     assert!(out.contains(" local address: LID 0000 QPN 0x"), "{out}");
     assert!(out.contains(" remote address: LID 0000 QPN 0x"), "{out}");
-    assert!(
-        out.contains(" GID: 00:00:00:00:00:00:00:00:00:00:255:255:127:00:77:0"),
-        "{out}"
-    );
+    assert!(out.contains(" GID: 00:00:00:00:00:00:00:00:00:00:255:255:127:00:77:0"), "{out}");
     assert!(out.contains("\n CPU time per GB : "), "{out}");
     assert!(out.contains("\n Copies per byte : 4 ("), "{out}");
     out
@@ -68,10 +51,7 @@ fn loopback(test: &str, udp_port: u16, extra: &[&str]) -> String {
 
 fn bw(test: &str, title: &str, udp_port: u16, size: f64) {
     let out = loopback(test, udp_port, &["-n", "200"]);
-    assert!(
-        out.contains(&format!("\n                    {title}\n")),
-        "{out}"
-    );
+    assert!(out.contains(&format!("\n                    {title}\n")), "{out}");
     let r = row_after(&out, BW_HEADER, 5);
     assert_eq!(r[0], size);
     assert_eq!(r[1], 200.0);
@@ -80,10 +60,7 @@ fn bw(test: &str, title: &str, udp_port: u16, size: f64) {
 
 fn lat(test: &str, title: &str, udp_port: u16, size: f64) {
     let out = loopback(test, udp_port, &["-n", "100"]);
-    assert!(
-        out.contains(&format!("\n                    {title}\n")),
-        "{out}"
-    );
+    assert!(out.contains(&format!("\n                    {title}\n")), "{out}");
     let r = row_after(&out, LAT_HEADER, 9);
     assert_eq!(r[0], size);
     assert_eq!(r[1], 100.0);
@@ -129,28 +106,17 @@ fn send_lat() {
 
 #[test]
 fn atomic_lat() {
-    lat(
-        "atomic-lat",
-        "Atomic FETCH_AND_ADD Latency Test",
-        47308,
-        8.0,
-    );
+    lat("atomic-lat", "Atomic FETCH_AND_ADD Latency Test", 47308, 8.0);
 }
 
 #[test]
 fn send_bw_ud_and_write_bw_uc_with_two_qps() {
     let out = loopback("send-bw", 47309, &["-c", "UD", "-s", "1024", "-n", "200"]);
-    assert!(
-        out.contains(" Connection type : UD\t\tUsing SRQ      : OFF\n"),
-        "{out}"
-    );
+    assert!(out.contains(" Connection type : UD\t\tUsing SRQ      : OFF\n"), "{out}");
     let r = row_after(&out, BW_HEADER, 5);
     assert_eq!(r[0], 1024.0);
     let out = loopback("write-bw", 47310, &["-c", "UC", "-q", "2", "-n", "100"]);
-    assert!(
-        out.contains(" Number of qps   : 2\t\tTransport type : IB\n"),
-        "{out}"
-    );
+    assert!(out.contains(" Number of qps   : 2\t\tTransport type : IB\n"), "{out}");
     assert_eq!(row_after(&out, BW_HEADER, 5)[1], 200.0);
 }
 
@@ -162,19 +128,14 @@ fn duration_and_all_sizes() {
     assert!(r[1] > 0.0 && r[2] > 0.0 && r[3] > 0.0, "{r:?}");
     let out = loopback("write-bw", 47312, &["-D", "0.3", "--report_gbits"]);
     assert!(
-        out.contains(
-            " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]\n"
-        ),
+        out.contains(" #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]\n"),
         "{out}"
     );
     let out = loopback("write-lat", 47313, &["-a", "-n", "20"]);
     let lines: Vec<&str> = out.lines().collect();
     let i = lines.iter().position(|l| *l == LAT_HEADER).expect("header");
     for (k, line) in lines[i + 1..i + 24].iter().enumerate() {
-        assert!(
-            line.starts_with(&format!(" {:<7} 20 ", 2u64 << k)),
-            "{line:?}"
-        );
+        assert!(line.starts_with(&format!(" {:<7} 20 ", 2u64 << k)), "{line:?}");
     }
     assert_eq!(lines[i + 24], DASHES);
 }
@@ -183,36 +144,15 @@ fn duration_and_all_sizes() {
 fn flags_refused_or_noted() {
     let o = run(&["perf", "write-bw", "-c", "UD", "--loopback"]);
     assert!(!o.status.success());
-    assert!(
-        text(&o.stderr).contains("UD connection only possible in SEND verb"),
-        "{}",
-        text(&o.stderr)
-    );
-    let o = run(&[
-        "perf",
-        "write-bw",
-        "-R",
-        "--loopback",
-        "--udp-port",
-        "47314",
-        "-n",
-        "50",
-    ]);
+    assert!(text(&o.stderr).contains("UD connection only possible in SEND verb"), "{}", text(&o.stderr));
+    let o = run(&["perf", "write-bw", "-R", "--loopback", "--udp-port", "47314", "-n", "50"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(
-        text(&o.stderr).contains("rdma_cm (-R) is not supported yet"),
-        "{}",
-        text(&o.stderr)
-    );
+    assert!(text(&o.stderr).contains("rdma_cm (-R) is not supported yet"), "{}", text(&o.stderr));
 }
 
 /// A free TCP port on loopback (a race with other processes is possible but unlikely).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 #[test]
@@ -238,20 +178,9 @@ fn server_and_client_processes() {
     let (cout, sout) = (text(&client.stdout), text(&server.stdout));
     assert!(client.status.success(), "{cout}\n{}", text(&client.stderr));
     assert!(server.status.success(), "{sout}\n{}", text(&server.stderr));
-    assert!(
-        sout.contains("* Waiting for client to connect... *"),
-        "{sout}"
-    );
-    assert!(
-        cout.contains(" TX depth        : 128\n") && !sout.contains(" TX depth"),
-        "{cout}\n{sout}"
-    );
+    assert!(sout.contains("* Waiting for client to connect... *"), "{sout}");
+    assert!(cout.contains(" TX depth        : 128\n") && !sout.contains(" TX depth"), "{cout}\n{sout}");
     // The passive server prints the client's figures, as perftest does.
-    assert_eq!(
-        row_after(&cout, BW_HEADER, 5),
-        row_after(&sout, BW_HEADER, 5)
-    );
-    assert!(
-        cout.contains("\tDevice         : cli0\n") && sout.contains("\tDevice         : srv0\n")
-    );
+    assert_eq!(row_after(&cout, BW_HEADER, 5), row_after(&sout, BW_HEADER, 5));
+    assert!(cout.contains("\tDevice         : cli0\n") && sout.contains("\tDevice         : srv0\n"));
 }

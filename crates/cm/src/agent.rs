@@ -13,14 +13,14 @@ use std::time::Duration;
 
 use softrdma_transport::Instant;
 use softrdma_wire::cm::{
-    reason, service_id, split_service_id, CmMessage, CmaHeader, DreqRepr, IdsRepr, PathRepr,
-    RejRepr, RepRepr, ReqRepr, SidrRepRepr, SidrReqRepr,
+    reason, service_id, split_service_id, CmMessage, CmaHeader, DreqRepr, IdsRepr, PathRepr, RejRepr, RepRepr, ReqRepr,
+    SidrRepRepr, SidrReqRepr,
 };
 use softrdma_wire::{Psn, Qpn};
 
 use crate::types::{
-    AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace,
-    QpCommand, Route, UdInfo,
+    AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand, Route,
+    UdInfo,
 };
 
 /// States of an ID.
@@ -120,11 +120,7 @@ fn mtu_code(m: softrdma_transport::Mtu) -> u8 {
 }
 
 fn mtu_from_code(c: u8, cap: softrdma_transport::Mtu) -> softrdma_transport::Mtu {
-    softrdma_transport::Mtu::ALL
-        .into_iter()
-        .find(|m| *m as u8 == c)
-        .unwrap_or(cap)
-        .min(cap)
+    softrdma_transport::Mtu::ALL.into_iter().find(|m| *m as u8 == c).unwrap_or(cap).min(cap)
 }
 
 fn gid_of(ip: IpAddr) -> [u8; 16] {
@@ -215,9 +211,7 @@ impl CmAgent {
                 && i.remote.is_none()
                 && i.local.is_some_and(|l| {
                     l.port() == addr.port()
-                        && (l.ip() == addr.ip()
-                            || l.ip().is_unspecified()
-                            || addr.ip().is_unspecified())
+                        && (l.ip() == addr.ip() || l.ip().is_unspecified() || addr.ip().is_unspecified())
                 })
         })
     }
@@ -248,33 +242,16 @@ impl CmAgent {
 
     /// Resolve the destination (`rdma_resolve_addr`): picks the local address, raises ADDR_RESOLVED
     /// or ADDR_ERROR.
-    pub fn resolve_addr(
-        &mut self,
-        h: IdHandle,
-        src: Option<IpAddr>,
-        dst: SocketAddr,
-    ) -> Result<(), CmError> {
+    pub fn resolve_addr(&mut self, h: IdHandle, src: Option<IpAddr>, dst: SocketAddr) -> Result<(), CmError> {
         let id = self.id(h)?;
         if !matches!(id.state, State::Idle | State::AddrResolved) {
             return Err(CmError::InvalidState("resolve_addr"));
         }
         let ps = id.ps;
-        let wanted = src
-            .or(id.local.map(|l| l.ip()))
-            .filter(|ip| !ip.is_unspecified());
+        let wanted = src.or(id.local.map(|l| l.ip())).filter(|ip| !ip.is_unspecified());
         let local = match wanted {
-            Some(ip) => self
-                .config
-                .addrs
-                .iter()
-                .find(|(a, _)| *a == ip)
-                .map(|(a, _)| *a),
-            None => self
-                .config
-                .addrs
-                .iter()
-                .find(|(a, _)| a.is_ipv4() == dst.is_ipv4())
-                .map(|(a, _)| *a),
+            Some(ip) => self.config.addrs.iter().find(|(a, _)| *a == ip).map(|(a, _)| *a),
+            None => self.config.addrs.iter().find(|(a, _)| a.is_ipv4() == dst.is_ipv4()).map(|(a, _)| *a),
         };
         let Some(local_ip) = local else {
             self.event(h, EventKind::AddrError, ConnInfo::default(), None);
@@ -301,16 +278,8 @@ impl CmAgent {
             return Err(CmError::InvalidState("resolve_route before resolve_addr"));
         }
         let (local, remote) = (id.local.expect("resolved"), id.remote.expect("resolved"));
-        let sgid_index = addrs
-            .iter()
-            .find(|(a, _)| *a == local.ip())
-            .map_or(0, |(_, i)| *i);
-        id.route = Some(Route {
-            sgid_index,
-            sgid: gid_of(local.ip()),
-            dgid: gid_of(remote.ip()),
-            mtu,
-        });
+        let sgid_index = addrs.iter().find(|(a, _)| *a == local.ip()).map_or(0, |(_, i)| *i);
+        id.route = Some(Route { sgid_index, sgid: gid_of(local.ip()), dgid: gid_of(remote.ip()), mtu });
         id.state = State::RouteResolved;
         self.event(h, EventKind::RouteResolved, ConnInfo::default(), None);
         Ok(())
@@ -323,9 +292,7 @@ impl CmAgent {
 
     /// Local and remote addresses of an ID.
     pub fn addrs(&self, h: IdHandle) -> (Option<SocketAddr>, Option<SocketAddr>) {
-        self.ids
-            .get(&h)
-            .map_or((None, None), |i| (i.local, i.remote))
+        self.ids.get(&h).map_or((None, None), |i| (i.local, i.remote))
     }
 
     /// Listen (`rdma_listen`); the ID must be bound.
@@ -346,10 +313,7 @@ impl CmAgent {
         let mut mad = Box::new([0u8; 256]);
         // Our own messages always fit: private data lengths are checked at the API.
         msg.emit(tid, &mut mad[..]).expect("CM message fits a MAD");
-        self.out.push_back(Output::Mad {
-            dgid,
-            mad: mad.clone(),
-        });
+        self.out.push_back(Output::Mad { dgid, mad: mad.clone() });
         mad
     }
 
@@ -376,19 +340,10 @@ impl CmAgent {
         if id.state != State::RouteResolved {
             return Err(CmError::InvalidState("connect before resolve_route"));
         }
-        let (local, remote, route) = (
-            id.local.expect("resolved"),
-            id.remote.expect("resolved"),
-            id.route.expect("resolved"),
-        );
+        let (local, remote, route) =
+            (id.local.expect("resolved"), id.remote.expect("resolved"), id.route.expect("resolved"));
         let mut pd = vec![0u8; CmaHeader::LEN];
-        CmaHeader {
-            src_port: local.port(),
-            src: local.ip(),
-            dst: remote.ip(),
-        }
-        .emit(&mut pd)
-        .expect("36 bytes");
+        CmaHeader { src_port: local.port(), src: local.ip(), dst: remote.ip() }.emit(&mut pd).expect("36 bytes");
         pd.extend_from_slice(&param.private_data);
         let sid = service_id(id.ps.code(), remote.port());
         id.local_comm_id = comm_id;
@@ -399,12 +354,7 @@ impl CmAgent {
                 return Err(CmError::PrivateDataTooLong);
             }
             id.state = State::SidrReqSent;
-            CmMessage::SidrReq(SidrReqRepr {
-                request_id: comm_id,
-                pkey: 0xffff,
-                service_id: sid,
-                private_data: pd,
-            })
+            CmMessage::SidrReq(SidrReqRepr { request_id: comm_id, pkey: 0xffff, service_id: sid, private_data: pd })
         } else {
             if pd.len() > softrdma_wire::cm::private_len::REQ {
                 return Err(CmError::PrivateDataTooLong);
@@ -634,9 +584,7 @@ impl CmAgent {
         self.find(|i| {
             i.state == State::Listen
                 && i.ps.code() == ps
-                && i.local.is_some_and(|l| {
-                    l.port() == port && (l.ip().is_unspecified() || Some(l.ip()) == dst)
-                })
+                && i.local.is_some_and(|l| l.port() == port && (l.ip().is_unspecified() || Some(l.ip()) == dst))
         })
     }
 
@@ -649,16 +597,12 @@ impl CmAgent {
     fn on_req(&mut self, src_gid: [u8; 16], tid: u64, r: ReqRepr) {
         // A retransmitted REQ for a connection we already know.
         let known = |i: &Id| {
-            i.remote_comm_id == r.local_comm_id
-                && i.remote_guid == r.local_ca_guid
-                && i.state != State::Listen
+            i.remote_comm_id == r.local_comm_id && i.remote_guid == r.local_ca_guid && i.state != State::Listen
         };
         if let Some(h) = self.find(known) {
             match self.ids[&h].state {
                 State::RepSent | State::Established => self.resend_last(h),
-                State::TimeWait => {
-                    self.send_rej(src_gid, tid, 0, r.local_comm_id, reason::STALE_CONN)
-                }
+                State::TimeWait => self.send_rej(src_gid, tid, 0, r.local_comm_id, reason::STALE_CONN),
                 _ => {}
             }
             return;
@@ -672,11 +616,7 @@ impl CmAgent {
         };
         // The same remote QP still connected under another communication ID: stale.
         if self
-            .find(|i| {
-                i.remote_guid == r.local_ca_guid
-                    && i.remote_qpn == r.local_qpn
-                    && i.state == State::Established
-            })
+            .find(|i| i.remote_guid == r.local_ca_guid && i.remote_qpn == r.local_qpn && i.state == State::Established)
             .is_some()
         {
             return self.send_rej(src_gid, tid, 0, r.local_comm_id, reason::STALE_CONN);
@@ -687,23 +627,11 @@ impl CmAgent {
         let local_comm_id = self.random().max(1);
         let listener = &self.ids[&l];
         let (lps, lport) = (listener.ps, listener.local.map_or(port, |a| a.port()));
-        let local_ip = cma
-            .map(|c| c.dst)
-            .or_else(|| listener.local.map(|a| a.ip()))
-            .unwrap_or(ip_of_gid(&r.primary.remote_gid));
+        let local_ip =
+            cma.map(|c| c.dst).or_else(|| listener.local.map(|a| a.ip())).unwrap_or(ip_of_gid(&r.primary.remote_gid));
         let remote_addr = cma.map(|c| SocketAddr::new(c.src, c.src_port));
-        let sgid_index = self
-            .config
-            .addrs
-            .iter()
-            .find(|(a, _)| *a == local_ip)
-            .map_or(0, |(_, i)| *i);
-        let route = Route {
-            sgid_index,
-            sgid: gid_of(local_ip),
-            dgid: src_gid,
-            mtu: self.config.mtu,
-        };
+        let sgid_index = self.config.addrs.iter().find(|(a, _)| *a == local_ip).map_or(0, |(_, i)| *i);
+        let route = Route { sgid_index, sgid: gid_of(local_ip), dgid: src_gid, mtu: self.config.mtu };
         let h = self.create_id(lps);
         let id = self.ids.get_mut(&h).expect("just created");
         id.state = State::ReqRcvd;
@@ -717,19 +645,11 @@ impl CmAgent {
         id.remote_psn = r.starting_psn;
         id.tid = tid;
         id.listener = Some(l);
-        id.req_info = Some(ReqInfo {
-            rnr_retry: r.rnr_retry_count,
-            retry_count: r.retry_count,
-            path_mtu: r.path_mtu,
-        });
+        id.req_info = Some(ReqInfo { rnr_retry: r.rnr_retry_count, retry_count: r.retry_count, path_mtu: r.path_mtu });
         if let Some(li) = self.ids.get_mut(&l) {
             li.backlog -= 1;
         }
-        let private = if cma.is_some() {
-            r.private_data[CmaHeader::LEN..].to_vec()
-        } else {
-            r.private_data.clone()
-        };
+        let private = if cma.is_some() { r.private_data[CmaHeader::LEN..].to_vec() } else { r.private_data.clone() };
         let conn = ConnInfo {
             private_data: private,
             responder_resources: r.responder_resources,
@@ -754,9 +674,7 @@ impl CmAgent {
     }
 
     fn on_rep(&mut self, r: RepRepr) {
-        let Some(h) =
-            self.find(|i| i.local_comm_id == r.remote_comm_id && i.state != State::Listen)
-        else {
+        let Some(h) = self.find(|i| i.local_comm_id == r.remote_comm_id && i.state != State::Listen) else {
             self.dropped += 1;
             return;
         };
@@ -816,37 +734,27 @@ impl CmAgent {
     }
 
     fn on_rtu(&mut self, r: IdsRepr) {
-        let Some(h) =
-            self.find(|i| i.local_comm_id == r.remote_comm_id && i.state == State::RepSent)
-        else {
+        let Some(h) = self.find(|i| i.local_comm_id == r.remote_comm_id && i.state == State::RepSent) else {
             self.dropped += 1;
             return;
         };
         let id = self.ids.get_mut(&h).expect("found");
         id.state = State::Established;
         id.deadline = None;
-        let conn = ConnInfo {
-            remote_qpn: id.remote_qpn,
-            remote_addr: id.remote,
-            local_addr: id.local,
-            ..ConnInfo::default()
-        };
+        let conn =
+            ConnInfo { remote_qpn: id.remote_qpn, remote_addr: id.remote, local_addr: id.local, ..ConnInfo::default() };
         self.event(h, EventKind::Established, conn, None);
     }
 
     fn on_rej(&mut self, now: Instant, r: RejRepr) {
-        let Some(h) = self.find(|i| {
-            i.local_comm_id == r.remote_comm_id
-                && matches!(i.state, State::ReqSent | State::RepSent)
-        }) else {
+        let Some(h) =
+            self.find(|i| i.local_comm_id == r.remote_comm_id && matches!(i.state, State::ReqSent | State::RepSent))
+        else {
             self.dropped += 1;
             return;
         };
         let id = self.ids.get_mut(&h).expect("found");
-        if id.state == State::ReqSent
-            && r.reason == reason::INVALID_SERVICE_ID
-            && id.no_listener_left > 0
-        {
+        if id.state == State::ReqSent && r.reason == reason::INVALID_SERVICE_ID && id.no_listener_left > 0 {
             // Nobody listens yet: the retransmission timer sends the same REQ again (the peer
             // kept no state for it).
             id.no_listener_left -= 1;
@@ -861,19 +769,15 @@ impl CmAgent {
         if let (true, Some(qpn)) = (was_rep_sent, qpn) {
             self.out.push_back(Output::Qp(QpCommand::Err { qpn }));
         }
-        let conn = ConnInfo {
-            private_data: r.private_data,
-            ..ConnInfo::default()
-        };
+        let conn = ConnInfo { private_data: r.private_data, ..ConnInfo::default() };
         self.event(h, EventKind::Rejected { reason: r.reason }, conn, None);
     }
 
     fn on_mra(&mut self, now: Instant, comm_id: u32, service_timeout: u8) {
         let extra = Duration::from_nanos(4096u64 << service_timeout.min(31));
         let base = self.response_timeout();
-        if let Some(h) = self.find(|i| {
-            i.local_comm_id == comm_id && matches!(i.state, State::ReqSent | State::RepSent)
-        }) {
+        if let Some(h) = self.find(|i| i.local_comm_id == comm_id && matches!(i.state, State::ReqSent | State::RepSent))
+        {
             let id = self.ids.get_mut(&h).expect("found");
             id.deadline = Some(now + base + extra);
         }
@@ -902,10 +806,7 @@ impl CmAgent {
         id.state = State::TimeWait;
         id.last = Some((mad, src_gid));
         id.deadline = Some(timewait);
-        let conn = ConnInfo {
-            remote_qpn: id.remote_qpn,
-            ..ConnInfo::default()
-        };
+        let conn = ConnInfo { remote_qpn: id.remote_qpn, ..ConnInfo::default() };
         if let (Some(qpn), false) = (qpn, state == State::DreqSent) {
             self.out.push_back(Output::Qp(QpCommand::Err { qpn }));
         }
@@ -913,9 +814,7 @@ impl CmAgent {
     }
 
     fn on_drep(&mut self, now: Instant, r: IdsRepr) {
-        let Some(h) =
-            self.find(|i| i.local_comm_id == r.remote_comm_id && i.state == State::DreqSent)
-        else {
+        let Some(h) = self.find(|i| i.local_comm_id == r.remote_comm_id && i.state == State::DreqSent) else {
             self.dropped += 1;
             return;
         };
@@ -924,10 +823,7 @@ impl CmAgent {
         id.state = State::TimeWait;
         id.deadline = Some(timewait);
         id.last = None;
-        let conn = ConnInfo {
-            remote_qpn: id.remote_qpn,
-            ..ConnInfo::default()
-        };
+        let conn = ConnInfo { remote_qpn: id.remote_qpn, ..ConnInfo::default() };
         self.event(h, EventKind::Disconnected, conn, None);
     }
 
@@ -965,23 +861,10 @@ impl CmAgent {
         }
         let listener = &self.ids[&l];
         let (lps, lport) = (listener.ps, listener.local.map_or(port, |a| a.port()));
-        let local_ip = cma
-            .map(|c| c.dst)
-            .or_else(|| listener.local.map(|a| a.ip()))
-            .unwrap_or(ip_of_gid(&src_gid));
+        let local_ip = cma.map(|c| c.dst).or_else(|| listener.local.map(|a| a.ip())).unwrap_or(ip_of_gid(&src_gid));
         let remote_addr = cma.map(|c| SocketAddr::new(c.src, c.src_port));
-        let sgid_index = self
-            .config
-            .addrs
-            .iter()
-            .find(|(a, _)| *a == local_ip)
-            .map_or(0, |(_, i)| *i);
-        let route = Route {
-            sgid_index,
-            sgid: gid_of(local_ip),
-            dgid: src_gid,
-            mtu: self.config.mtu,
-        };
+        let sgid_index = self.config.addrs.iter().find(|(a, _)| *a == local_ip).map_or(0, |(_, i)| *i);
+        let route = Route { sgid_index, sgid: gid_of(local_ip), dgid: src_gid, mtu: self.config.mtu };
         let h = self.create_id(lps);
         let id = self.ids.get_mut(&h).expect("just created");
         id.state = State::SidrReqRcvd;
@@ -994,11 +877,7 @@ impl CmAgent {
         if let Some(li) = self.ids.get_mut(&l) {
             li.backlog -= 1;
         }
-        let private = if cma.is_some() {
-            r.private_data[CmaHeader::LEN..].to_vec()
-        } else {
-            r.private_data.clone()
-        };
+        let private = if cma.is_some() { r.private_data[CmaHeader::LEN..].to_vec() } else { r.private_data.clone() };
         let conn = ConnInfo {
             private_data: private,
             remote_addr,
@@ -1009,9 +888,7 @@ impl CmAgent {
     }
 
     fn on_sidr_rep(&mut self, r: SidrRepRepr) {
-        let Some(h) =
-            self.find(|i| i.local_comm_id == r.request_id && i.state == State::SidrReqSent)
-        else {
+        let Some(h) = self.find(|i| i.local_comm_id == r.request_id && i.state == State::SidrReqSent) else {
             self.dropped += 1;
             return;
         };
@@ -1028,33 +905,18 @@ impl CmAgent {
         if r.status == 0 {
             id.state = State::Established;
             id.remote_qpn = r.qpn;
-            let ud = UdInfo {
-                dgid: route.dgid,
-                remote_qpn: r.qpn,
-                qkey: r.qkey,
-            };
+            let ud = UdInfo { dgid: route.dgid, remote_qpn: r.qpn, qkey: r.qkey };
             self.event(h, EventKind::Established, conn, Some(ud));
         } else {
             id.state = State::Done;
-            self.event(
-                h,
-                EventKind::Rejected {
-                    reason: u16::from(r.status),
-                },
-                conn,
-                None,
-            );
+            self.event(h, EventKind::Rejected { reason: u16::from(r.status) }, conn, None);
         }
     }
 
     /// Fire expired timers: retransmit, give up, or end time-wait.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let due: Vec<IdHandle> = self
-            .ids
-            .iter()
-            .filter(|(_, i)| i.deadline.is_some_and(|d| d <= now))
-            .map(|(h, _)| *h)
-            .collect();
+        let due: Vec<IdHandle> =
+            self.ids.iter().filter(|(_, i)| i.deadline.is_some_and(|d| d <= now)).map(|(h, _)| *h).collect();
         let timeout = self.response_timeout();
         for h in due {
             let id = self.ids.get_mut(&h).expect("listed");
@@ -1074,9 +936,7 @@ impl CmAgent {
             let qpn = id.param.as_ref().map(|p| p.qpn);
             id.state = State::Done;
             match state {
-                State::ReqSent | State::SidrReqSent => {
-                    self.event(h, EventKind::Unreachable, ConnInfo::default(), None)
-                }
+                State::ReqSent | State::SidrReqSent => self.event(h, EventKind::Unreachable, ConnInfo::default(), None),
                 State::RepSent => {
                     if let Some(qpn) = qpn {
                         self.out.push_back(Output::Qp(QpCommand::Err { qpn }));

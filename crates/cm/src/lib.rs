@@ -16,8 +16,8 @@ mod types;
 
 pub use agent::CmAgent;
 pub use types::{
-    AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace,
-    QpCommand, Route, UdInfo, NO_LISTENER_RETRY_DELAY,
+    AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand, Route,
+    UdInfo, NO_LISTENER_RETRY_DELAY,
 };
 
 #[cfg(test)]

@@ -31,32 +31,18 @@ fn side(i: u8) -> Side {
     let cfg = AgentConfig {
         response_timeout: 14,
         max_retries: 3,
-        ..AgentConfig::new(
-            0x1000 + u64::from(i),
-            vec![(ip(i), 1)],
-            Mtu::M1024,
-            u64::from(i),
-        )
+        ..AgentConfig::new(0x1000 + u64::from(i), vec![(ip(i), 1)], Mtu::M1024, u64::from(i))
     };
     let gid = match ip(i) {
         IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
         IpAddr::V6(v6) => v6.octets(),
     };
-    Side {
-        agent: CmAgent::new(cfg),
-        gid,
-        qp: Vec::new(),
-    }
+    Side { agent: CmAgent::new(cfg), gid, qp: Vec::new() }
 }
 
 impl Pair {
     fn new() -> Pair {
-        Pair {
-            now: Instant::ZERO,
-            s: [side(1), side(2)],
-            drop: [0, 0],
-            sent: Vec::new(),
-        }
+        Pair { now: Instant::ZERO, s: [side(1), side(2)], drop: [0, 0], sent: Vec::new() }
     }
 
     /// Deliver everything in flight (and what it provokes) until quiet.
@@ -102,9 +88,7 @@ impl Pair {
     }
 
     fn events(&mut self, i: usize) -> Vec<(IdHandle, EventKind)> {
-        std::iter::from_fn(|| self.s[i].agent.poll_event())
-            .map(|e| (e.id, e.kind))
-            .collect()
+        std::iter::from_fn(|| self.s[i].agent.poll_event()).map(|e| (e.id, e.kind)).collect()
     }
 }
 
@@ -120,10 +104,7 @@ fn connect(p: &mut Pair, private: &[u8]) -> (IdHandle, IdHandle, IdHandle) {
     let c = p.s[0].agent.create_id(PortSpace::Tcp);
     p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
     p.s[0].agent.resolve_route(c).unwrap();
-    assert_eq!(
-        p.events(0),
-        vec![(c, EventKind::AddrResolved), (c, EventKind::RouteResolved)]
-    );
+    assert_eq!(p.events(0), vec![(c, EventKind::AddrResolved), (c, EventKind::RouteResolved)]);
     let mut param = ConnParam::new(Qpn::new(0x20));
     param.private_data = private.to_vec();
     p.s[0].agent.connect(c, param, p.now).unwrap();
@@ -145,10 +126,7 @@ fn connect_accept_establish_disconnect() {
     acc.private_data = b"welcome".to_vec();
     p.s[1].agent.accept(s, acc, p.now).unwrap();
     p.pump();
-    assert_eq!(
-        p.sent.iter().map(|s| s.1).collect::<Vec<_>>(),
-        vec!["REQ", "REP", "RTU"]
-    );
+    assert_eq!(p.sent.iter().map(|s| s.1).collect::<Vec<_>>(), vec!["REQ", "REP", "RTU"]);
     let ce: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
     assert_eq!(ce.len(), 1);
     assert_eq!(ce[0].kind, EventKind::Established);
@@ -157,28 +135,10 @@ fn connect_accept_establish_disconnect() {
     // Both QPs went RTR then RTS with each other's QPN and PSN.
     let (rtr0, rts0) = (p.s[0].qp[0], p.s[0].qp[1]);
     let (rtr1, rts1) = (p.s[1].qp[0], p.s[1].qp[1]);
-    let QpCommand::Rtr {
-        dest_qpn: d0,
-        rq_psn: r0,
-        ..
-    } = rtr0
-    else {
-        panic!("{rtr0:?}")
-    };
-    let QpCommand::Rts { sq_psn: s0, .. } = rts0 else {
-        panic!("{rts0:?}")
-    };
-    let QpCommand::Rtr {
-        dest_qpn: d1,
-        rq_psn: r1,
-        ..
-    } = rtr1
-    else {
-        panic!("{rtr1:?}")
-    };
-    let QpCommand::Rts { sq_psn: s1, .. } = rts1 else {
-        panic!("{rts1:?}")
-    };
+    let QpCommand::Rtr { dest_qpn: d0, rq_psn: r0, .. } = rtr0 else { panic!("{rtr0:?}") };
+    let QpCommand::Rts { sq_psn: s0, .. } = rts0 else { panic!("{rts0:?}") };
+    let QpCommand::Rtr { dest_qpn: d1, rq_psn: r1, .. } = rtr1 else { panic!("{rtr1:?}") };
+    let QpCommand::Rts { sq_psn: s1, .. } = rts1 else { panic!("{rts1:?}") };
     assert_eq!((d0, d1), (Qpn::new(0x30), Qpn::new(0x20)));
     assert_eq!((r0, r1), (s1, s0));
     // Disconnect from the passive side.
@@ -186,12 +146,8 @@ fn connect_accept_establish_disconnect() {
     p.pump();
     assert_eq!(p.events(0), vec![(c, EventKind::Disconnected)]);
     assert_eq!(p.events(1), vec![(s, EventKind::Disconnected)]);
-    assert!(p.s[0].qp.contains(&QpCommand::Err {
-        qpn: Qpn::new(0x20)
-    }));
-    assert!(p.s[1].qp.contains(&QpCommand::Err {
-        qpn: Qpn::new(0x30)
-    }));
+    assert!(p.s[0].qp.contains(&QpCommand::Err { qpn: Qpn::new(0x20) }));
+    assert!(p.s[1].qp.contains(&QpCommand::Err { qpn: Qpn::new(0x30) }));
     while p.tick() {}
     assert_eq!(p.events(0), vec![(c, EventKind::TimewaitExit)]);
     assert_eq!(p.events(1), vec![(s, EventKind::TimewaitExit)]);
@@ -205,12 +161,7 @@ fn reject_with_private_data() {
     p.s[1].agent.reject(s, b"go away").unwrap();
     p.pump();
     let ev: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
-    assert_eq!(
-        ev[0].kind,
-        EventKind::Rejected {
-            reason: reason::CONSUMER_REJECT
-        }
-    );
+    assert_eq!(ev[0].kind, EventKind::Rejected { reason: reason::CONSUMER_REJECT });
     assert_eq!(&ev[0].conn.private_data[..7], b"go away");
     assert_eq!(ev[0].id, c);
     p.s[1].agent.destroy_id(s, p.now).unwrap();
@@ -224,20 +175,9 @@ fn no_listener_is_rejected_at_once() {
     p.s[0].agent.resolve_addr(c, None, addr(2, 9999)).unwrap();
     p.s[0].agent.resolve_route(c).unwrap();
     p.events(0);
-    p.s[0]
-        .agent
-        .connect(c, ConnParam::new(Qpn::new(0x20)), p.now)
-        .unwrap();
+    p.s[0].agent.connect(c, ConnParam::new(Qpn::new(0x20)), p.now).unwrap();
     p.pump();
-    assert_eq!(
-        p.events(0),
-        vec![(
-            c,
-            EventKind::Rejected {
-                reason: reason::INVALID_SERVICE_ID
-            }
-        )]
-    );
+    assert_eq!(p.events(0), vec![(c, EventKind::Rejected { reason: reason::INVALID_SERVICE_ID })]);
 }
 
 #[test]
@@ -254,17 +194,11 @@ fn no_listener_retries_find_a_late_listener() {
     p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
     p.s[0].agent.resolve_route(c).unwrap();
     p.events(0);
-    p.s[0]
-        .agent
-        .connect(c, ConnParam::new(Qpn::new(0x20)), p.now)
-        .unwrap();
+    p.s[0].agent.connect(c, ConnParam::new(Qpn::new(0x20)), p.now).unwrap();
     p.pump();
     // Rejected, but not reported: the REQ goes again after the delay.
     assert!(p.events(0).is_empty());
-    assert_eq!(
-        p.s[0].agent.poll_timeout(),
-        Some(p.now + crate::NO_LISTENER_RETRY_DELAY)
-    );
+    assert_eq!(p.s[0].agent.poll_timeout(), Some(p.now + crate::NO_LISTENER_RETRY_DELAY));
     let l = p.s[1].agent.create_id(PortSpace::Tcp);
     p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
     p.s[1].agent.listen(l, 4).unwrap();
@@ -277,24 +211,13 @@ fn no_listener_retries_find_a_late_listener() {
     p.s[0].agent.resolve_addr(c2, None, addr(2, 9999)).unwrap();
     p.s[0].agent.resolve_route(c2).unwrap();
     p.events(0);
-    p.s[0]
-        .agent
-        .connect(c2, ConnParam::new(Qpn::new(0x21)), p.now)
-        .unwrap();
+    p.s[0].agent.connect(c2, ConnParam::new(Qpn::new(0x21)), p.now).unwrap();
     p.pump();
     for _ in 0..3 {
         assert!(p.events(0).is_empty());
         assert!(p.tick());
     }
-    assert_eq!(
-        p.events(0),
-        vec![(
-            c2,
-            EventKind::Rejected {
-                reason: reason::INVALID_SERVICE_ID
-            }
-        )]
-    );
+    assert_eq!(p.events(0), vec![(c2, EventKind::Rejected { reason: reason::INVALID_SERVICE_ID })]);
 }
 
 #[test]
@@ -305,19 +228,13 @@ fn dead_peer_is_unreachable_after_retries() {
     p.s[0].agent.resolve_route(c).unwrap();
     p.events(0);
     p.drop[0] = usize::MAX;
-    p.s[0]
-        .agent
-        .connect(c, ConnParam::new(Qpn::new(0x20)), p.now)
-        .unwrap();
+    p.s[0].agent.connect(c, ConnParam::new(Qpn::new(0x20)), p.now).unwrap();
     p.pump();
     while p.tick() {}
     assert_eq!(p.events(0), vec![(c, EventKind::Unreachable)]);
     // One REQ and max_retries (3) retransmissions, one response timeout (4.096 us << 14) apart.
     assert_eq!(p.sent.iter().filter(|s| s.1 == "REQ").count(), 4);
-    assert_eq!(
-        p.now,
-        Instant::ZERO + Duration::from_nanos(4 * (4096 << 14))
-    );
+    assert_eq!(p.now, Instant::ZERO + Duration::from_nanos(4 * (4096 << 14)));
 }
 
 #[test]
@@ -326,10 +243,7 @@ fn lost_rep_and_rtu_are_recovered() {
     let (c, _l, s) = connect(&mut p, b"");
     // The REP is lost: the client retransmits the REQ, the server answers it with the same REP.
     p.drop[1] = 1;
-    p.s[1]
-        .agent
-        .accept(s, ConnParam::new(Qpn::new(0x30)), p.now)
-        .unwrap();
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
     p.pump();
     assert!(p.events(0).is_empty());
     p.tick();
@@ -341,10 +255,7 @@ fn lost_rep_and_rtu_are_recovered() {
         p = q;
         r
     };
-    p.s[1]
-        .agent
-        .accept(s2, ConnParam::new(Qpn::new(0x30)), p.now)
-        .unwrap();
+    p.s[1].agent.accept(s2, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
     p.drop[0] = 1;
     p.pump();
     assert_eq!(p.events(0), vec![(c2, EventKind::Established)]);
@@ -362,10 +273,7 @@ fn duplicate_req_does_not_create_a_second_connection() {
     connect(&mut p, b"");
     // Fire the client's REQ retransmission before anyone accepts.
     p.tick();
-    assert!(
-        p.events(1).is_empty(),
-        "a duplicate REQ raised another CONNECT_REQUEST"
-    );
+    assert!(p.events(1).is_empty(), "a duplicate REQ raised another CONNECT_REQUEST");
     assert_eq!(p.s[1].agent.id_count(), 2, "listener and one connection");
 }
 
@@ -373,10 +281,7 @@ fn duplicate_req_does_not_create_a_second_connection() {
 fn stale_connection_is_rejected() {
     let mut p = Pair::new();
     let (_c, _l, s) = connect(&mut p, b"");
-    p.s[1]
-        .agent
-        .accept(s, ConnParam::new(Qpn::new(0x30)), p.now)
-        .unwrap();
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
     p.pump();
     p.events(0);
     p.events(1);
@@ -385,20 +290,9 @@ fn stale_connection_is_rejected() {
     p.s[0].agent.resolve_addr(c2, None, addr(2, 7174)).unwrap();
     p.s[0].agent.resolve_route(c2).unwrap();
     p.events(0);
-    p.s[0]
-        .agent
-        .connect(c2, ConnParam::new(Qpn::new(0x20)), p.now)
-        .unwrap();
+    p.s[0].agent.connect(c2, ConnParam::new(Qpn::new(0x20)), p.now).unwrap();
     p.pump();
-    assert_eq!(
-        p.events(0),
-        vec![(
-            c2,
-            EventKind::Rejected {
-                reason: reason::STALE_CONN
-            }
-        )]
-    );
+    assert_eq!(p.events(0), vec![(c2, EventKind::Rejected { reason: reason::STALE_CONN })]);
 }
 
 #[test]
@@ -411,54 +305,30 @@ fn ud_sidr_resolves_qpn_and_qkey() {
     p.s[0].agent.resolve_addr(c, None, addr(2, 5000)).unwrap();
     p.s[0].agent.resolve_route(c).unwrap();
     p.events(0);
-    p.s[0]
-        .agent
-        .connect(c, ConnParam::new(Qpn::new(0x21)), p.now)
-        .unwrap();
+    p.s[0].agent.connect(c, ConnParam::new(Qpn::new(0x21)), p.now).unwrap();
     p.pump();
     let ev = p.events(1);
     assert_eq!(ev[0].1, EventKind::ConnectRequest { listener: l });
-    p.s[1]
-        .agent
-        .accept(ev[0].0, ConnParam::new(Qpn::new(0x44)), p.now)
-        .unwrap();
+    p.s[1].agent.accept(ev[0].0, ConnParam::new(Qpn::new(0x44)), p.now).unwrap();
     p.pump();
     let e: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
     assert_eq!(e[0].kind, EventKind::Established);
     let ud = e[0].ud.unwrap();
-    assert_eq!(
-        (ud.remote_qpn, ud.qkey, ud.dgid),
-        (Qpn::new(0x44), crate::types::RDMA_UDP_QKEY, p.s[1].gid)
-    );
-    assert_eq!(
-        p.sent.iter().map(|s| s.1).collect::<Vec<_>>(),
-        vec!["SIDR_REQ", "SIDR_REP"]
-    );
+    assert_eq!((ud.remote_qpn, ud.qkey, ud.dgid), (Qpn::new(0x44), crate::types::RDMA_UDP_QKEY, p.s[1].gid));
+    assert_eq!(p.sent.iter().map(|s| s.1).collect::<Vec<_>>(), vec!["SIDR_REQ", "SIDR_REP"]);
 }
 
 #[test]
 fn api_misuse_is_an_error() {
     let mut p = Pair::new();
     let c = p.s[0].agent.create_id(PortSpace::Tcp);
-    assert!(p.s[0]
-        .agent
-        .connect(c, ConnParam::new(Qpn::new(1)), p.now)
-        .is_err());
+    assert!(p.s[0].agent.connect(c, ConnParam::new(Qpn::new(1)), p.now).is_err());
     assert!(p.s[0].agent.resolve_route(c).is_err());
-    assert!(
-        p.s[0].agent.listen(c, 1).is_err(),
-        "listen on an unbound id"
-    );
-    assert!(
-        p.s[0].agent.bind(c, addr(9, 1)).is_err(),
-        "address not ours"
-    );
+    assert!(p.s[0].agent.listen(c, 1).is_err(), "listen on an unbound id");
+    assert!(p.s[0].agent.bind(c, addr(9, 1)).is_err(), "address not ours");
     let d = p.s[0].agent.create_id(PortSpace::Tcp);
     p.s[0].agent.bind(c, addr(1, 4000)).unwrap();
-    assert_eq!(
-        p.s[0].agent.bind(d, addr(1, 4000)),
-        Err(crate::CmError::AddrInUse)
-    );
+    assert_eq!(p.s[0].agent.bind(d, addr(1, 4000)), Err(crate::CmError::AddrInUse));
     assert!(p.s[0].agent.destroy_id(IdHandle(999), p.now).is_err());
 }
 
@@ -473,27 +343,17 @@ fn many_connections_and_no_leak() {
         let c = p.s[0].agent.create_id(PortSpace::Tcp);
         p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
         p.s[0].agent.resolve_route(c).unwrap();
-        p.s[0]
-            .agent
-            .connect(c, ConnParam::new(Qpn::new(0x100 + k)), p.now)
-            .unwrap();
+        p.s[0].agent.connect(c, ConnParam::new(Qpn::new(0x100 + k)), p.now).unwrap();
         clients.push(c);
     }
     p.pump();
     let reqs: Vec<_> = p.events(1);
     assert_eq!(reqs.len(), 1000);
     for (k, (id, _)) in reqs.iter().enumerate() {
-        p.s[1]
-            .agent
-            .accept(*id, ConnParam::new(Qpn::new(0x2000 + k as u32)), p.now)
-            .unwrap();
+        p.s[1].agent.accept(*id, ConnParam::new(Qpn::new(0x2000 + k as u32)), p.now).unwrap();
     }
     p.pump();
-    let est = p
-        .events(0)
-        .into_iter()
-        .filter(|e| e.1 == EventKind::Established)
-        .count();
+    let est = p.events(0).into_iter().filter(|e| e.1 == EventKind::Established).count();
     assert_eq!(est, 1000);
     for c in &clients {
         p.s[0].agent.disconnect(*c, p.now).unwrap();

@@ -71,15 +71,7 @@ pub const NO_LISTENER_RETRY_DELAY: std::time::Duration = std::time::Duration::fr
 impl AgentConfig {
     /// rdma_cm's timeouts with the given device facts.
     pub fn new(ca_guid: u64, addrs: Vec<(IpAddr, u8)>, mtu: Mtu, seed: u64) -> AgentConfig {
-        AgentConfig {
-            ca_guid,
-            addrs,
-            mtu,
-            response_timeout: 20,
-            max_retries: 15,
-            seed,
-            no_listener_retries: 0,
-        }
+        AgentConfig { ca_guid, addrs, mtu, response_timeout: 20, max_retries: 15, seed, no_listener_retries: 0 }
     }
 }
 

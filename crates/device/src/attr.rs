@@ -70,13 +70,7 @@ pub enum Mtu {
 
 impl Mtu {
     /// All MTUs, smallest first.
-    pub const ALL: [Mtu; 5] = [
-        Mtu::Mtu256,
-        Mtu::Mtu512,
-        Mtu::Mtu1024,
-        Mtu::Mtu2048,
-        Mtu::Mtu4096,
-    ];
+    pub const ALL: [Mtu; 5] = [Mtu::Mtu256, Mtu::Mtu512, Mtu::Mtu1024, Mtu::Mtu2048, Mtu::Mtu4096];
 
     /// The size in bytes.
     pub fn bytes(self) -> u32 {
@@ -329,10 +323,7 @@ impl DeviceCapFlags {
 
     /// The names of the set flags, in `ibv_devinfo` order.
     pub fn names(self) -> impl Iterator<Item = &'static str> {
-        Self::NAMES
-            .into_iter()
-            .filter(move |(bit, _)| self.0 & bit != 0)
-            .map(|(_, name)| name)
+        Self::NAMES.into_iter().filter(move |(bit, _)| self.0 & bit != 0).map(|(_, name)| name)
     }
 
     /// Set bits that have no name (`ibv_devinfo` prints them as `Unknown flags: 0x…`).
@@ -499,27 +490,21 @@ impl DeviceAttr {
     /// module docs, with `num_comp_vectors` = the number of CPUs available to this process.
     pub fn softrdma(node_guid: Guid) -> DeviceAttr {
         let mut a = DeviceAttr::rxe(node_guid);
-        let flags = a.device_cap_flags.0
-            & !(DeviceCapFlags::MEM_WINDOW | DeviceCapFlags::MEM_WINDOW_TYPE_2B);
+        let flags = a.device_cap_flags.0 & !(DeviceCapFlags::MEM_WINDOW | DeviceCapFlags::MEM_WINDOW_TYPE_2B);
         a.device_cap_flags = DeviceCapFlags(flags);
         a.device_cap_flags_ex = u64::from(flags);
         a.max_mw = 0;
         a.max_mcast_grp = 0;
         a.max_mcast_qp_attach = 0;
         a.max_total_mcast_qp_attach = 0;
-        a.num_comp_vectors = std::thread::available_parallelism()
-            .map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
+        a.num_comp_vectors =
+            std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
         a
     }
 
     /// The firmware version text (`0.0.0`), as rdma-core's rxe provider formats it.
     pub fn fw_ver_string(&self) -> String {
-        format!(
-            "{}.{}.{}",
-            (self.fw_ver >> 32) & 0xffff,
-            (self.fw_ver >> 16) & 0xffff,
-            self.fw_ver & 0xffff
-        )
+        format!("{}.{}.{}", (self.fw_ver >> 32) & 0xffff, (self.fw_ver >> 16) & 0xffff, self.fw_ver & 0xffff)
     }
 }
 
@@ -741,10 +726,7 @@ mod tests {
         ours.num_comp_vectors = rxe.num_comp_vectors;
         assert_eq!(ours, rxe);
         assert_eq!(rxe.fw_ver_string(), "0.0.0");
-        let v = DeviceAttr {
-            fw_ver: (1 << 32) | (2 << 16) | 3,
-            ..rxe
-        };
+        let v = DeviceAttr { fw_ver: (1 << 32) | (2 << 16) | 3, ..rxe };
         assert_eq!(v.fw_ver_string(), "1.2.3");
     }
 
@@ -752,12 +734,7 @@ mod tests {
         Netdev {
             index: 2,
             name: "eth0".into(),
-            flags: IfFlags {
-                up,
-                running: up && lower_up,
-                lower_up,
-                loopback: false,
-            },
+            flags: IfFlags { up, running: up && lower_up, lower_up, loopback: false },
             mtu,
             mac: Some(MacAddr([0x52, 0x54, 0, 0x77, 9, 2])),
             addrs: vec![],
@@ -777,15 +754,9 @@ mod tests {
         assert_eq!(p.port_cap_flags, 0x0001_0000);
         assert_eq!(p.link_layer, LinkLayer::Ethernet);
         let p = PortAttr::for_netdev(&nd(true, false, 1500, None));
-        assert_eq!(
-            (p.state, p.phys_state),
-            (PortState::Down, PhysState::Polling)
-        );
+        assert_eq!((p.state, p.phys_state), (PortState::Down, PhysState::Polling));
         let p = PortAttr::for_netdev(&nd(false, false, 1500, None));
-        assert_eq!(
-            (p.state, p.phys_state),
-            (PortState::Down, PhysState::Disabled)
-        );
+        assert_eq!((p.state, p.phys_state), (PortState::Down, PhysState::Disabled));
         assert_eq!(p.phys_state.name(), "DISABLED");
         assert_eq!(PortState::Down.name(), "PORT_DOWN");
     }

@@ -57,10 +57,7 @@ impl DeviceInfo {
             }
         }
         let guid = Guid::for_device(&config.name, netdev.mac);
-        let opts = GidTableOptions {
-            bind: config.addr,
-            roce_v1: false,
-        };
+        let opts = GidTableOptions { bind: config.addr, roce_v1: false };
         Ok(DeviceInfo {
             name: config.name.clone(),
             bind: config.addr,
@@ -74,10 +71,8 @@ impl DeviceInfo {
 
     /// Looks up the device's netdev on this host and builds its description.
     pub fn open(config: &DeviceConfig) -> Result<DeviceInfo, DeviceError> {
-        let nd = netdev::by_name(&config.netdev).map_err(|source| DeviceError::Netdev {
-            device: config.name.clone(),
-            source,
-        })?;
+        let nd = netdev::by_name(&config.netdev)
+            .map_err(|source| DeviceError::Netdev { device: config.name.clone(), source })?;
         DeviceInfo::new(config, nd)
     }
 
@@ -91,11 +86,7 @@ impl DeviceInfo {
         if port >= 1 && port <= u32::from(self.attr.phys_port_cnt) {
             Ok(())
         } else {
-            Err(DeviceError::BadPort {
-                device: self.name.clone(),
-                port,
-                ports: self.attr.phys_port_cnt,
-            })
+            Err(DeviceError::BadPort { device: self.name.clone(), port, ports: self.attr.phys_port_cnt })
         }
     }
 
@@ -113,13 +104,11 @@ impl DeviceInfo {
 
     /// GID `index` of port `port`.
     pub fn gid(&self, port: u32, index: usize) -> Result<&GidEntry, DeviceError> {
-        self.gid_table(port)?
-            .get(index)
-            .map_err(|source| DeviceError::BadGidIndex {
-                device: self.name.clone(),
-                port,
-                source,
-            })
+        self.gid_table(port)?.get(index).map_err(|source| DeviceError::BadGidIndex {
+            device: self.name.clone(),
+            port,
+            source,
+        })
     }
 }
 
@@ -170,29 +159,15 @@ impl fmt::Display for DeviceError {
         match self {
             DeviceError::Registry(e) => e.fmt(f),
             DeviceError::Netdev { device, source } => write!(f, "{device}: {source}"),
-            DeviceError::AddrNotOnNetdev {
-                device,
-                addr,
-                netdev,
-            } => write!(f, "{device}: address {addr} is not an address of {netdev}"),
-            DeviceError::BadPort {
-                device,
-                port,
-                ports,
-            } => write!(
+            DeviceError::AddrNotOnNetdev { device, addr, netdev } => {
+                write!(f, "{device}: address {addr} is not an address of {netdev}")
+            }
+            DeviceError::BadPort { device, port, ports } => write!(
                 f,
                 "{device}: invalid port {port}: the device has {} (1..={ports})",
-                if *ports == 1 {
-                    "1 port".to_owned()
-                } else {
-                    format!("{ports} ports")
-                }
+                if *ports == 1 { "1 port".to_owned() } else { format!("{ports} ports") }
             ),
-            DeviceError::BadGidIndex {
-                device,
-                port,
-                source,
-            } => write!(f, "{device} port {port}: {source}"),
+            DeviceError::BadGidIndex { device, port, source } => write!(f, "{device} port {port}: {source}"),
         }
     }
 }
@@ -224,12 +199,7 @@ mod tests {
         Netdev {
             index: 2,
             name: "eth0".into(),
-            flags: IfFlags {
-                up: true,
-                running: true,
-                lower_up: true,
-                loopback: false,
-            },
+            flags: IfFlags { up: true, running: true, lower_up: true, loopback: false },
             mtu: 1500,
             mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
             addrs: vec![
@@ -258,10 +228,7 @@ mod tests {
             d.gid(1, 5).unwrap_err().to_string(),
             "rxe0 port 1: bad GID index 5: the GID table has 2 entries (indices 0..=1)"
         );
-        assert_eq!(
-            d.gid(2, 0).unwrap_err().to_string(),
-            "rxe0: invalid port 2: the device has 1 port (1..=1)"
-        );
+        assert_eq!(d.gid(2, 0).unwrap_err().to_string(), "rxe0: invalid port 2: the device has 1 port (1..=1)");
         assert!(d.port_attr(0).is_err());
         assert!(d.port_attr(1).is_ok());
         let cfg = DeviceConfig::new("rxe0", "eth0").with_addr("10.77.9.3".parse().unwrap());
@@ -287,9 +254,6 @@ mod tests {
     fn opens_loopback_device_on_this_host() {
         let d = DeviceInfo::open(&DeviceConfig::new("rxe0", "lo")).unwrap();
         assert_eq!(d.port.active_mtu, Mtu::Mtu4096);
-        assert!(d
-            .gids
-            .find(&"127.0.0.1".parse().unwrap(), crate::gid::GidType::RoceV2)
-            .is_some());
+        assert!(d.gids.find(&"127.0.0.1".parse().unwrap(), crate::gid::GidType::RoceV2).is_some());
     }
 }

@@ -73,16 +73,7 @@ impl Guid {
     /// `52:54:00:77:09:02` becomes `5054:00ff:fe77:0902`.
     pub fn from_mac(mac: MacAddr) -> Guid {
         let m = mac.0;
-        Guid(u64::from_be_bytes([
-            m[0] ^ 0x02,
-            m[1],
-            m[2],
-            0xff,
-            0xfe,
-            m[3],
-            m[4],
-            m[5],
-        ]))
+        Guid(u64::from_be_bytes([m[0] ^ 0x02, m[1], m[2], 0xff, 0xfe, m[3], m[4], m[5]]))
     }
 
     /// The GUID of the device named `device_name` on an interface with MAC `mac`.
@@ -110,14 +101,7 @@ impl Guid {
 impl fmt::Display for Guid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let g = self.0;
-        write!(
-            f,
-            "{:04x}:{:04x}:{:04x}:{:04x}",
-            (g >> 48) & 0xffff,
-            (g >> 32) & 0xffff,
-            (g >> 16) & 0xffff,
-            g & 0xffff
-        )
+        write!(f, "{:04x}:{:04x}:{:04x}:{:04x}", (g >> 48) & 0xffff, (g >> 32) & 0xffff, (g >> 16) & 0xffff, g & 0xffff)
     }
 }
 
@@ -246,10 +230,7 @@ impl fmt::Display for Gid {
             if i != 0 {
                 out.push(':');
             }
-            if i == 6
-                && best_base == Some(0)
-                && (best_len == 6 || (best_len == 5 && words[5] == 0xffff))
-            {
+            if i == 6 && best_base == Some(0) && (best_len == 6 || (best_len == 5 && words[5] == 0xffff)) {
                 let v4 = Ipv4Addr::new(self.0[12], self.0[13], self.0[14], self.0[15]);
                 out.push_str(&v4.to_string());
                 return f.pad(&out);
@@ -289,11 +270,7 @@ pub struct ParseGidError(String);
 
 impl fmt::Display for ParseGidError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invalid GID {:?}: expected IPv6 text (fe80::1, ::ffff:10.0.0.1) or an IPv4 address",
-            self.0
-        )
+        write!(f, "invalid GID {:?}: expected IPv6 text (fe80::1, ::ffff:10.0.0.1) or an IPv4 address", self.0)
     }
 }
 
@@ -303,9 +280,7 @@ impl FromStr for Gid {
     type Err = ParseGidError;
 
     fn from_str(s: &str) -> Result<Gid, ParseGidError> {
-        s.parse::<IpAddr>()
-            .map(Gid::from_ip)
-            .map_err(|_| ParseGidError(s.to_owned()))
+        s.parse::<IpAddr>().map(Gid::from_ip).map_err(|_| ParseGidError(s.to_owned()))
     }
 }
 
@@ -375,18 +350,8 @@ impl fmt::Display for BadGidIndex {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.len {
             0 => write!(f, "bad GID index {}: the GID table is empty", self.index),
-            1 => write!(
-                f,
-                "bad GID index {}: the GID table has 1 entry (index 0)",
-                self.index
-            ),
-            n => write!(
-                f,
-                "bad GID index {}: the GID table has {} entries (indices 0..={})",
-                self.index,
-                n,
-                n - 1
-            ),
+            1 => write!(f, "bad GID index {}: the GID table has 1 entry (index 0)", self.index),
+            n => write!(f, "bad GID index {}: the GID table has {} entries (indices 0..={})", self.index, n, n - 1),
         }
     }
 }
@@ -408,11 +373,8 @@ impl GidTable {
     /// that the address is local is the caller's job ([`crate::device::DeviceInfo::new`]).
     pub fn build(netdev: &Netdev, guid: Guid, opts: &GidTableOptions) -> GidTable {
         let v1_possible = !netdev.flags.loopback && netdev.mac.is_some_and(|m| !m.is_zero());
-        let types: &[GidType] = if opts.roce_v1 && v1_possible {
-            &[GidType::IbRoceV1, GidType::RoceV2]
-        } else {
-            &[GidType::RoceV2]
-        };
+        let types: &[GidType] =
+            if opts.roce_v1 && v1_possible { &[GidType::IbRoceV1, GidType::RoceV2] } else { &[GidType::RoceV2] };
         let mut gids = vec![Gid::link_local(guid)];
         match opts.bind {
             Some(ip) => gids.push(Gid::from_ip(ip)),
@@ -458,17 +420,12 @@ impl GidTable {
 
     /// The entry at `index`, or an error naming the valid range.
     pub fn get(&self, index: usize) -> Result<&GidEntry, BadGidIndex> {
-        self.entries.get(index).ok_or(BadGidIndex {
-            index,
-            len: self.entries.len(),
-        })
+        self.entries.get(index).ok_or(BadGidIndex { index, len: self.entries.len() })
     }
 
     /// The index of `gid` with type `gid_type`, if present.
     pub fn find(&self, gid: &Gid, gid_type: GidType) -> Option<usize> {
-        self.entries
-            .iter()
-            .position(|e| e.gid == *gid && e.gid_type == gid_type)
+        self.entries.iter().position(|e| e.gid == *gid && e.gid_type == gid_type)
     }
 
     /// `(index, entry)` for every valid entry, in index order.
@@ -496,10 +453,7 @@ mod tests {
         assert_eq!(g.hex(), "c8be60fffec4ae32");
         // The all-zero MAC of lo gives what rxe shows for rxelo's default GID.
         let g = Guid::from_mac(MacAddr([0; 6]));
-        assert_eq!(
-            Gid::link_local(g).full().to_string(),
-            "fe80:0000:0000:0000:0200:00ff:fe00:0000"
-        );
+        assert_eq!(Gid::link_local(g).full().to_string(), "fe80:0000:0000:0000:0200:00ff:fe00:0000");
     }
 
     #[test]
@@ -520,16 +474,10 @@ mod tests {
     fn gid_text_forms_match_rdma_core() {
         let ll = Gid::link_local(Guid(0x5054_00ff_fe77_0902));
         assert_eq!(ll.to_string(), "fe80::5054:ff:fe77:902");
-        assert_eq!(
-            ll.full().to_string(),
-            "fe80:0000:0000:0000:5054:00ff:fe77:0902"
-        );
+        assert_eq!(ll.full().to_string(), "fe80:0000:0000:0000:5054:00ff:fe77:0902");
         let v4 = Gid::from_ip("10.77.9.2".parse().unwrap());
         assert_eq!(v4.to_string(), "::ffff:10.77.9.2");
-        assert_eq!(
-            v4.full().to_string(),
-            "0000:0000:0000:0000:0000:ffff:0a4d:0902"
-        );
+        assert_eq!(v4.full().to_string(), "0000:0000:0000:0000:0000:ffff:0a4d:0902");
         assert_eq!(Gid::ZERO.to_string(), "::");
         assert_eq!(gid("::1").to_string(), "::1");
         // glibc prints IPv4-compatible addresses dotted, unlike std.
@@ -544,14 +492,8 @@ mod tests {
     #[test]
     fn gid_parse_and_ip() {
         assert_eq!(gid("10.77.9.2"), gid("::ffff:10.77.9.2"));
-        assert_eq!(
-            gid("fe80:0000:0000:0000:5054:00ff:fe77:0902"),
-            gid("fe80::5054:ff:fe77:902")
-        );
-        assert_eq!(
-            gid("::ffff:127.0.0.1").to_ip(),
-            "127.0.0.1".parse::<IpAddr>().unwrap()
-        );
+        assert_eq!(gid("fe80:0000:0000:0000:5054:00ff:fe77:0902"), gid("fe80::5054:ff:fe77:902"));
+        assert_eq!(gid("::ffff:127.0.0.1").to_ip(), "127.0.0.1".parse::<IpAddr>().unwrap());
         assert_eq!(gid("::1").to_ip(), "::1".parse::<IpAddr>().unwrap());
         assert!("fe80::zz".parse::<Gid>().is_err());
         assert!("".parse::<Gid>().is_err());
@@ -563,12 +505,7 @@ mod tests {
         Netdev {
             index: 2,
             name: "eth0".into(),
-            flags: IfFlags {
-                up: true,
-                running: true,
-                lower_up: true,
-                loopback: false,
-            },
+            flags: IfFlags { up: true, running: true, lower_up: true, loopback: false },
             mtu: 1500,
             mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
             addrs: vec![
@@ -583,26 +520,16 @@ mod tests {
         Netdev {
             index: 1,
             name: "lo".into(),
-            flags: IfFlags {
-                up: true,
-                running: true,
-                lower_up: true,
-                loopback: true,
-            },
+            flags: IfFlags { up: true, running: true, lower_up: true, loopback: true },
             mtu: 65536,
             mac: Some(MacAddr([0; 6])),
-            addrs: vec![
-                IfAddr::new("127.0.0.1".parse().unwrap(), 8),
-                IfAddr::new("::1".parse().unwrap(), 128),
-            ],
+            addrs: vec![IfAddr::new("127.0.0.1".parse().unwrap(), 8), IfAddr::new("::1".parse().unwrap(), 128)],
             speed_mbps: None,
         }
     }
 
     fn listed(t: &GidTable) -> Vec<String> {
-        t.iter()
-            .map(|(i, e)| format!("{i} {} {}", e.gid.full(), e.gid_type))
-            .collect()
+        t.iter().map(|(i, e)| format!("{i} {} {}", e.gid.full(), e.gid_type)).collect()
     }
 
     #[test]
@@ -613,16 +540,10 @@ mod tests {
         let t = GidTable::build(&nd, guid, &GidTableOptions::default());
         assert_eq!(
             listed(&t),
-            [
-                "0 fe80:0000:0000:0000:5054:00ff:fe77:0902 RoCE v2",
-                "1 0000:0000:0000:0000:0000:ffff:0a4d:0902 RoCE v2",
-            ]
+            ["0 fe80:0000:0000:0000:5054:00ff:fe77:0902 RoCE v2", "1 0000:0000:0000:0000:0000:ffff:0a4d:0902 RoCE v2",]
         );
         assert_eq!(t.get(2), Err(BadGidIndex { index: 2, len: 2 }));
-        assert_eq!(
-            t.get(7).unwrap_err().to_string(),
-            "bad GID index 7: the GID table has 2 entries (indices 0..=1)"
-        );
+        assert_eq!(t.get(7).unwrap_err().to_string(), "bad GID index 7: the GID table has 2 entries (indices 0..=1)");
         assert_eq!(t.find(&gid("10.77.9.2"), GidType::RoceV2), Some(1));
         assert_eq!(t.find(&gid("10.77.9.2"), GidType::IbRoceV1), None);
     }
@@ -636,19 +557,10 @@ mod tests {
         let t = GidTable::build(&nd, guid, &GidTableOptions::default());
         assert_eq!(t.len(), 3);
         assert_eq!(t.get(0).unwrap().gid, Gid::link_local(guid));
-        assert_eq!(
-            t.get(1).unwrap().gid.full().to_string(),
-            "0000:0000:0000:0000:0000:ffff:7f00:0001"
-        );
-        assert_eq!(
-            t.get(2).unwrap().gid.full().to_string(),
-            "0000:0000:0000:0000:0000:0000:0000:0001"
-        );
+        assert_eq!(t.get(1).unwrap().gid.full().to_string(), "0000:0000:0000:0000:0000:ffff:7f00:0001");
+        assert_eq!(t.get(2).unwrap().gid.full().to_string(), "0000:0000:0000:0000:0000:0000:0000:0001");
         // v1 is never possible on loopback.
-        let opts = GidTableOptions {
-            roce_v1: true,
-            ..Default::default()
-        };
+        let opts = GidTableOptions { roce_v1: true, ..Default::default() };
         assert_eq!(GidTable::build(&nd, guid, &opts).len(), 3);
     }
 
@@ -656,30 +568,16 @@ mod tests {
     fn table_bound_and_v1_layouts() {
         let nd = lo();
         let guid = Guid::for_device("rxe1", nd.mac);
-        let opts = GidTableOptions {
-            bind: Some("127.0.0.2".parse().unwrap()),
-            roce_v1: false,
-        };
+        let opts = GidTableOptions { bind: Some("127.0.0.2".parse().unwrap()), roce_v1: false };
         let t = GidTable::build(&nd, guid, &opts);
         assert_eq!(t.len(), 2);
         assert_eq!(t.get(1).unwrap().gid.to_string(), "::ffff:127.0.0.2");
 
         let nd = eth0();
-        let opts = GidTableOptions {
-            bind: None,
-            roce_v1: true,
-        };
+        let opts = GidTableOptions { bind: None, roce_v1: true };
         let t = GidTable::build(&nd, Guid::for_device("rxe0", nd.mac), &opts);
         let types: Vec<_> = t.iter().map(|(_, e)| e.gid_type).collect();
-        assert_eq!(
-            types,
-            [
-                GidType::IbRoceV1,
-                GidType::RoceV2,
-                GidType::IbRoceV1,
-                GidType::RoceV2
-            ]
-        );
+        assert_eq!(types, [GidType::IbRoceV1, GidType::RoceV2, GidType::IbRoceV1, GidType::RoceV2]);
     }
 
     #[test]
@@ -693,9 +591,6 @@ mod tests {
         let t = GidTable::from_entries([e(1), e(1), e(2)]);
         assert_eq!(t.len(), 2);
         assert!(GidTable::default().is_empty());
-        assert_eq!(
-            GidTable::default().get(0).unwrap_err().to_string(),
-            "bad GID index 0: the GID table is empty"
-        );
+        assert_eq!(GidTable::default().get(0).unwrap_err().to_string(), "bad GID index 0: the GID table is empty");
     }
 }

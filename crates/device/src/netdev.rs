@@ -47,11 +47,7 @@ impl MacAddr {
 impl fmt::Display for MacAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = self.0;
-        write!(
-            f,
-            "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
-            m[0], m[1], m[2], m[3], m[4], m[5]
-        )
+        write!(f, "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", m[0], m[1], m[2], m[3], m[4], m[5])
     }
 }
 
@@ -248,9 +244,7 @@ pub fn list() -> Result<Vec<Netdev>, NetdevError> {
             dev.index = read_sysfs_u32(&dev.name, "ifindex")?;
         }
         // `speed` is unreadable (EINVAL) or -1 for links without a known speed.
-        dev.speed_mbps = read_sysfs_u32(&dev.name, "speed")
-            .ok()
-            .filter(|s| *s != 0 && *s != u32::MAX);
+        dev.speed_mbps = read_sysfs_u32(&dev.name, "speed").ok().filter(|s| *s != 0 && *s != u32::MAX);
     }
     devs.sort_by_key(|d| d.index);
     Ok(devs)
@@ -258,26 +252,19 @@ pub fn list() -> Result<Vec<Netdev>, NetdevError> {
 
 /// The interface named `name`.
 pub fn by_name(name: &str) -> Result<Netdev, NetdevError> {
-    list()?
-        .into_iter()
-        .find(|d| d.name == name)
-        .ok_or_else(|| NetdevError::NotFound(name.to_owned()))
+    list()?.into_iter().find(|d| d.name == name).ok_or_else(|| NetdevError::NotFound(name.to_owned()))
 }
 
 /// The interface that owns the local address `ip` (see [`Netdev::owns`]).
 pub fn by_addr(ip: IpAddr) -> Result<Netdev, NetdevError> {
     let devs = list()?;
-    find_by_addr(&devs, ip)
-        .cloned()
-        .ok_or(NetdevError::NoInterfaceForAddr(ip))
+    find_by_addr(&devs, ip).cloned().ok_or(NetdevError::NoInterfaceForAddr(ip))
 }
 
 /// The interface in `devs` that owns `ip`: an exact address match first, then (for loopback
 /// addresses) the loopback interface.
 pub fn find_by_addr(devs: &[Netdev], ip: IpAddr) -> Option<&Netdev> {
-    devs.iter()
-        .find(|d| d.addrs.iter().any(|a| a.addr == ip))
-        .or_else(|| devs.iter().find(|d| d.owns(ip)))
+    devs.iter().find(|d| d.addrs.iter().any(|a| a.addr == ip)).or_else(|| devs.iter().find(|d| d.owns(ip)))
 }
 
 fn ip_of(sa: &SockaddrStorage) -> Option<IpAddr> {
@@ -298,10 +285,7 @@ fn prefix_of(mask: IpAddr) -> u8 {
 
 fn read_sysfs_u32(ifname: &str, attr: &str) -> Result<u32, NetdevError> {
     let path = format!("/sys/class/net/{ifname}/{attr}");
-    let text = fs::read_to_string(&path).map_err(|error| NetdevError::Sysfs {
-        path: path.clone(),
-        error,
-    })?;
+    let text = fs::read_to_string(&path).map_err(|error| NetdevError::Sysfs { path: path.clone(), error })?;
     let t = text.trim();
     // `speed` is -1 when unknown; map it to u32::MAX so the caller can filter it.
     if t == "-1" {
@@ -345,13 +329,7 @@ mod tests {
         assert_eq!(find_by_addr(&devs, ip).unwrap().name, lo.name);
         assert_eq!(by_addr("127.0.0.2".parse().unwrap()).unwrap().name, lo.name);
         assert_eq!(by_name(&lo.name).unwrap().index, lo.index);
-        assert!(matches!(
-            by_name("nosuch-if0"),
-            Err(NetdevError::NotFound(_))
-        ));
-        assert!(matches!(
-            by_addr("192.0.2.254".parse().unwrap()),
-            Err(NetdevError::NoInterfaceForAddr(_))
-        ));
+        assert!(matches!(by_name("nosuch-if0"), Err(NetdevError::NotFound(_))));
+        assert!(matches!(by_addr("192.0.2.254".parse().unwrap()), Err(NetdevError::NoInterfaceForAddr(_))));
     }
 }

@@ -67,11 +67,7 @@ pub struct DeviceConfig {
 impl DeviceConfig {
     /// A device on `netdev` using all of its addresses.
     pub fn new(name: impl Into<String>, netdev: impl Into<String>) -> DeviceConfig {
-        DeviceConfig {
-            name: name.into(),
-            netdev: netdev.into(),
-            addr: None,
-        }
+        DeviceConfig { name: name.into(), netdev: netdev.into(), addr: None }
     }
 
     /// The same device bound to `addr` only.
@@ -133,16 +129,11 @@ impl fmt::Display for RegistryError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RegistryError::Io { path, error } => write!(f, "{}: {error}", path.display()),
-            RegistryError::Parse {
-                path,
-                line,
-                message,
-            } => write!(f, "{}:{line}: {message}", path.display()),
+            RegistryError::Parse { path, line, message } => write!(f, "{}:{line}: {message}", path.display()),
             RegistryError::Duplicate(n) => write!(f, "device {n:?} is defined twice"),
-            RegistryError::BadName(n) => write!(
-                f,
-                "invalid device name {n:?}: use 1 to {MAX_NAME_LEN} characters from A-Z a-z 0-9 _ - ."
-            ),
+            RegistryError::BadName(n) => {
+                write!(f, "invalid device name {n:?}: use 1 to {MAX_NAME_LEN} characters from A-Z a-z 0-9 _ - .")
+            }
             RegistryError::UnknownDevice(n) => write!(f, "IB device '{n}' wasn't found"),
         }
     }
@@ -161,9 +152,7 @@ impl std::error::Error for RegistryError {
 pub fn check_name(name: &str) -> Result<(), RegistryError> {
     let ok = !name.is_empty()
         && name.len() <= MAX_NAME_LEN
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
         && name != "."
         && name != "..";
     if ok {
@@ -185,11 +174,7 @@ pub struct Registry {
 impl Registry {
     /// An empty registry (no devices).
     pub fn empty() -> Registry {
-        Registry {
-            devices: Vec::new(),
-            source: Source::Memory,
-            roce_v1: BTreeSet::new(),
-        }
+        Registry { devices: Vec::new(), source: Source::Memory, roce_v1: BTreeSet::new() }
     }
 
     /// The registry used when no file exists: `rxe0` on `lo`.
@@ -219,10 +204,7 @@ impl Registry {
                 r.source = Source::Implicit(path.to_owned());
                 Ok(r)
             }
-            Err(error) => Err(RegistryError::Io {
-                path: path.to_owned(),
-                error,
-            }),
+            Err(error) => Err(RegistryError::Io { path: path.to_owned(), error }),
         }
     }
 
@@ -231,11 +213,7 @@ impl Registry {
         let mut reg = Registry::empty();
         for (i, raw) in text.lines().enumerate() {
             let line = i + 1;
-            let err = |message: String| RegistryError::Parse {
-                path: path.to_owned(),
-                line,
-                message,
-            };
+            let err = |message: String| RegistryError::Parse { path: path.to_owned(), line, message };
             let content = raw.split('#').next().unwrap_or("");
             let mut words = content.split_whitespace();
             let Some(name) = words.next() else {
@@ -246,9 +224,7 @@ impl Registry {
             let mut addr = None;
             let mut roce = None;
             while let Some(key) = words.next() {
-                let value = words
-                    .next()
-                    .ok_or_else(|| err(format!("{key:?} needs a value")))?;
+                let value = words.next().ok_or_else(|| err(format!("{key:?} needs a value")))?;
                 match key {
                     "netdev" if netdev.is_none() => {
                         if value.len() > 15 || value.contains('/') {
@@ -257,9 +233,7 @@ impl Registry {
                         netdev = Some(value.to_owned());
                     }
                     "addr" if addr.is_none() => {
-                        let ip = value
-                            .parse::<IpAddr>()
-                            .map_err(|_| err(format!("invalid IP address {value:?}")))?;
+                        let ip = value.parse::<IpAddr>().map_err(|_| err(format!("invalid IP address {value:?}")))?;
                         addr = Some(ip);
                     }
                     "roce-mode" if roce.is_none() => match value {
@@ -267,23 +241,12 @@ impl Registry {
                         "v2" => roce = Some(false),
                         _ => return Err(err(format!("invalid RoCE mode {value:?} (v1 or v2)"))),
                     },
-                    "netdev" | "addr" | "roce-mode" => {
-                        return Err(err(format!("{key:?} given twice")))
-                    }
-                    other => {
-                        return Err(err(format!(
-                            "unknown keyword {other:?} (expected \"netdev\" or \"addr\")"
-                        )))
-                    }
+                    "netdev" | "addr" | "roce-mode" => return Err(err(format!("{key:?} given twice"))),
+                    other => return Err(err(format!("unknown keyword {other:?} (expected \"netdev\" or \"addr\")"))),
                 }
             }
-            let netdev =
-                netdev.ok_or_else(|| err(format!("device {name:?} has no \"netdev IFACE\"")))?;
-            let dev = DeviceConfig {
-                name: name.to_owned(),
-                netdev,
-                addr,
-            };
+            let netdev = netdev.ok_or_else(|| err(format!("device {name:?} has no \"netdev IFACE\"")))?;
+            let dev = DeviceConfig { name: name.to_owned(), netdev, addr };
             reg.add(dev).map_err(|e| err(e.to_string()))?;
             if roce == Some(true) {
                 reg.roce_v1.insert(name.to_owned());
@@ -304,10 +267,7 @@ impl Registry {
 
     /// The device named `name`.
     pub fn find(&self, name: &str) -> Result<&DeviceConfig, RegistryError> {
-        self.devices
-            .iter()
-            .find(|d| d.name == name)
-            .ok_or_else(|| RegistryError::UnknownDevice(name.to_owned()))
+        self.devices.iter().find(|d| d.name == name).ok_or_else(|| RegistryError::UnknownDevice(name.to_owned()))
     }
 
     /// Adds a device; its name must be valid and new.
@@ -381,10 +341,7 @@ impl Registry {
     /// Writes the registry to `path` atomically (a temporary file in the same directory, then
     /// rename), creating the directory if needed.
     pub fn save(&self, path: &Path) -> Result<(), RegistryError> {
-        let io_err = |error| RegistryError::Io {
-            path: path.to_owned(),
-            error,
-        };
+        let io_err = |error| RegistryError::Io { path: path.to_owned(), error };
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
             _ => PathBuf::from("."),
@@ -453,10 +410,7 @@ mod tests {
             ]
         );
         assert_eq!(r.find("rxelo").unwrap().netdev, "lo");
-        assert_eq!(
-            r.find("nosuch").unwrap_err().to_string(),
-            "IB device 'nosuch' wasn't found"
-        );
+        assert_eq!(r.find("nosuch").unwrap_err().to_string(), "IB device 'nosuch' wasn't found");
         assert!(parse("").unwrap().devices().is_empty());
     }
 
@@ -469,7 +423,10 @@ mod tests {
             ("rxe0 netdev lo addr 1.2.3", "devices.conf:1: invalid IP address \"1.2.3\""),
             ("rxe0 netdev lo netdev eth0", "devices.conf:1: \"netdev\" given twice"),
             ("a netdev lo\n# x\na netdev eth0", "devices.conf:3: device \"a\" is defined twice"),
-            ("rx/e netdev lo", "devices.conf:1: invalid device name \"rx/e\": use 1 to 63 characters from A-Z a-z 0-9 _ - ."),
+            (
+                "rx/e netdev lo",
+                "devices.conf:1: invalid device name \"rx/e\": use 1 to 63 characters from A-Z a-z 0-9 _ - .",
+            ),
             ("rxe netdev ../../x", "devices.conf:1: invalid interface name \"../../x\""),
         ] {
             assert_eq!(parse(text).unwrap_err().to_string(), want, "{text:?}");
@@ -483,12 +440,8 @@ mod tests {
     fn add_remove_and_round_trip() {
         let mut r = Registry::implicit();
         assert_eq!(r.devices(), [DeviceConfig::new("rxe0", "lo")]);
-        r.add(DeviceConfig::new("rxe1", "lo").with_addr("127.0.0.2".parse().unwrap()))
-            .unwrap();
-        assert!(matches!(
-            r.add(DeviceConfig::new("rxe1", "eth0")),
-            Err(RegistryError::Duplicate(_))
-        ));
+        r.add(DeviceConfig::new("rxe1", "lo").with_addr("127.0.0.2".parse().unwrap())).unwrap();
+        assert!(matches!(r.add(DeviceConfig::new("rxe1", "eth0")), Err(RegistryError::Duplicate(_))));
         let text = r.to_config_string();
         assert_eq!(parse(&text).unwrap().devices(), r.devices());
         assert_eq!(r.remove("rxe0").unwrap().name, "rxe0");
@@ -529,44 +482,24 @@ mod tests {
 
         fs::write(&path, "a netdev lo\nb netdev\n").unwrap();
         let e = Registry::load_from(&path).unwrap_err().to_string();
-        assert!(
-            e.ends_with("devices.conf:2: \"netdev\" needs a value"),
-            "{e}"
-        );
+        assert!(e.ends_with("devices.conf:2: \"netdev\" needs a value"), "{e}");
         // A directory where the file should be is an I/O error, not "no devices".
-        assert!(matches!(
-            Registry::load_from(dir.path()),
-            Err(RegistryError::Io { .. })
-        ));
+        assert!(matches!(Registry::load_from(dir.path()), Err(RegistryError::Io { .. })));
     }
 
     #[test]
     fn config_path_rules() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| OsString::from(v))
-            }
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| OsString::from(v))
         };
-        assert_eq!(
-            config_path_with(env(&[("SOFTRDMA_CONFIG", "/tmp/x.conf")]), true),
-            PathBuf::from("/tmp/x.conf")
-        );
-        assert_eq!(
-            config_path_with(env(&[("HOME", "/home/u")]), true),
-            PathBuf::from("/etc/softrdma/devices.conf")
-        );
+        assert_eq!(config_path_with(env(&[("SOFTRDMA_CONFIG", "/tmp/x.conf")]), true), PathBuf::from("/tmp/x.conf"));
+        assert_eq!(config_path_with(env(&[("HOME", "/home/u")]), true), PathBuf::from("/etc/softrdma/devices.conf"));
         assert_eq!(
             config_path_with(env(&[("HOME", "/home/u")]), false),
             PathBuf::from("/home/u/.config/softrdma/devices.conf")
         );
         assert_eq!(
-            config_path_with(
-                env(&[("HOME", "/home/u"), ("XDG_CONFIG_HOME", "/xdg")]),
-                false
-            ),
+            config_path_with(env(&[("HOME", "/home/u"), ("XDG_CONFIG_HOME", "/xdg")]), false),
             PathBuf::from("/xdg/softrdma/devices.conf")
         );
         assert_eq!(

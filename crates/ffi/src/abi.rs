@@ -169,10 +169,8 @@ pub type Compat = Option<unsafe extern "C" fn() -> *mut c_void>;
 
 #[repr(C)]
 pub struct IbvContextOps {
-    pub _compat_query_device:
-        Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int>,
-    pub _compat_query_port:
-        Option<unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int>,
+    pub _compat_query_device: Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int>,
+    pub _compat_query_port: Option<unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int>,
     pub _compat_alloc_pd: Compat,
     pub _compat_dealloc_pd: Compat,
     pub _compat_reg_mr: Compat,
@@ -191,16 +189,13 @@ pub struct IbvContextOps {
     pub _compat_modify_srq: Compat,
     pub _compat_query_srq: Compat,
     pub _compat_destroy_srq: Compat,
-    pub post_srq_recv:
-        Option<unsafe extern "C" fn(*mut IbvSrq, *mut IbvRecvWr, *mut *mut IbvRecvWr) -> c_int>,
+    pub post_srq_recv: Option<unsafe extern "C" fn(*mut IbvSrq, *mut IbvRecvWr, *mut *mut IbvRecvWr) -> c_int>,
     pub _compat_create_qp: Compat,
     pub _compat_query_qp: Compat,
     pub _compat_modify_qp: Compat,
     pub _compat_destroy_qp: Compat,
-    pub post_send:
-        Option<unsafe extern "C" fn(*mut IbvQp, *mut IbvSendWr, *mut *mut IbvSendWr) -> c_int>,
-    pub post_recv:
-        Option<unsafe extern "C" fn(*mut IbvQp, *mut IbvRecvWr, *mut *mut IbvRecvWr) -> c_int>,
+    pub post_send: Option<unsafe extern "C" fn(*mut IbvQp, *mut IbvSendWr, *mut *mut IbvSendWr) -> c_int>,
+    pub post_recv: Option<unsafe extern "C" fn(*mut IbvQp, *mut IbvRecvWr, *mut *mut IbvRecvWr) -> c_int>,
     pub _compat_create_ah: Compat,
     pub _compat_destroy_ah: Compat,
     pub _compat_attach_mcast: Compat,
@@ -226,8 +221,7 @@ type Op = Option<unsafe extern "C" fn()>;
 /// `ibv_query_device_ex`), which is the documented refusal.
 #[repr(C)]
 pub struct VerbsContext {
-    pub query_port:
-        Option<unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr, usize) -> c_int>,
+    pub query_port: Option<unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr, usize) -> c_int>,
     pub advise_mr: Op,
     pub alloc_null_mr: Op,
     pub read_counters: Op,
@@ -252,27 +246,19 @@ pub struct VerbsContext {
     pub modify_wq: Op,
     pub create_wq: Op,
     pub query_rt_values: Op,
-    pub create_cq_ex:
-        Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvCqInitAttrEx) -> *mut IbvCqEx>,
+    pub create_cq_ex: Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvCqInitAttrEx) -> *mut IbvCqEx>,
     pub priv_: *mut c_void,
     pub query_device_ex: Option<
-        unsafe extern "C" fn(
-            *mut IbvContext,
-            *const IbvQueryDeviceExInput,
-            *mut IbvDeviceAttrEx,
-            usize,
-        ) -> c_int,
+        unsafe extern "C" fn(*mut IbvContext, *const IbvQueryDeviceExInput, *mut IbvDeviceAttrEx, usize) -> c_int,
     >,
     pub ibv_destroy_flow: Op,
     pub abi_placeholder2: Op,
     pub ibv_create_flow: Op,
     pub abi_placeholder1: Op,
     pub open_qp: Op,
-    pub create_qp_ex:
-        Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvQpInitAttrEx) -> *mut IbvQp>,
+    pub create_qp_ex: Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvQpInitAttrEx) -> *mut IbvQp>,
     pub get_srq_num: Option<unsafe extern "C" fn(*mut IbvSrq, *mut u32) -> c_int>,
-    pub create_srq_ex:
-        Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvSrqInitAttrEx) -> *mut IbvSrq>,
+    pub create_srq_ex: Option<unsafe extern "C" fn(*mut IbvContext, *mut IbvSrqInitAttrEx) -> *mut IbvSrq>,
     pub open_xrcd: Op,
     pub close_xrcd: Op,
     pub _abi_placeholder3: u64,
@@ -678,8 +664,7 @@ pub struct IbvQpEx {
     pub wr_set_ud_addr: Option<unsafe extern "C" fn(*mut IbvQpEx, *mut IbvAh, u32, u32)>,
     pub wr_set_xrc_srqn: Option<unsafe extern "C" fn(*mut IbvQpEx, u32)>,
     pub wr_set_inline_data: Option<unsafe extern "C" fn(*mut IbvQpEx, *mut c_void, usize)>,
-    pub wr_set_inline_data_list:
-        Option<unsafe extern "C" fn(*mut IbvQpEx, usize, *const IbvDataBuf)>,
+    pub wr_set_inline_data_list: Option<unsafe extern "C" fn(*mut IbvQpEx, usize, *const IbvDataBuf)>,
     pub wr_set_sge: Option<unsafe extern "C" fn(*mut IbvQpEx, u32, u64, u32)>,
     pub wr_set_sge_list: Option<unsafe extern "C" fn(*mut IbvQpEx, usize, *const IbvSge)>,
     pub wr_start: Option<unsafe extern "C" fn(*mut IbvQpEx)>,

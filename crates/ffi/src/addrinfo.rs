@@ -86,18 +86,8 @@ pub unsafe extern "C" fn softrdma_rdma_getaddrinfo(
         }
         let mut ai: *mut libc::addrinfo = ptr::null_mut();
         // SAFETY: NUL-terminated strings or NULL (caller's contract); our hints.
-        let ret = unsafe {
-            libc::getaddrinfo(
-                node,
-                service,
-                if hints.is_null() {
-                    ptr::null()
-                } else {
-                    &ai_hints
-                },
-                &mut ai,
-            )
-        };
+        let ret =
+            unsafe { libc::getaddrinfo(node, service, if hints.is_null() { ptr::null() } else { &ai_hints }, &mut ai) };
         if ret != 0 {
             // SAFETY: ours, nothing inside yet.
             unsafe { libc::free(rai as *mut c_void) };
@@ -135,20 +125,10 @@ pub unsafe extern "C" fn softrdma_rdma_getaddrinfo(
             if a.ai_flags & libc::AI_PASSIVE != 0 {
                 r.ai_flags = RAI_PASSIVE;
                 r.ai_src_canonname = canon;
-                copy_addr(
-                    &mut r.ai_src_addr,
-                    &mut r.ai_src_len,
-                    a.ai_addr,
-                    a.ai_addrlen,
-                )
+                copy_addr(&mut r.ai_src_addr, &mut r.ai_src_len, a.ai_addr, a.ai_addrlen)
             } else {
                 r.ai_dst_canonname = canon;
-                copy_addr(
-                    &mut r.ai_dst_addr,
-                    &mut r.ai_dst_len,
-                    a.ai_addr,
-                    a.ai_addrlen,
-                )
+                copy_addr(&mut r.ai_dst_addr, &mut r.ai_dst_len, a.ai_addr, a.ai_addrlen)
             }
         };
         // SAFETY: getaddrinfo's list.
@@ -160,26 +140,12 @@ pub unsafe extern "C" fn softrdma_rdma_getaddrinfo(
         r.ai_port_space = h.ai_port_space;
         if h.ai_dst_len > 0 && !h.ai_dst_addr.is_null() {
             // SAFETY: the hints' address, `ai_dst_len` bytes.
-            ok = unsafe {
-                copy_addr(
-                    &mut r.ai_dst_addr,
-                    &mut r.ai_dst_len,
-                    h.ai_dst_addr,
-                    h.ai_dst_len,
-                )
-            };
+            ok = unsafe { copy_addr(&mut r.ai_dst_addr, &mut r.ai_dst_len, h.ai_dst_addr, h.ai_dst_len) };
         }
     }
     if ok && r.ai_src_len == 0 && h.ai_src_len > 0 && !h.ai_src_addr.is_null() {
         // SAFETY: the hints' address, `ai_src_len` bytes.
-        ok = unsafe {
-            copy_addr(
-                &mut r.ai_src_addr,
-                &mut r.ai_src_len,
-                h.ai_src_addr,
-                h.ai_src_len,
-            )
-        };
+        ok = unsafe { copy_addr(&mut r.ai_src_addr, &mut r.ai_src_len, h.ai_src_addr, h.ai_src_len) };
     }
     if !ok {
         // SAFETY: ours.

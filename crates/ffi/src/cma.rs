@@ -172,12 +172,7 @@ fn open_device(name: &str) -> Result<Arc<CmaDevice>, c_int> {
     let pd = unsafe { objects::ibv_alloc_pd(ctx) };
     // SAFETY: as above.
     let verbs = &unsafe { soft(ctx) }.verbs;
-    let addrs = verbs
-        .info()
-        .gids
-        .iter()
-        .map(|(_, e)| e.gid.to_ip())
-        .collect();
+    let addrs = verbs.info().gids.iter().map(|(_, e)| e.gid.to_ip()).collect();
     // Give a server that is about to listen a moment (module docs). On a softrdmad device there is
     // no CM yet: creating an ID on it fails later with the reason.
     let _ = verbs.set_cm_no_listener_retries(NO_LISTENER_RETRIES);
@@ -230,27 +225,18 @@ fn any_device() -> Result<Arc<CmaDevice>, c_int> {
             return Ok(d);
         }
     }
-    registry()
-        .into_iter()
-        .find_map(|(name, _)| open_device(&name).ok())
-        .ok_or(libc::ENODEV)
+    registry().into_iter().find_map(|(name, _)| open_device(&name).ok()).ok_or(libc::ENODEV)
 }
 
 /// The device to reach `dst` from when no source is given (module docs).
 fn device_towards(dst: IpAddr) -> Result<Arc<CmaDevice>, c_int> {
     let family = |a: &IpAddr| a.is_ipv4() == dst.is_ipv4();
-    if let Some(d) = opened()
-        .into_iter()
-        .find(|d| !d.has(dst) && d.addrs.iter().any(family))
-    {
+    if let Some(d) = opened().into_iter().find(|d| !d.has(dst) && d.addrs.iter().any(family)) {
         return Ok(d);
     }
     let reg = registry();
     for name in device::open_names() {
-        if reg
-            .iter()
-            .any(|(n, a)| *n == name && !a.contains(&dst) && a.iter().any(family))
-        {
+        if reg.iter().any(|(n, a)| *n == name && !a.contains(&dst) && a.iter().any(family)) {
             if let Ok(d) = open_device(&name) {
                 return Ok(d);
             }
@@ -290,10 +276,7 @@ impl Channel {
         if fd < 0 {
             return Err(errno::get());
         }
-        Ok(Box::into_raw(Box::new(Channel {
-            ibv: RdmaEventChannel { fd },
-            subs: Mutex::new(Vec::new()),
-        })))
+        Ok(Box::into_raw(Box::new(Channel { ibv: RdmaEventChannel { fd }, subs: Mutex::new(Vec::new()) })))
     }
 
     /// The sub-channel for `dev`, made on first use. Runs `f` on it under the lock.
@@ -303,22 +286,12 @@ impl Channel {
             Some(i) => i,
             None => {
                 let ch = CmEventChannel::new().map_err(|e| errno::of(&e))?;
-                let mut ev = libc::epoll_event {
-                    events: libc::EPOLLIN as u32,
-                    u64: subs.len() as u64,
-                };
+                let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: subs.len() as u64 };
                 // SAFETY: our epoll fd and the channel's fd, both open.
-                if unsafe {
-                    libc::epoll_ctl(self.ibv.fd, libc::EPOLL_CTL_ADD, ch.as_raw_fd(), &mut ev)
-                } < 0
-                {
+                if unsafe { libc::epoll_ctl(self.ibv.fd, libc::EPOLL_CTL_ADD, ch.as_raw_fd(), &mut ev) } < 0 {
                     return Err(errno::get());
                 }
-                subs.push(Sub {
-                    dev: Arc::clone(dev),
-                    ch,
-                    ids: HashMap::new(),
-                });
+                subs.push(Sub { dev: Arc::clone(dev), ch, ids: HashMap::new() });
                 subs.len() - 1
             }
         };
@@ -442,13 +415,7 @@ unsafe fn channel_of<'a>(id: &RdmaCmId) -> &'a Channel {
     unsafe { &*(id.channel as *mut Channel) }
 }
 
-fn new_id(
-    channel: *mut Channel,
-    context: *mut c_void,
-    ps: c_int,
-    qp_type: c_int,
-    sync: bool,
-) -> *mut CmaId {
+fn new_id(channel: *mut Channel, context: *mut c_void, ps: c_int, qp_type: c_int, sync: bool) -> *mut CmaId {
     // SAFETY: all-zero is a valid RdmaCmId (NULL pointers, zero integers).
     let mut ibv: RdmaCmId = unsafe { std::mem::zeroed() };
     ibv.channel = channel as *mut RdmaEventChannel;
@@ -459,10 +426,7 @@ fn new_id(
         ibv,
         events: AtomicUsize::new(0),
         destroyed: AtomicBool::new(false),
-        st: Mutex::new(IdState {
-            sync,
-            ..IdState::default()
-        }),
+        st: Mutex::new(IdState { sync, ..IdState::default() }),
     }))
 }
 
@@ -647,11 +611,7 @@ unsafe fn complete(id: *mut CmaId) -> c_int {
     // SAFETY: the event just taken.
     let (kind, status) = unsafe { ((*ev).event, (*ev).status) };
     if status != 0 {
-        let n = if kind == RDMA_CM_EVENT_REJECTED {
-            libc::ECONNREFUSED
-        } else {
-            status.abs()
-        };
+        let n = if kind == RDMA_CM_EVENT_REJECTED { libc::ECONNREFUSED } else { status.abs() };
         errno::set(n);
         return -1;
     }
@@ -677,11 +637,7 @@ fn set_qp_state(id: &RdmaCmId, state: c_int) {
 }
 
 /// Make the public event for `ev` on `id` (counted); `None` drops it (and the count).
-unsafe fn translate(
-    ev: softrdma_verbs::CmEvent,
-    id: *mut CmaId,
-    dev: &Arc<CmaDevice>,
-) -> Option<*mut RdmaCmEvent> {
+unsafe fn translate(ev: softrdma_verbs::CmEvent, id: *mut CmaId, dev: &Arc<CmaDevice>) -> Option<*mut RdmaCmEvent> {
     // SAFETY: live and counted by Channel::take.
     let c = unsafe { &mut *id };
     if c.destroyed.load(Ordering::Acquire) {
@@ -698,11 +654,7 @@ unsafe fn translate(
     let private = |e: &mut CmaEvent, data: &[u8]| -> (*const c_void, u8) {
         let n = data.len().min(255);
         e.private[..n].copy_from_slice(&data[..n]);
-        let p = if n == 0 {
-            ptr::null()
-        } else {
-            e.private.as_ptr() as *const c_void
-        };
+        let p = if n == 0 { ptr::null() } else { e.private.as_ptr() as *const c_void };
         (p, n as u8)
     };
     let conn_param = |e: &mut CmaEvent, conn: &softrdma_cm::ConnInfo, swap: bool| {
@@ -759,13 +711,7 @@ unsafe fn translate(
             } else {
                 c.ibv.channel as *mut Channel
             };
-            let nid = new_id(
-                channel,
-                c.ibv.context,
-                c.ibv.ps,
-                c.ibv.qp_type,
-                listener_sync,
-            );
+            let nid = new_id(channel, c.ibv.context, c.ibv.ps, c.ibv.qp_type, listener_sync);
             // SAFETY: the channel is live (ours or the listener's).
             let ch = unsafe { &*channel };
             let handle = cm.handle();
@@ -808,10 +754,7 @@ unsafe fn translate(
             e.ibv.event = RDMA_CM_EVENT_ESTABLISHED;
             if let (true, Some(ud)) = (is_ud, ev.ud) {
                 let (p, len) = private(&mut e, &ev.conn.private_data);
-                let sgid_index = with_cm(c, |cm| Ok(cm.route()))
-                    .ok()
-                    .flatten()
-                    .map_or(0, |r| r.sgid_index);
+                let sgid_index = with_cm(c, |cm| Ok(cm.route())).ok().flatten().map_or(0, |r| r.sgid_index);
                 e.ibv.param.ud = RdmaUdParam {
                     private_data: p,
                     private_data_len: len,
@@ -874,11 +817,7 @@ unsafe fn translate(
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_create_event_channel() -> *mut RdmaEventChannel {
     if registry().is_empty() {
-        return errno::null(
-            "rdma_create_event_channel",
-            libc::ENODEV,
-            "no softrdma devices",
-        );
+        return errno::null("rdma_create_event_channel", libc::ENODEV, "no softrdma devices");
     }
     match Channel::new() {
         Ok(c) => c as *mut RdmaEventChannel,
@@ -906,11 +845,7 @@ pub unsafe extern "C" fn softrdma_rdma_create_id(
     context: *mut c_void,
     ps: c_int,
 ) -> c_int {
-    let qp_type = if ps == RDMA_PS_UDP || ps == RDMA_PS_IPOIB {
-        IBV_QPT_UD
-    } else {
-        IBV_QPT_RC
-    };
+    let qp_type = if ps == RDMA_PS_UDP || ps == RDMA_PS_IPOIB { IBV_QPT_UD } else { IBV_QPT_RC };
     // SAFETY: forwarded contract.
     unsafe { create_id2(channel, id, context, ps, qp_type) }
 }
@@ -927,11 +862,7 @@ unsafe fn create_id2(
         return err(WHAT, libc::EINVAL, "NULL id");
     }
     if ps_of(ps).is_none() {
-        return err(
-            WHAT,
-            libc::EINVAL,
-            "port space must be RDMA_PS_TCP, UDP or IB",
-        );
+        return err(WHAT, libc::EINVAL, "port space must be RDMA_PS_TCP, UDP or IB");
     }
     let (ch, sync) = if channel.is_null() {
         match Channel::new() {
@@ -984,10 +915,7 @@ pub unsafe extern "C" fn softrdma_rdma_destroy_id(id: *mut RdmaCmId) -> c_int {
 
 /// `rdma_bind_addr`.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_bind_addr(
-    id: *mut RdmaCmId,
-    addr: *mut libc::sockaddr,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_bind_addr(id: *mut RdmaCmId, addr: *mut libc::sockaddr) -> c_int {
     const WHAT: &str = "rdma_bind_addr";
     let Some(a) = sockaddr_in(addr) else {
         return err(WHAT, libc::EINVAL, "not an IPv4 or IPv6 address");
@@ -995,11 +923,7 @@ pub unsafe extern "C" fn softrdma_rdma_bind_addr(
     if id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL id");
     }
-    let dev = if a.ip().is_unspecified() {
-        any_device()
-    } else {
-        device_with(a.ip())
-    };
+    let dev = if a.ip().is_unspecified() { any_device() } else { device_with(a.ip()) };
     let dev = match dev {
         Ok(d) => d,
         Err(n) => return err(WHAT, n, "no softrdma device has that address"),
@@ -1031,11 +955,7 @@ pub unsafe extern "C" fn softrdma_rdma_resolve_addr(
 ) -> c_int {
     const WHAT: &str = "rdma_resolve_addr";
     let Some(dst) = sockaddr_in(dst_addr) else {
-        return err(
-            WHAT,
-            libc::EINVAL,
-            "destination is not an IPv4 or IPv6 address",
-        );
+        return err(WHAT, libc::EINVAL, "destination is not an IPv4 or IPv6 address");
     };
     let src = sockaddr_in(src_addr);
     if (!src_addr.is_null() && src.is_none()) || id.is_null() {
@@ -1077,10 +997,7 @@ pub unsafe extern "C" fn softrdma_rdma_resolve_addr(
 
 /// `rdma_resolve_route`: ROUTE_RESOLVED follows at once.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_resolve_route(
-    id: *mut RdmaCmId,
-    _timeout_ms: c_int,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_resolve_route(id: *mut RdmaCmId, _timeout_ms: c_int) -> c_int {
     const WHAT: &str = "rdma_resolve_route";
     if id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL id");
@@ -1110,10 +1027,7 @@ pub unsafe extern "C" fn softrdma_rdma_listen(id: *mut RdmaCmId, backlog: c_int)
         let mut any: libc::sockaddr_storage =
             // SAFETY: all-zero is valid.
             unsafe { std::mem::zeroed() };
-        store(
-            &mut any,
-            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
-        );
+        store(&mut any, SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
         // SAFETY: forwarded.
         let r = unsafe { softrdma_rdma_bind_addr(id, &mut any as *mut _ as *mut libc::sockaddr) };
         if r != 0 {
@@ -1135,10 +1049,7 @@ pub unsafe extern "C" fn softrdma_rdma_listen(id: *mut RdmaCmId, backlog: c_int)
 /// `rdma_get_request`: the next connection request of a synchronous listener, with the QP of
 /// `rdma_create_ep`'s attributes.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_get_request(
-    listen: *mut RdmaCmId,
-    id: *mut *mut RdmaCmId,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_get_request(listen: *mut RdmaCmId, id: *mut *mut RdmaCmId) -> c_int {
     const WHAT: &str = "rdma_get_request";
     if listen.is_null() || id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL argument");
@@ -1148,10 +1059,7 @@ pub unsafe extern "C" fn softrdma_rdma_get_request(
     let (sync, qp_init) = {
         let st = lock(&l.st);
         // SAFETY: a plain copy of the attributes (pointers and integers).
-        (
-            st.sync,
-            st.qp_init.as_ref().map(|a| unsafe { ptr::read(a) }),
-        )
+        (st.sync, st.qp_init.as_ref().map(|a| unsafe { ptr::read(a) }))
     };
     if !sync {
         return err(WHAT, libc::EINVAL, "the listener has an event channel");
@@ -1235,10 +1143,7 @@ fn conn_param_from(
 
 /// `rdma_connect`: REQ (SIDR_REQ for UD); ESTABLISHED, REJECTED or UNREACHABLE follows.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_connect(
-    id: *mut RdmaCmId,
-    conn_param: *mut RdmaConnParam,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_connect(id: *mut RdmaCmId, conn_param: *mut RdmaConnParam) -> c_int {
     const WHAT: &str = "rdma_connect";
     if id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL id");
@@ -1261,14 +1166,7 @@ pub unsafe extern "C" fn softrdma_rdma_connect(
         unsafe { ((*c.ibv.qp).qp_num, !(*c.ibv.qp).srq.is_null()) }
     };
     let extra = std::mem::take(&mut lock(&c.st).connect_data);
-    let param = conn_param_from(
-        conn_param,
-        qpn,
-        srq,
-        &dev,
-        &extra,
-        (dev.max_resp_res, dev.max_init_depth),
-    );
+    let param = conn_param_from(conn_param, qpn, srq, &dev, &extra, (dev.max_resp_res, dev.max_init_depth));
     match with_cm(c, |cm| cm.connect(param)) {
         Ok(()) => {}
         Err(Some(e)) => return cm_fail(WHAT, &e),
@@ -1281,10 +1179,7 @@ pub unsafe extern "C" fn softrdma_rdma_connect(
 
 /// `rdma_accept`: the QP goes to RTR and RTS and the REP leaves (SIDR_REP for UD).
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_accept(
-    id: *mut RdmaCmId,
-    conn_param: *mut RdmaConnParam,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_accept(id: *mut RdmaCmId, conn_param: *mut RdmaConnParam) -> c_int {
     const WHAT: &str = "rdma_accept";
     if id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL id");
@@ -1424,11 +1319,7 @@ pub unsafe extern "C" fn softrdma_rdma_init_qp_attr(
     // SAFETY: caller's writable structs; a live ID.
     unsafe {
         if (*qp_attr).qp_state != IBV_QPS_INIT {
-            return err(
-                WHAT,
-                libc::ENOSYS,
-                "the CM agent drives RTR and RTS itself; only INIT is answered",
-            );
+            return err(WHAT, libc::ENOSYS, "the CM agent drives RTR and RTS itself; only INIT is answered");
         }
         (*qp_attr).pkey_index = 0;
         (*qp_attr).port_num = 1;
@@ -1437,8 +1328,7 @@ pub unsafe extern "C" fn softrdma_rdma_init_qp_attr(
             *qp_attr_mask = qp_mask::STATE | qp_mask::PKEY_INDEX | qp_mask::PORT | qp_mask::QKEY;
         } else {
             (*qp_attr).qp_access_flags = REMOTE_ACCESS;
-            *qp_attr_mask =
-                qp_mask::STATE | qp_mask::PKEY_INDEX | qp_mask::PORT | qp_mask::ACCESS_FLAGS;
+            *qp_attr_mask = qp_mask::STATE | qp_mask::PKEY_INDEX | qp_mask::PORT | qp_mask::ACCESS_FLAGS;
         }
     }
     0
@@ -1502,10 +1392,7 @@ unsafe fn destroy_cqs(c: &mut CmaId) {
 /// `rdma_create_qp_ex`: the QP on the ID's device and PD, moved to INIT (UD: to RTS), as
 /// librdmacm does.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_create_qp_ex(
-    id: *mut RdmaCmId,
-    attr: *mut IbvQpInitAttrEx,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_create_qp_ex(id: *mut RdmaCmId, attr: *mut IbvQpInitAttrEx) -> c_int {
     const WHAT: &str = "rdma_create_qp";
     if id.is_null() || attr.is_null() {
         return err(WHAT, libc::EINVAL, "NULL argument");
@@ -1516,11 +1403,7 @@ pub unsafe extern "C" fn softrdma_rdma_create_qp_ex(
         return err(WHAT, libc::EINVAL, "the ID has a QP");
     }
     if c.ibv.verbs.is_null() {
-        return err(
-            WHAT,
-            libc::EINVAL,
-            "the ID has no device yet (bind or resolve first)",
-        );
+        return err(WHAT, libc::EINVAL, "the ID has no device yet (bind or resolve first)");
     }
     if a.comp_mask & IBV_QP_INIT_ATTR_PD == 0 || a.pd.is_null() {
         a.comp_mask |= IBV_QP_INIT_ATTR_PD;
@@ -1536,16 +1419,8 @@ pub unsafe extern "C" fn softrdma_rdma_create_qp_ex(
     {
         return err(WHAT, libc::EINVAL, "CQs differ from the ID's");
     }
-    let send = if a.send_cq.is_null() && c.ibv.send_cq.is_null() {
-        a.cap.max_send_wr
-    } else {
-        0
-    };
-    let recv = if a.recv_cq.is_null() && c.ibv.recv_cq.is_null() {
-        a.cap.max_recv_wr
-    } else {
-        0
-    };
+    let send = if a.send_cq.is_null() && c.ibv.send_cq.is_null() { a.cap.max_send_wr } else { 0 };
+    let recv = if a.recv_cq.is_null() && c.ibv.recv_cq.is_null() { a.cap.max_recv_wr } else { 0 };
     // SAFETY: as above.
     if let Err(n) = unsafe { create_cqs(c, send, recv) } {
         return err(WHAT, n, "cannot create the ID's CQs");
@@ -1649,11 +1524,7 @@ pub unsafe extern "C" fn softrdma_rdma_create_qp(
     };
     ex.comp_mask = IBV_QP_INIT_ATTR_PD;
     // SAFETY: a live ID.
-    ex.pd = if pd.is_null() {
-        unsafe { (*id).pd }
-    } else {
-        pd
-    };
+    ex.pd = if pd.is_null() { unsafe { (*id).pd } } else { pd };
     // SAFETY: forwarded.
     let r = unsafe { softrdma_rdma_create_qp_ex(id, &mut ex) };
     // SAFETY: as above, back.
@@ -1689,10 +1560,7 @@ pub unsafe extern "C" fn softrdma_rdma_destroy_qp(id: *mut RdmaCmId) {
 
 /// `rdma_create_srq_ex` (basic SRQs).
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_create_srq_ex(
-    id: *mut RdmaCmId,
-    attr: *mut IbvSrqInitAttrEx,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_create_srq_ex(id: *mut RdmaCmId, attr: *mut IbvSrqInitAttrEx) -> c_int {
     const WHAT: &str = "rdma_create_srq";
     if id.is_null() || attr.is_null() {
         return err(WHAT, libc::EINVAL, "NULL argument");
@@ -1702,15 +1570,8 @@ pub unsafe extern "C" fn softrdma_rdma_create_srq_ex(
     if a.comp_mask & IBV_SRQ_INIT_ATTR_TYPE != 0 && a.srq_type != IBV_SRQT_BASIC {
         return err(WHAT, libc::EOPNOTSUPP, "only basic SRQs are supported");
     }
-    let pd = if a.comp_mask & IBV_SRQ_INIT_ATTR_PD != 0 && !a.pd.is_null() {
-        a.pd
-    } else {
-        c.ibv.pd
-    };
-    let mut init = IbvSrqInitAttr {
-        srq_context: a.srq_context,
-        attr: a.attr,
-    };
+    let pd = if a.comp_mask & IBV_SRQ_INIT_ATTR_PD != 0 && !a.pd.is_null() { a.pd } else { c.ibv.pd };
+    let mut init = IbvSrqInitAttr { srq_context: a.srq_context, attr: a.attr };
     // SAFETY: the PD and attributes are valid.
     let srq = unsafe { objects::ibv_create_srq(pd, &mut init) };
     if srq.is_null() {
@@ -1809,10 +1670,7 @@ pub unsafe extern "C" fn softrdma_rdma_ack_cm_event(event: *mut RdmaCmEvent) -> 
 /// `rdma_event_str`.
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_event_str(event: c_int) -> *const c_char {
-    usize::try_from(event)
-        .ok()
-        .and_then(|i| EVENT_NAMES.get(i))
-        .map_or(c"UNKNOWN EVENT".as_ptr(), |s| s.as_ptr())
+    usize::try_from(event).ok().and_then(|i| EVENT_NAMES.get(i)).map_or(c"UNKNOWN EVENT".as_ptr(), |s| s.as_ptr())
 }
 
 fn port_of(a: &libc::sockaddr_storage) -> u16 {
@@ -1843,13 +1701,9 @@ pub unsafe extern "C" fn softrdma_rdma_get_dst_port(id: *mut RdmaCmId) -> u16 {
 
 /// `rdma_get_devices`: a context on every registry device that opens, NULL-terminated.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_get_devices(
-    num_devices: *mut c_int,
-) -> *mut *mut IbvContext {
-    let mut list: Vec<*mut IbvContext> = registry()
-        .into_iter()
-        .filter_map(|(n, _)| open_device(&n).ok().map(|d| d.ctx))
-        .collect();
+pub unsafe extern "C" fn softrdma_rdma_get_devices(num_devices: *mut c_int) -> *mut *mut IbvContext {
+    let mut list: Vec<*mut IbvContext> =
+        registry().into_iter().filter_map(|(n, _)| open_device(&n).ok().map(|d| d.ctx)).collect();
     if !num_devices.is_null() {
         // SAFETY: writable (caller's contract).
         unsafe { *num_devices = list.len() as c_int };
@@ -1890,9 +1744,7 @@ pub unsafe extern "C" fn softrdma_rdma_set_option(
     }
     let ok = match (level, optname) {
         (RDMA_OPTION_ID, RDMA_OPTION_ID_TOS | RDMA_OPTION_ID_ACK_TIMEOUT) => optlen == 1,
-        (RDMA_OPTION_ID, RDMA_OPTION_ID_REUSEADDR | RDMA_OPTION_ID_AFONLY) => {
-            optlen == size_of::<c_int>()
-        }
+        (RDMA_OPTION_ID, RDMA_OPTION_ID_REUSEADDR | RDMA_OPTION_ID_AFONLY) => optlen == size_of::<c_int>(),
         (RDMA_OPTION_IB, RDMA_OPTION_IB_PATH) => optlen > 0,
         _ => return err(WHAT, libc::ENOSYS, "unknown option"),
     };
@@ -1904,10 +1756,7 @@ pub unsafe extern "C" fn softrdma_rdma_set_option(
 
 /// `rdma_migrate_id`: later events of the ID go to `channel` (NULL: make it synchronous).
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_migrate_id(
-    id: *mut RdmaCmId,
-    channel: *mut RdmaEventChannel,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_migrate_id(id: *mut RdmaCmId, channel: *mut RdmaEventChannel) -> c_int {
     const WHAT: &str = "rdma_migrate_id";
     if id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL id");
@@ -1963,11 +1812,7 @@ pub unsafe extern "C" fn softrdma_rdma_join_multicast(
     _addr: *mut libc::sockaddr,
     _context: *mut c_void,
 ) -> c_int {
-    err(
-        "rdma_join_multicast",
-        libc::EOPNOTSUPP,
-        "multicast is not supported",
-    )
+    err("rdma_join_multicast", libc::EOPNOTSUPP, "multicast is not supported")
 }
 
 /// `rdma_join_multicast_ex`: multicast is not supported.
@@ -1977,19 +1822,12 @@ pub unsafe extern "C" fn softrdma_rdma_join_multicast_ex(
     _attr: *mut c_void,
     _context: *mut c_void,
 ) -> c_int {
-    err(
-        "rdma_join_multicast_ex",
-        libc::EOPNOTSUPP,
-        "multicast is not supported",
-    )
+    err("rdma_join_multicast_ex", libc::EOPNOTSUPP, "multicast is not supported")
 }
 
 /// `rdma_leave_multicast`: no group was ever joined.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_leave_multicast(
-    _id: *mut RdmaCmId,
-    _addr: *mut libc::sockaddr,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_leave_multicast(_id: *mut RdmaCmId, _addr: *mut libc::sockaddr) -> c_int {
     err("rdma_leave_multicast", libc::EADDRNOTAVAIL, "not joined")
 }
 
@@ -1998,17 +1836,8 @@ pub unsafe extern "C" fn softrdma_rdma_leave_multicast(
 pub unsafe extern "C" fn softrdma_rdma_set_local_ece(id: *mut RdmaCmId, ece: *mut IbvEce) -> c_int {
     // SAFETY: NULL-checked pointers of the caller.
     unsafe {
-        if id.is_null()
-            || !(*id).qp.is_null()
-            || ece.is_null()
-            || (*ece).vendor_id == 0
-            || (*ece).comp_mask != 0
-        {
-            return err(
-                "rdma_set_local_ece",
-                libc::EINVAL,
-                "bad ECE or the ID has a QP",
-            );
+        if id.is_null() || !(*id).qp.is_null() || ece.is_null() || (*ece).vendor_id == 0 || (*ece).comp_mask != 0 {
+            return err("rdma_set_local_ece", libc::EINVAL, "bad ECE or the ID has a QP");
         }
         lock(&cma(id).st).local_ece = Some(((*ece).vendor_id, (*ece).options));
     }
@@ -2017,18 +1846,11 @@ pub unsafe extern "C" fn softrdma_rdma_set_local_ece(id: *mut RdmaCmId, ece: *mu
 
 /// `rdma_get_remote_ece`: the peer's ECE is never received here: zeros.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_get_remote_ece(
-    id: *mut RdmaCmId,
-    ece: *mut IbvEce,
-) -> c_int {
+pub unsafe extern "C" fn softrdma_rdma_get_remote_ece(id: *mut RdmaCmId, ece: *mut IbvEce) -> c_int {
     // SAFETY: NULL-checked pointers of the caller.
     unsafe {
         if id.is_null() || !(*id).qp.is_null() || ece.is_null() {
-            return err(
-                "rdma_get_remote_ece",
-                libc::EINVAL,
-                "NULL argument or the ID has a QP",
-            );
+            return err("rdma_get_remote_ece", libc::EINVAL, "NULL argument or the ID has a QP");
         }
         (*ece).vendor_id = 0;
         (*ece).options = 0;
@@ -2055,15 +1877,7 @@ pub unsafe extern "C" fn softrdma_rdma_create_ep(
     let r = unsafe { &*res };
     let mut cm_id: *mut RdmaCmId = ptr::null_mut();
     // SAFETY: forwarded.
-    let ret = unsafe {
-        create_id2(
-            ptr::null_mut(),
-            &mut cm_id,
-            ptr::null_mut(),
-            r.ai_port_space,
-            r.ai_qp_type,
-        )
-    };
+    let ret = unsafe { create_id2(ptr::null_mut(), &mut cm_id, ptr::null_mut(), r.ai_port_space, r.ai_qp_type) };
     if ret != 0 {
         return ret;
     }
@@ -2081,12 +1895,7 @@ pub unsafe extern "C" fn softrdma_rdma_create_ep(
     0
 }
 
-unsafe fn ep_setup(
-    cm_id: *mut RdmaCmId,
-    r: &RdmaAddrinfo,
-    pd: *mut IbvPd,
-    qp_init_attr: *mut IbvQpInitAttr,
-) -> c_int {
+unsafe fn ep_setup(cm_id: *mut RdmaCmId, r: &RdmaAddrinfo, pd: *mut IbvPd, qp_init_attr: *mut IbvQpInitAttr) -> c_int {
     // SAFETY: a new ID of ours.
     let c = unsafe { &mut *(cm_id as *mut CmaId) };
     if r.ai_flags & RAI_PASSIVE != 0 {
@@ -2127,8 +1936,7 @@ unsafe fn ep_setup(
     }
     if r.ai_connect_len > 0 && !r.ai_connect.is_null() {
         // SAFETY: `ai_connect_len` readable bytes.
-        let data =
-            unsafe { std::slice::from_raw_parts(r.ai_connect as *const u8, r.ai_connect_len) };
+        let data = unsafe { std::slice::from_raw_parts(r.ai_connect as *const u8, r.ai_connect_len) };
         lock(&c.st).connect_data = data.to_vec();
     }
     0

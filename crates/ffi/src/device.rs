@@ -58,20 +58,9 @@ fn device_for(name: &str, guid: u64) -> *mut SoftDevice {
     // Paths of the shape rdma-core uses, under a directory no kernel creates: nothing of ours
     // lives in sysfs, and ibv_read_sysfs_file answers for these paths itself (misc.rs).
     copy_str(&mut ibv.dev_name, &format!("uverbs{index}"));
-    copy_str(
-        &mut ibv.dev_path,
-        &format!("{SOFT_SYSFS}/class/infiniband_verbs/uverbs{index}"),
-    );
-    copy_str(
-        &mut ibv.ibdev_path,
-        &format!("{SOFT_SYSFS}/class/infiniband/{name}"),
-    );
-    let dev = Box::new(SoftDevice {
-        ibv,
-        name: name.to_owned(),
-        guid_be: guid.to_be(),
-        index,
-    });
+    copy_str(&mut ibv.dev_path, &format!("{SOFT_SYSFS}/class/infiniband_verbs/uverbs{index}"));
+    copy_str(&mut ibv.ibdev_path, &format!("{SOFT_SYSFS}/class/infiniband/{name}"));
+    let dev = Box::new(SoftDevice { ibv, name: name.to_owned(), guid_be: guid.to_be(), index });
     let p = Box::into_raw(dev);
     all.push((name.to_owned(), p as usize));
     p
@@ -96,10 +85,8 @@ pub unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *m
             return ptr::null_mut();
         }
     };
-    let mut list: Vec<*mut IbvDevice> = infos
-        .iter()
-        .map(|i| device_for(&i.name, i.node_guid().0) as *mut IbvDevice)
-        .collect();
+    let mut list: Vec<*mut IbvDevice> =
+        infos.iter().map(|i| device_for(&i.name, i.node_guid().0) as *mut IbvDevice).collect();
     let n = list.len();
     list.push(ptr::null_mut());
     if !num_devices.is_null() {
@@ -176,22 +163,14 @@ pub unsafe fn soft<'a>(ctx: *mut IbvContext) -> &'a SoftContext {
 }
 
 unsafe extern "C" fn compat_refused() -> *mut c_void {
-    errno::null(
-        "an ibv_context_ops compat entry (pre-1.1 ABI)",
-        libc::ENOSYS,
-        "not provided",
-    )
+    errno::null("an ibv_context_ops compat entry (pre-1.1 ABI)", libc::ENOSYS, "not provided")
 }
 
 /// `ibv_open_device`.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_open_device(device: *mut IbvDevice) -> *mut IbvContext {
     if !is_ours(device) {
-        return errno::null(
-            "ibv_open_device",
-            libc::ENODEV,
-            "not a device from ibv_get_device_list",
-        );
+        return errno::null("ibv_open_device", libc::ENODEV, "not a device from ibv_get_device_list");
     }
     // SAFETY: checked above: one of our devices.
     let dev = unsafe { &*(device as *mut SoftDevice) };
@@ -244,21 +223,10 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut IbvDevice) -> *mut IbvCont
     };
     // SAFETY: pthread_mutex_t is plain data for which all-zero is PTHREAD_MUTEX_INITIALIZER on glibc.
     let mutex: libc::pthread_mutex_t = unsafe { std::mem::zeroed() };
-    let context = IbvContext {
-        device,
-        ops,
-        cmd_fd: -1,
-        async_fd,
-        num_comp_vectors,
-        mutex,
-        abi_compat: VERBS_ABI_IS_EXTENDED,
-    };
+    let context =
+        IbvContext { device, ops, cmd_fd: -1, async_fd, num_comp_vectors, mutex, abi_compat: VERBS_ABI_IS_EXTENDED };
     let vctx = crate::ext::verbs_context(context);
-    let soft = Box::new(SoftContext {
-        vctx,
-        verbs,
-        handles: Mutex::new(Handles::default()),
-    });
+    let soft = Box::new(SoftContext { vctx, verbs, handles: Mutex::new(Handles::default()) });
     let p = Box::into_raw(soft);
     // SAFETY: `p` is the live allocation just made.
     unsafe { ptr::addr_of_mut!((*p).vctx.context) }
@@ -371,10 +339,7 @@ fn fill_device_attr(a: &DeviceAttr, out: &mut IbvDeviceAttr) {
 
 /// `ibv_query_device`.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_query_device(
-    context: *mut IbvContext,
-    device_attr: *mut IbvDeviceAttr,
-) -> c_int {
+pub unsafe extern "C" fn ibv_query_device(context: *mut IbvContext, device_attr: *mut IbvDeviceAttr) -> c_int {
     if context.is_null() || device_attr.is_null() {
         return libc::EINVAL;
     }
@@ -409,11 +374,7 @@ pub unsafe extern "C" fn query_device_ex(
     // SAFETY: `attr` has `attr_size` writable bytes (the header passes sizeof its struct); we
     // write the first min(attr_size, ours) and zero the rest, as rdma-core does for newer callers.
     unsafe {
-        ptr::copy_nonoverlapping(
-            &full as *const IbvDeviceAttrEx as *const u8,
-            attr as *mut u8,
-            n,
-        );
+        ptr::copy_nonoverlapping(&full as *const IbvDeviceAttrEx as *const u8, attr as *mut u8, n);
         if attr_size > n {
             ptr::write_bytes((attr as *mut u8).add(n), 0, attr_size - n);
         }
@@ -449,12 +410,7 @@ fn fill_port_attr(p: &PortAttr) -> IbvPortAttr {
 }
 
 /// Write port attributes into the caller's `len` bytes.
-unsafe fn query_port_into(
-    context: *mut IbvContext,
-    port_num: u8,
-    out: *mut IbvPortAttr,
-    len: usize,
-) -> c_int {
+unsafe fn query_port_into(context: *mut IbvContext, port_num: u8, out: *mut IbvPortAttr, len: usize) -> c_int {
     if context.is_null() || out.is_null() {
         return libc::EINVAL;
     }
@@ -482,20 +438,9 @@ unsafe fn query_port_into(
 /// (the struct without `port_cap_flags2`, 48 bytes). New code reaches [`query_port`] through the
 /// header's inline wrapper instead.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_query_port(
-    context: *mut IbvContext,
-    port_num: u8,
-    port_attr: *mut IbvPortAttr,
-) -> c_int {
+pub unsafe extern "C" fn ibv_query_port(context: *mut IbvContext, port_num: u8, port_attr: *mut IbvPortAttr) -> c_int {
     // SAFETY: forwarded; the compat struct is the first 48 bytes of ours.
-    unsafe {
-        query_port_into(
-            context,
-            port_num,
-            port_attr,
-            offset_of!(IbvPortAttr, port_cap_flags2),
-        )
-    }
+    unsafe { query_port_into(context, port_num, port_attr, offset_of!(IbvPortAttr, port_cap_flags2)) }
 }
 
 /// `verbs_context.query_port`, called by the `ibv_query_port` inline with the caller's struct size.
@@ -596,10 +541,7 @@ pub unsafe extern "C" fn _ibv_query_gid_table(
     flags: u32,
     entry_size: usize,
 ) -> isize {
-    if context.is_null()
-        || (entries.is_null() && max_entries > 0)
-        || entry_size < std::mem::size_of::<IbvGidEntry>()
-    {
+    if context.is_null() || (entries.is_null() && max_entries > 0) || entry_size < std::mem::size_of::<IbvGidEntry>() {
         return -(libc::EINVAL as isize);
     }
     if flags != 0 {
@@ -614,12 +556,7 @@ pub unsafe extern "C" fn _ibv_query_gid_table(
     for i in 0..n {
         if let Ok(Some(e)) = gid_entry(ctx, 1, i as u32) {
             // SAFETY: `entries` holds `max_entries` elements of `entry_size` bytes (caller's contract).
-            unsafe {
-                ptr::write(
-                    (entries as *mut u8).add(i * entry_size) as *mut IbvGidEntry,
-                    e,
-                )
-            };
+            unsafe { ptr::write((entries as *mut u8).add(i * entry_size) as *mut IbvGidEntry, e) };
         }
     }
     n as isize
@@ -657,21 +594,13 @@ pub unsafe extern "C" fn ibv_query_gid_type(
 
 /// `ibv_query_pkey`: the P_Key in network order; -1 for a bad port or index.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_query_pkey(
-    context: *mut IbvContext,
-    port_num: u8,
-    index: c_int,
-    pkey: *mut u16,
-) -> c_int {
+pub unsafe extern "C" fn ibv_query_pkey(context: *mut IbvContext, port_num: u8, index: c_int, pkey: *mut u16) -> c_int {
     if context.is_null() || pkey.is_null() || index < 0 {
         errno::set(libc::EINVAL);
         return -1;
     }
     // SAFETY: a live context of ours; `pkey` writable.
-    match unsafe { soft(context) }
-        .verbs
-        .query_pkey(port_num, index as usize)
-    {
+    match unsafe { soft(context) }.verbs.query_pkey(port_num, index as usize) {
         Ok(p) => {
             // SAFETY: `pkey` is writable (checked non-NULL; caller's contract).
             unsafe { *pkey = p.to_be() };
@@ -686,11 +615,7 @@ pub unsafe extern "C" fn ibv_query_pkey(
 
 /// `ibv_get_pkey_index`: the index of a P_Key (network order), or -1.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_get_pkey_index(
-    context: *mut IbvContext,
-    port_num: u8,
-    pkey: u16,
-) -> c_int {
+pub unsafe extern "C" fn ibv_get_pkey_index(context: *mut IbvContext, port_num: u8, pkey: u16) -> c_int {
     if context.is_null() {
         errno::set(libc::EINVAL);
         return -1;
@@ -718,8 +643,7 @@ pub fn our_path_device(dir: &CStr) -> Option<String> {
         // SAFETY: NUL-terminated by construction (copy_str leaves the last byte 0).
         let ib = unsafe { CStr::from_ptr(d.ibv.ibdev_path.as_ptr()) };
         let uv = unsafe { CStr::from_ptr(d.ibv.dev_path.as_ptr()) };
-        let ours =
-            ib.to_str().ok()? == dir || uv.to_str().ok()? == dir || dir.starts_with(SOFT_SYSFS);
+        let ours = ib.to_str().ok()? == dir || uv.to_str().ok()? == dir || dir.starts_with(SOFT_SYSFS);
         ours.then(|| name.clone())
     })
 }

@@ -21,9 +21,7 @@ pub fn get() -> c_int {
 /// Whether `SOFTRDMA_FFI_DEBUG` asks for failures to be explained on stderr.
 pub fn debug() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var_os("SOFTRDMA_FFI_DEBUG").is_some_and(|v| !v.is_empty() && v != "0")
-    })
+    *ON.get_or_init(|| std::env::var_os("SOFTRDMA_FFI_DEBUG").is_some_and(|v| !v.is_empty() && v != "0"))
 }
 
 /// Explain a failure of `what` on stderr when debugging is on.

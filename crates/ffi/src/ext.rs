@@ -150,10 +150,7 @@ reader!(read_dlid_path_bits, u8, |w| w.dlid_path_bits);
 
 /// `verbs_context.create_cq_ex`: the standard completion fields only; timestamps, CVLAN, flow
 /// tags and tag matching are refused with EOPNOTSUPP.
-unsafe extern "C" fn create_cq_ex(
-    context: *mut IbvContext,
-    attr: *mut IbvCqInitAttrEx,
-) -> *mut IbvCqEx {
+unsafe extern "C" fn create_cq_ex(context: *mut IbvContext, attr: *mut IbvCqInitAttrEx) -> *mut IbvCqEx {
     const WHAT: &str = "ibv_create_cq_ex";
     if attr.is_null() {
         return errno::null(WHAT, libc::EINVAL, "NULL attributes");
@@ -167,32 +164,17 @@ unsafe extern "C" fn create_cq_ex(
         return errno::null(WHAT, libc::EOPNOTSUPP, "parent domains are not supported");
     }
     if a.comp_mask & IBV_CQ_INIT_ATTR_MASK_FLAGS != 0 && a.flags & !1 != 0 {
-        return errno::null(
-            WHAT,
-            libc::EOPNOTSUPP,
-            "only IBV_CREATE_CQ_ATTR_SINGLE_THREADED is supported",
-        );
+        return errno::null(WHAT, libc::EOPNOTSUPP, "only IBV_CREATE_CQ_ATTR_SINGLE_THREADED is supported");
     }
     if a.wc_flags & !wc_flags_ex::STD != 0 {
-        return errno::null(
-            WHAT,
-            libc::EOPNOTSUPP,
-            "timestamps, CVLAN, flow tag and TM info are not supported",
-        );
+        return errno::null(WHAT, libc::EOPNOTSUPP, "timestamps, CVLAN, flow tag and TM info are not supported");
     }
     if a.cqe > i32::MAX as u32 || a.comp_vector > i32::MAX as u32 {
         return errno::null(WHAT, libc::EINVAL, "cqe or comp_vector out of range");
     }
     // SAFETY: forwarded contract.
-    let p = match unsafe {
-        create_cq_common(
-            context,
-            a.cqe as c_int,
-            a.cq_context,
-            a.channel,
-            a.comp_vector as c_int,
-        )
-    } {
+    let p = match unsafe { create_cq_common(context, a.cqe as c_int, a.cq_context, a.channel, a.comp_vector as c_int) }
+    {
         Ok(p) => p,
         Err(_) => return ptr::null_mut(),
     };
@@ -229,18 +211,14 @@ const SEND_OPS_SUPPORTED: u64 = IBV_QP_EX_WITH_RDMA_WRITE
 const IBV_QP_INIT_ATTR_CREATE_FLAGS: u32 = 1 << 3;
 
 /// `verbs_context.create_qp_ex` (the inline calls `ibv_create_qp` itself when only the PD is given).
-pub(crate) unsafe extern "C" fn create_qp_ex(
-    _context: *mut IbvContext,
-    attr: *mut IbvQpInitAttrEx,
-) -> *mut IbvQp {
+pub(crate) unsafe extern "C" fn create_qp_ex(_context: *mut IbvContext, attr: *mut IbvQpInitAttrEx) -> *mut IbvQp {
     const WHAT: &str = "ibv_create_qp_ex";
     if attr.is_null() {
         return errno::null(WHAT, libc::EINVAL, "NULL attributes");
     }
     // SAFETY: readable and writable attributes (caller's contract).
     let a = unsafe { &mut *attr };
-    let known =
-        IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | IBV_QP_INIT_ATTR_CREATE_FLAGS;
+    let known = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | IBV_QP_INIT_ATTR_CREATE_FLAGS;
     if a.comp_mask & !known != 0 {
         return errno::null(
             WHAT,
@@ -256,11 +234,7 @@ pub(crate) unsafe extern "C" fn create_qp_ex(
     }
     let is_ex = a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0;
     if is_ex && a.send_ops_flags & !SEND_OPS_SUPPORTED != 0 {
-        return errno::null(
-            WHAT,
-            libc::EOPNOTSUPP,
-            "LOCAL_INV, BIND_MW, TSO and ATOMIC_WRITE are not supported",
-        );
+        return errno::null(WHAT, libc::EOPNOTSUPP, "LOCAL_INV, BIND_MW, TSO and ATOMIC_WRITE are not supported");
     }
     let mut req = QpRequest {
         pd: a.pd,
@@ -294,11 +268,7 @@ pub unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut IbvQp) -> *mut IbvQpEx {
     if unsafe { to_qp(qp) }.is_ex {
         qp as *mut IbvQpEx
     } else {
-        errno::null(
-            "ibv_qp_to_qp_ex",
-            libc::EOPNOTSUPP,
-            "the QP was not created with send_ops_flags",
-        )
+        errno::null("ibv_qp_to_qp_ex", libc::EOPNOTSUPP, "the QP was not created with send_ops_flags")
     }
 }
 
@@ -343,33 +313,21 @@ unsafe fn begin(qp: *mut IbvQpEx, op: SendOp) {
     // SAFETY: an extended QP of ours; the public fields are readable.
     let (q, wr_id, flags) = unsafe { (qpx(qp), (*qp).wr_id, (*qp).wr_flags) };
     let mut b = q.batch.lock().unwrap_or_else(|p| p.into_inner());
-    b.wrs.push(SendWr {
-        wr_id,
-        op,
-        payload: Payload::Sgl(Vec::new()),
-        flags: SendFlags::from_bits(flags),
-        ud: None,
-    });
+    b.wrs.push(SendWr { wr_id, op, payload: Payload::Sgl(Vec::new()), flags: SendFlags::from_bits(flags), ud: None });
 }
 
 /// Record a builder error, reported by `ibv_wr_complete`.
 unsafe fn builder_error(qp: *mut IbvQpEx, n: c_int, why: &str) {
     errno::explain("ibv_wr_*", &why);
     // SAFETY: an extended QP of ours.
-    let mut b = unsafe { qpx(qp) }
-        .batch
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut b = unsafe { qpx(qp) }.batch.lock().unwrap_or_else(|p| p.into_inner());
     if b.err == 0 {
         b.err = n;
     }
 }
 
 /// Apply `f` to the work request being built (an error if there is none).
-unsafe fn with_last(
-    qp: *mut IbvQpEx,
-    f: impl FnOnce(&mut SendWr) -> Result<(), (c_int, &'static str)>,
-) {
+unsafe fn with_last(qp: *mut IbvQpEx, f: impl FnOnce(&mut SendWr) -> Result<(), (c_int, &'static str)>) {
     // SAFETY: an extended QP of ours.
     let q = unsafe { qpx(qp) };
     let r = {
@@ -385,38 +343,13 @@ unsafe fn with_last(
     }
 }
 
-unsafe extern "C" fn wr_atomic_cmp_swp(
-    qp: *mut IbvQpEx,
-    rkey: u32,
-    remote_addr: u64,
-    compare: u64,
-    swap: u64,
-) {
+unsafe extern "C" fn wr_atomic_cmp_swp(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64, compare: u64, swap: u64) {
     // SAFETY: forwarded.
-    unsafe {
-        begin(
-            qp,
-            SendOp::CompareSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            },
-        )
-    }
+    unsafe { begin(qp, SendOp::CompareSwap { remote_addr, rkey, compare, swap }) }
 }
 unsafe extern "C" fn wr_atomic_fetch_add(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64, add: u64) {
     // SAFETY: forwarded.
-    unsafe {
-        begin(
-            qp,
-            SendOp::FetchAdd {
-                remote_addr,
-                rkey,
-                add,
-            },
-        )
-    }
+    unsafe { begin(qp, SendOp::FetchAdd { remote_addr, rkey, add }) }
 }
 unsafe extern "C" fn wr_rdma_read(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64) {
     // SAFETY: forwarded.
@@ -428,16 +361,7 @@ unsafe extern "C" fn wr_rdma_write(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64
 }
 unsafe extern "C" fn wr_rdma_write_imm(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64, imm: u32) {
     // SAFETY: forwarded.
-    unsafe {
-        begin(
-            qp,
-            SendOp::WriteWithImm {
-                remote_addr,
-                rkey,
-                imm: u32::from_be(imm),
-            },
-        )
-    }
+    unsafe { begin(qp, SendOp::WriteWithImm { remote_addr, rkey, imm: u32::from_be(imm) }) }
 }
 unsafe extern "C" fn wr_send(qp: *mut IbvQpEx) {
     // SAFETY: forwarded.
@@ -451,12 +375,7 @@ unsafe extern "C" fn wr_send_inv(qp: *mut IbvQpEx, rkey: u32) {
     // SAFETY: forwarded.
     unsafe { begin(qp, SendOp::SendWithInv(rkey)) }
 }
-unsafe extern "C" fn wr_bind_mw(
-    qp: *mut IbvQpEx,
-    _mw: *mut c_void,
-    _rkey: u32,
-    _info: *const c_void,
-) {
+unsafe extern "C" fn wr_bind_mw(qp: *mut IbvQpEx, _mw: *mut c_void, _rkey: u32, _info: *const c_void) {
     // SAFETY: forwarded.
     unsafe { builder_error(qp, libc::EOPNOTSUPP, "memory windows are not supported") }
 }
@@ -472,22 +391,12 @@ unsafe extern "C" fn wr_set_xrc_srqn(qp: *mut IbvQpEx, _srqn: u32) {
     // SAFETY: forwarded.
     unsafe { builder_error(qp, libc::EOPNOTSUPP, "XRC is not supported") }
 }
-unsafe extern "C" fn wr_atomic_write(
-    qp: *mut IbvQpEx,
-    _rkey: u32,
-    _addr: u64,
-    _data: *const c_void,
-) {
+unsafe extern "C" fn wr_atomic_write(qp: *mut IbvQpEx, _rkey: u32, _addr: u64, _data: *const c_void) {
     // SAFETY: forwarded.
     unsafe { builder_error(qp, libc::EOPNOTSUPP, "ATOMIC_WRITE is not supported") }
 }
 
-unsafe extern "C" fn wr_set_ud_addr(
-    qp: *mut IbvQpEx,
-    ah: *mut IbvAh,
-    remote_qpn: u32,
-    remote_qkey: u32,
-) {
+unsafe extern "C" fn wr_set_ud_addr(qp: *mut IbvQpEx, ah: *mut IbvAh, remote_qpn: u32, remote_qkey: u32) {
     if ah.is_null() {
         // SAFETY: forwarded.
         return unsafe { builder_error(qp, libc::EINVAL, "NULL address handle") };
@@ -537,11 +446,7 @@ unsafe extern "C" fn wr_set_inline_data(qp: *mut IbvQpEx, addr: *mut c_void, len
     unsafe { wr_set_inline_data_list(qp, 1, &one) }
 }
 
-unsafe extern "C" fn wr_set_inline_data_list(
-    qp: *mut IbvQpEx,
-    num_buf: usize,
-    buf_list: *const IbvDataBuf,
-) {
+unsafe extern "C" fn wr_set_inline_data_list(qp: *mut IbvQpEx, num_buf: usize, buf_list: *const IbvDataBuf) {
     // SAFETY: an extended QP of ours.
     let max = unsafe { qpx(qp) }.cap.max_inline_data;
     let mut sgl = Vec::with_capacity(num_buf);
@@ -552,11 +457,7 @@ unsafe extern "C" fn wr_set_inline_data_list(
             // SAFETY: forwarded.
             return unsafe { builder_error(qp, libc::EINVAL, "inline data too long") };
         }
-        sgl.push(Sge {
-            addr: b.addr as u64,
-            length: b.length as u32,
-            lkey: 0,
-        });
+        sgl.push(Sge { addr: b.addr as u64, length: b.length as u32, lkey: 0 });
     }
     // SAFETY: the buffers are the caller's readable memory (ibv_wr_set_inline_data's contract).
     match unsafe { inline_bytes(&sgl, max) } {
@@ -574,10 +475,7 @@ unsafe extern "C" fn wr_set_inline_data_list(
 
 unsafe extern "C" fn wr_start(qp: *mut IbvQpEx) {
     // SAFETY: an extended QP of ours.
-    let mut b = unsafe { qpx(qp) }
-        .batch
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut b = unsafe { qpx(qp) }.batch.lock().unwrap_or_else(|p| p.into_inner());
     b.wrs.clear();
     b.err = 0;
 }

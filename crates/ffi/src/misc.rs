@@ -67,12 +67,7 @@ pub extern "C" fn ibv_event_type_str(event: c_int) -> *const c_char {
         c"GID table change",
         c"WQ fatal",
     ];
-    cstr(
-        usize::try_from(event)
-            .ok()
-            .and_then(|i| S.get(i).copied())
-            .unwrap_or(c"unknown"),
-    )
+    cstr(usize::try_from(event).ok().and_then(|i| S.get(i).copied()).unwrap_or(c"unknown"))
 }
 
 #[no_mangle]
@@ -103,12 +98,7 @@ pub extern "C" fn ibv_wc_status_str(status: c_int) -> *const c_char {
         c"TM error",
         c"TM software rendezvous",
     ];
-    cstr(
-        usize::try_from(status)
-            .ok()
-            .and_then(|i| S.get(i).copied())
-            .unwrap_or(c"unknown"),
-    )
+    cstr(usize::try_from(status).ok().and_then(|i| S.get(i).copied()).unwrap_or(c"unknown"))
 }
 
 // ---- rates -------------------------------------------------------------------------------------
@@ -145,10 +135,7 @@ pub extern "C" fn ibv_rate_to_mult(rate: c_int) -> c_int {
 
 #[no_mangle]
 pub extern "C" fn mult_to_ibv_rate(mult: c_int) -> c_int {
-    RATES
-        .iter()
-        .find(|r| r.1 == mult && mult > 0)
-        .map_or(0, |r| r.0)
+    RATES.iter().find(|r| r.1 == mult && mult > 0).map_or(0, |r| r.0)
 }
 
 #[no_mangle]
@@ -271,13 +258,7 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
             g[12..].copy_from_slice(a);
             g
         };
-        (
-            map(&raw[32..36]),
-            map(&raw[36..40]),
-            raw[28],
-            raw[21] & 0xfc,
-            0,
-        )
+        (map(&raw[32..36]), map(&raw[36..40]), raw[28], raw[21] & 0xfc, 0)
     } else {
         let vtf = u32::from_be_bytes([raw[0], raw[1], raw[2], raw[3]]);
         let mut s = [0u8; 16];
@@ -288,19 +269,8 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
     };
     // SAFETY: a live context of ours.
     let ctx = unsafe { soft(context) };
-    let Some(sgid_index) = ctx
-        .verbs
-        .info()
-        .gids
-        .iter()
-        .find(|(_, e)| e.gid.0 == dgid)
-        .map(|(i, _)| i)
-    else {
-        errno::refuse(
-            WHAT,
-            libc::ENOENT,
-            "the packet's destination address is not in the GID table",
-        );
+    let Some(sgid_index) = ctx.verbs.info().gids.iter().find(|(_, e)| e.gid.0 == dgid).map(|(i, _)| i) else {
+        errno::refuse(WHAT, libc::ENOENT, "the packet's destination address is not in the GID table");
         return -1;
     };
     let a = IbvAhAttr {
@@ -353,76 +323,40 @@ pub unsafe extern "C" fn ibv_resolve_eth_l2_from_gid(
     _eth_mac: *mut u8,
     _vid: *mut u16,
 ) -> c_int {
-    errno::refuse(
-        "ibv_resolve_eth_l2_from_gid",
-        libc::EOPNOTSUPP,
-        "softrdma does not resolve L2 addresses",
-    );
+    errno::refuse("ibv_resolve_eth_l2_from_gid", libc::EOPNOTSUPP, "softrdma does not resolve L2 addresses");
     -1
 }
 
 // ---- refused features ----------------------------------------------------------------------------
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_attach_mcast(
-    _qp: *mut IbvQp,
-    _gid: *const IbvGid,
-    _lid: u16,
-) -> c_int {
-    errno::refuse(
-        "ibv_attach_mcast",
-        libc::EOPNOTSUPP,
-        "multicast is not supported (max_mcast_grp is 0)",
-    )
+pub unsafe extern "C" fn ibv_attach_mcast(_qp: *mut IbvQp, _gid: *const IbvGid, _lid: u16) -> c_int {
+    errno::refuse("ibv_attach_mcast", libc::EOPNOTSUPP, "multicast is not supported (max_mcast_grp is 0)")
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_detach_mcast(
-    _qp: *mut IbvQp,
-    _gid: *const IbvGid,
-    _lid: u16,
-) -> c_int {
-    errno::refuse(
-        "ibv_detach_mcast",
-        libc::EOPNOTSUPP,
-        "multicast is not supported",
-    )
+pub unsafe extern "C" fn ibv_detach_mcast(_qp: *mut IbvQp, _gid: *const IbvGid, _lid: u16) -> c_int {
+    errno::refuse("ibv_detach_mcast", libc::EOPNOTSUPP, "multicast is not supported")
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_device(_cmd_fd: c_int) -> *mut IbvContext {
-    errno::null(
-        "ibv_import_device",
-        libc::EOPNOTSUPP,
-        "softrdma contexts are not backed by a uverbs fd",
-    )
+    errno::null("ibv_import_device", libc::EOPNOTSUPP, "softrdma contexts are not backed by a uverbs fd")
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_pd(_context: *mut IbvContext, _handle: u32) -> *mut IbvPd {
-    errno::null(
-        "ibv_import_pd",
-        libc::EOPNOTSUPP,
-        "objects cannot be shared between contexts",
-    )
+    errno::null("ibv_import_pd", libc::EOPNOTSUPP, "objects cannot be shared between contexts")
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_mr(_pd: *mut IbvPd, _handle: u32) -> *mut IbvMr {
-    errno::null(
-        "ibv_import_mr",
-        libc::EOPNOTSUPP,
-        "objects cannot be shared between contexts",
-    )
+    errno::null("ibv_import_mr", libc::EOPNOTSUPP, "objects cannot be shared between contexts")
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_dm(_context: *mut IbvContext, _handle: u32) -> *mut c_void {
-    errno::null(
-        "ibv_import_dm",
-        libc::EOPNOTSUPP,
-        "device memory is not supported",
-    )
+    errno::null("ibv_import_dm", libc::EOPNOTSUPP, "device memory is not supported")
 }
 
 /// Nothing can have been imported, so there is nothing to release.
@@ -446,41 +380,25 @@ pub unsafe extern "C" fn ibv_reg_dmabuf_mr(
     _fd: c_int,
     _access: c_int,
 ) -> *mut IbvMr {
-    errno::null(
-        "ibv_reg_dmabuf_mr",
-        libc::EOPNOTSUPP,
-        "dma-buf memory cannot be reached by a soft device",
-    )
+    errno::null("ibv_reg_dmabuf_mr", libc::EOPNOTSUPP, "dma-buf memory cannot be reached by a soft device")
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_set_ece(_qp: *mut IbvQp, _ece: *mut IbvEce) -> c_int {
-    errno::refuse(
-        "ibv_set_ece",
-        libc::EOPNOTSUPP,
-        "enhanced connection establishment is not supported",
-    );
+    errno::refuse("ibv_set_ece", libc::EOPNOTSUPP, "enhanced connection establishment is not supported");
     libc::EOPNOTSUPP
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_query_ece(_qp: *mut IbvQp, _ece: *mut IbvEce) -> c_int {
-    errno::refuse(
-        "ibv_query_ece",
-        libc::EOPNOTSUPP,
-        "enhanced connection establishment is not supported",
-    );
+    errno::refuse("ibv_query_ece", libc::EOPNOTSUPP, "enhanced connection establishment is not supported");
     libc::EOPNOTSUPP
 }
 
 /// Whether RDMA data lands in order: rdma-core's answer without a provider op is 0 (not
 /// guaranteed), and applications must not rely on more from a soft device.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_query_qp_data_in_order(
-    _qp: *mut IbvQp,
-    _op: c_int,
-    flags: u32,
-) -> c_int {
+pub unsafe extern "C" fn ibv_query_qp_data_in_order(_qp: *mut IbvQp, _op: c_int, flags: u32) -> c_int {
     if flags != 0 {
         return 0;
     }

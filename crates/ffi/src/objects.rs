@@ -17,12 +17,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use softrdma_device::Gid;
-use softrdma_transport::{
-    Access, AddressVector, AsyncEvent, ModifyQp, Mtu, QpCap, QpState, QpType, WorkCompletion,
-};
+use softrdma_transport::{Access, AddressVector, AsyncEvent, ModifyQp, Mtu, QpCap, QpState, QpType, WorkCompletion};
 use softrdma_verbs::{
-    AddressHandle, AhAttr, CompletionChannel, CompletionQueue, MemoryRegion, ProtectionDomain,
-    QpInitAttr, QueuePair, SharedReceiveQueue,
+    AddressHandle, AhAttr, CompletionChannel, CompletionQueue, MemoryRegion, ProtectionDomain, QpInitAttr, QueuePair,
+    SharedReceiveQueue,
 };
 use softrdma_wire::{Psn, Qpn};
 
@@ -72,11 +70,7 @@ pub unsafe extern "C" fn ibv_alloc_pd(context: *mut IbvContext) -> *mut IbvPd {
     // SAFETY: a live context of ours.
     let pd = unsafe { soft(context) }.verbs.alloc_pd();
     let handle = pd.id().0;
-    Box::into_raw(Box::new(Pd {
-        ibv: IbvPd { context, handle },
-        pd,
-        users: AtomicU32::new(0),
-    })) as *mut IbvPd
+    Box::into_raw(Box::new(Pd { ibv: IbvPd { context, handle }, pd, users: AtomicU32::new(0) })) as *mut IbvPd
 }
 
 #[no_mangle]
@@ -86,11 +80,7 @@ pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut IbvPd) -> c_int {
     }
     // SAFETY: a live PD of ours.
     if unsafe { to_pd(pd) }.users.load(Ordering::Acquire) > 0 {
-        return errno::refuse(
-            "ibv_dealloc_pd",
-            libc::EBUSY,
-            "the PD still has MRs, QPs, SRQs or AHs",
-        );
+        return errno::refuse("ibv_dealloc_pd", libc::EBUSY, "the PD still has MRs, QPs, SRQs or AHs");
     }
     // SAFETY: boxed in ibv_alloc_pd; the application gives up the pointer.
     drop(unsafe { Box::from_raw(pd as *mut Pd) });
@@ -116,46 +106,26 @@ const ACCESS_FLUSH: c_uint = (1 << 8) | (1 << 9);
 /// `IBV_ACCESS_OPTIONAL_RANGE`: hints a provider may ignore (relaxed ordering...).
 const ACCESS_OPTIONAL_RANGE: c_uint = 0x3ff0_0000;
 
-unsafe fn reg_mr_common(
-    pd: *mut IbvPd,
-    addr: *mut c_void,
-    length: usize,
-    iova: u64,
-    access: c_uint,
-) -> *mut IbvMr {
+unsafe fn reg_mr_common(pd: *mut IbvPd, addr: *mut c_void, length: usize, iova: u64, access: c_uint) -> *mut IbvMr {
     const WHAT: &str = "ibv_reg_mr";
     if pd.is_null() {
         return errno::null(WHAT, libc::EINVAL, "NULL PD");
     }
     let access = access & !ACCESS_OPTIONAL_RANGE;
     if access & (ACCESS_ON_DEMAND | ACCESS_ZERO_BASED | ACCESS_FLUSH) != 0 {
-        return errno::null(
-            WHAT,
-            libc::EOPNOTSUPP,
-            "on-demand paging, zero-based and flush access are not supported",
-        );
+        return errno::null(WHAT, libc::EOPNOTSUPP, "on-demand paging, zero-based and flush access are not supported");
     }
     if access & !(ACCESS_LOCAL | ACCESS_MW_BIND | ACCESS_HUGETLB) != 0 {
         return errno::null(WHAT, libc::EINVAL, "unknown access flags");
     }
     if iova != addr as u64 {
-        return errno::null(
-            WHAT,
-            libc::EOPNOTSUPP,
-            "an IOVA other than the address is not supported",
-        );
+        return errno::null(WHAT, libc::EOPNOTSUPP, "an IOVA other than the address is not supported");
     }
     // SAFETY: a live PD of ours.
     let p = unsafe { to_pd(pd) };
     // SAFETY: ibv_reg_mr's contract: [addr, addr+length) is the caller's memory and stays mapped
     // until ibv_dereg_mr, which drops the region first.
-    let mr = match unsafe {
-        p.pd.reg_mr_raw(
-            addr as *mut u8,
-            length,
-            Access::from_bits(access & ACCESS_LOCAL),
-        )
-    } {
+    let mr = match unsafe { p.pd.reg_mr_raw(addr as *mut u8, length, Access::from_bits(access & ACCESS_LOCAL)) } {
         Ok(mr) => mr,
         Err(e) => {
             errno::fail(WHAT, &e);
@@ -163,29 +133,12 @@ unsafe fn reg_mr_common(
         }
     };
     p.users.fetch_add(1, Ordering::AcqRel);
-    let ibv = IbvMr {
-        context: p.ibv.context,
-        pd,
-        addr,
-        length,
-        handle: mr.lkey(),
-        lkey: mr.lkey(),
-        rkey: mr.rkey(),
-    };
-    Box::into_raw(Box::new(Mr {
-        ibv,
-        mr,
-        pd: pd as *mut Pd,
-    })) as *mut IbvMr
+    let ibv = IbvMr { context: p.ibv.context, pd, addr, length, handle: mr.lkey(), lkey: mr.lkey(), rkey: mr.rkey() };
+    Box::into_raw(Box::new(Mr { ibv, mr, pd: pd as *mut Pd })) as *mut IbvMr
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_reg_mr(
-    pd: *mut IbvPd,
-    addr: *mut c_void,
-    length: usize,
-    access: c_int,
-) -> *mut IbvMr {
+pub unsafe extern "C" fn ibv_reg_mr(pd: *mut IbvPd, addr: *mut c_void, length: usize, access: c_int) -> *mut IbvMr {
     // SAFETY: forwarded contract.
     unsafe { reg_mr_common(pd, addr, length, addr as u64, access as c_uint) }
 }
@@ -241,36 +194,20 @@ pub unsafe extern "C" fn ibv_rereg_mr(
         errno::set(libc::EINVAL);
         return -1;
     }
-    errno::refuse(
-        "ibv_rereg_mr",
-        libc::EOPNOTSUPP,
-        "re-registration is not supported; deregister and register again",
-    );
+    errno::refuse("ibv_rereg_mr", libc::EOPNOTSUPP, "re-registration is not supported; deregister and register again");
     libc::EOPNOTSUPP
 }
 
 pub unsafe extern "C" fn alloc_mw(_pd: *mut IbvPd, _type: c_int) -> *mut c_void {
-    errno::null(
-        "ibv_alloc_mw",
-        libc::EOPNOTSUPP,
-        "memory windows are not supported (max_mw is 0)",
-    )
+    errno::null("ibv_alloc_mw", libc::EOPNOTSUPP, "memory windows are not supported (max_mw is 0)")
 }
 
 pub unsafe extern "C" fn bind_mw(_qp: *mut IbvQp, _mw: *mut c_void, _bind: *mut c_void) -> c_int {
-    errno::refuse(
-        "ibv_bind_mw",
-        libc::EOPNOTSUPP,
-        "memory windows are not supported",
-    )
+    errno::refuse("ibv_bind_mw", libc::EOPNOTSUPP, "memory windows are not supported")
 }
 
 pub unsafe extern "C" fn dealloc_mw(_mw: *mut c_void) -> c_int {
-    errno::refuse(
-        "ibv_dealloc_mw",
-        libc::EOPNOTSUPP,
-        "memory windows are not supported",
-    )
+    errno::refuse("ibv_dealloc_mw", libc::EOPNOTSUPP, "memory windows are not supported")
 }
 
 // ---- completion channels and queues -----------------------------------------------------------
@@ -292,11 +229,7 @@ pub unsafe extern "C" fn ibv_create_comp_channel(context: *mut IbvContext) -> *m
         Ok(ch) => {
             use std::os::fd::AsRawFd;
             make_blocking(ch.as_raw_fd());
-            let ibv = IbvCompChannel {
-                context,
-                fd: ch.as_raw_fd(),
-                refcnt: 0,
-            };
+            let ibv = IbvCompChannel { context, fd: ch.as_raw_fd(), refcnt: 0 };
             Box::into_raw(Box::new(Channel { ibv, ch })) as *mut IbvCompChannel
         }
         Err(e) => {
@@ -313,11 +246,7 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(channel: *mut IbvCompChannel) 
     }
     // SAFETY: a live channel of ours; refcnt counts its CQs.
     if unsafe { (*channel).refcnt } > 0 {
-        return errno::refuse(
-            "ibv_destroy_comp_channel",
-            libc::EBUSY,
-            "CQs still use the channel",
-        );
+        return errno::refuse("ibv_destroy_comp_channel", libc::EBUSY, "CQs still use the channel");
     }
     // SAFETY: boxed in ibv_create_comp_channel.
     drop(unsafe { Box::from_raw(channel as *mut Channel) });
@@ -370,11 +299,7 @@ pub unsafe fn create_cq_common(
     // SAFETY: the public context is valid.
     let nvec = unsafe { (*context).num_comp_vectors };
     if comp_vector < 0 || comp_vector >= nvec {
-        return Err(errno::refuse(
-            WHAT,
-            libc::EINVAL,
-            "comp_vector out of range",
-        ));
+        return Err(errno::refuse(WHAT, libc::EINVAL, "comp_vector out of range"));
     }
     if cqe <= 0 {
         return Err(errno::refuse(WHAT, libc::EINVAL, "cqe must be positive"));
@@ -387,10 +312,7 @@ pub unsafe fn create_cq_common(
         // SAFETY: as above.
         Some(unsafe { &(*ch).ch })
     };
-    let cq = ctx
-        .verbs
-        .create_cq(cqe as u32, verbs_ch)
-        .map_err(|e| errno::fail(WHAT, &e))?;
+    let cq = ctx.verbs.create_cq(cqe as u32, verbs_ch).map_err(|e| errno::fail(WHAT, &e))?;
     let (mutex, cond) = zeroed_sync();
     let base = IbvCq {
         context,
@@ -466,11 +388,7 @@ pub unsafe extern "C" fn ibv_resize_cq(cq: *mut IbvCq, _cqe: c_int) -> c_int {
     if cq.is_null() {
         return libc::EINVAL;
     }
-    errno::refuse(
-        "ibv_resize_cq",
-        libc::EOPNOTSUPP,
-        "CQ resizing is not supported",
-    )
+    errno::refuse("ibv_resize_cq", libc::EOPNOTSUPP, "CQ resizing is not supported")
 }
 
 #[no_mangle]
@@ -548,13 +466,7 @@ pub unsafe extern "C" fn ibv_get_cq_event(
             errno::set(libc::EAGAIN);
             return -1;
         };
-        let found = ctx
-            .handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .cqs
-            .get(&handle)
-            .copied();
+        let found = ctx.handles.lock().unwrap_or_else(|p| p.into_inner()).cqs.get(&handle).copied();
         if let Some(p) = found {
             let c = p as *mut Cq;
             // SAFETY: registered CQs are live; out-pointers are writable.
@@ -622,15 +534,8 @@ pub unsafe extern "C" fn ibv_create_srq(pd: *mut IbvPd, init: *mut IbvSrqInitAtt
     init.attr.max_sge = init.attr.max_sge.max(1);
     let (mutex, cond) = zeroed_sync();
     let handle = srq.handle();
-    let ibv = IbvSrq {
-        context: p.ibv.context,
-        srq_context: init.srq_context,
-        pd,
-        handle,
-        mutex,
-        cond,
-        events_completed: 0,
-    };
+    let ibv =
+        IbvSrq { context: p.ibv.context, srq_context: init.srq_context, pd, handle, mutex, cond, events_completed: 0 };
     p.users.fetch_add(1, Ordering::AcqRel);
     let s = Box::into_raw(Box::new(Srq {
         ibv,
@@ -640,39 +545,22 @@ pub unsafe extern "C" fn ibv_create_srq(pd: *mut IbvPd, init: *mut IbvSrqInitAtt
         attr: Mutex::new(init.attr),
     }));
     // SAFETY: the context is live.
-    unsafe { soft(p.ibv.context) }
-        .handles
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .srqs
-        .insert(handle, s as usize);
+    unsafe { soft(p.ibv.context) }.handles.lock().unwrap_or_else(|p| p.into_inner()).srqs.insert(handle, s as usize);
     s as *mut IbvSrq
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_modify_srq(
-    srq: *mut IbvSrq,
-    attr: *mut IbvSrqAttr,
-    mask: c_int,
-) -> c_int {
+pub unsafe extern "C" fn ibv_modify_srq(srq: *mut IbvSrq, attr: *mut IbvSrqAttr, mask: c_int) -> c_int {
     if srq.is_null() || attr.is_null() {
         return libc::EINVAL;
     }
     // SAFETY: live SRQ; readable attributes.
     let (s, a) = unsafe { (to_srq(srq), &*attr) };
     if mask & !(IBV_SRQ_MAX_WR | IBV_SRQ_LIMIT) != 0 {
-        return errno::refuse(
-            "ibv_modify_srq",
-            libc::EINVAL,
-            "unknown attribute mask bits",
-        );
+        return errno::refuse("ibv_modify_srq", libc::EINVAL, "unknown attribute mask bits");
     }
     if mask & IBV_SRQ_MAX_WR != 0 {
-        return errno::refuse(
-            "ibv_modify_srq",
-            libc::EOPNOTSUPP,
-            "SRQ resizing is not supported",
-        );
+        return errno::refuse("ibv_modify_srq", libc::EOPNOTSUPP, "SRQ resizing is not supported");
     }
     if mask & IBV_SRQ_LIMIT != 0 {
         let mut cur = s.attr.lock().unwrap_or_else(|p| p.into_inner());
@@ -709,12 +597,7 @@ pub unsafe extern "C" fn ibv_destroy_srq(srq: *mut IbvSrq) -> c_int {
     }
     // SAFETY: the context and PD outlive the SRQ.
     unsafe {
-        soft(s.ibv.context)
-            .handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .srqs
-            .remove(&s.ibv.handle);
+        soft(s.ibv.context).handles.lock().unwrap_or_else(|p| p.into_inner()).srqs.remove(&s.ibv.handle);
         (*s.pd).users.fetch_sub(1, Ordering::AcqRel);
         drop(Box::from_raw(srq as *mut Srq));
     }
@@ -771,23 +654,13 @@ pub struct QpRequest {
 pub unsafe fn create_qp_common(req: &mut QpRequest) -> Result<*mut Qp, c_int> {
     const WHAT: &str = "ibv_create_qp";
     if req.pd.is_null() || req.send_cq.is_null() || req.recv_cq.is_null() {
-        return Err(errno::refuse(
-            WHAT,
-            libc::EINVAL,
-            "PD and both CQs are required",
-        ));
+        return Err(errno::refuse(WHAT, libc::EINVAL, "PD and both CQs are required"));
     }
     let qp_type = match req.qp_type {
         IBV_QPT_RC => QpType::Rc,
         IBV_QPT_UC => QpType::Uc,
         IBV_QPT_UD => QpType::Ud,
-        _ => {
-            return Err(errno::refuse(
-                WHAT,
-                libc::EOPNOTSUPP,
-                "only RC, UC and UD QPs are supported",
-            ))
-        }
+        _ => return Err(errno::refuse(WHAT, libc::EOPNOTSUPP, "only RC, UC and UD QPs are supported")),
     };
     // SAFETY: live objects of ours (caller's contract).
     let (pd, scq, rcq) = unsafe { (to_pd(req.pd), to_cq(req.send_cq), to_cq(req.recv_cq)) };
@@ -801,11 +674,7 @@ pub unsafe fn create_qp_common(req: &mut QpRequest) -> Result<*mut Qp, c_int> {
     let max_sge = pd_max_sge(pd);
     let c = req.cap;
     if c.max_inline_data > MAX_INLINE || c.max_send_sge > max_sge || c.max_recv_sge > max_sge {
-        return Err(errno::refuse(
-            WHAT,
-            libc::EINVAL,
-            "capacities exceed the device's (max_sge 32, inline 512)",
-        ));
+        return Err(errno::refuse(WHAT, libc::EINVAL, "capacities exceed the device's (max_sge 32, inline 512)"));
     }
     // rxe's rounding: the send WQE holds max(SGEs, inline data), and both report what fits.
     let wqe = (c.max_send_sge * 16).max(c.max_inline_data);
@@ -813,11 +682,7 @@ pub unsafe fn create_qp_common(req: &mut QpRequest) -> Result<*mut Qp, c_int> {
         max_send_wr: c.max_send_wr,
         max_recv_wr: if srq.is_some() { 0 } else { c.max_recv_wr },
         max_send_sge: (wqe / 16).min(max_sge),
-        max_recv_sge: if srq.is_some() {
-            0
-        } else {
-            c.max_recv_sge.max(1)
-        },
+        max_recv_sge: if srq.is_some() { 0 } else { c.max_recv_sge.max(1) },
         max_inline_data: wqe.min(MAX_INLINE),
     };
     let attr = QpInitAttr {
@@ -873,12 +738,7 @@ pub unsafe fn create_qp_common(req: &mut QpRequest) -> Result<*mut Qp, c_int> {
         batch: Mutex::new(WrBatch::default()),
     }));
     // SAFETY: the context is live.
-    unsafe { soft(pd.ibv.context) }
-        .handles
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .qps
-        .insert(qpn, p as usize);
+    unsafe { soft(pd.ibv.context) }.handles.lock().unwrap_or_else(|p| p.into_inner()).qps.insert(qpn, p as usize);
     Ok(p)
 }
 
@@ -924,12 +784,7 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
     // while it exists).
     unsafe {
         let q = Box::from_raw(qp as *mut Qp);
-        soft(q.ibv.qp_base.context)
-            .handles
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .qps
-            .remove(&q.ibv.qp_base.qp_num);
+        soft(q.ibv.qp_base.context).handles.lock().unwrap_or_else(|p| p.into_inner()).qps.remove(&q.ibv.qp_base.qp_num);
         (*q.pd).users.fetch_sub(1, Ordering::AcqRel);
         (*q.send_cq).users.fetch_sub(1, Ordering::AcqRel);
         (*q.recv_cq).users.fetch_sub(1, Ordering::AcqRel);
@@ -1024,39 +879,21 @@ fn modify_from(a: &IbvQpAttr, mask: c_int) -> Result<ModifyQp, (c_int, &'static 
         | m::MAX_DEST_RD_ATOMIC
         | m::DEST_QPN;
     if mask & (m::ALT_PATH | m::PATH_MIG_STATE | m::RATE_LIMIT) != 0 {
-        return Err((
-            libc::EOPNOTSUPP,
-            "alternate paths, path migration and rate limits are not supported",
-        ));
+        return Err((libc::EOPNOTSUPP, "alternate paths, path migration and rate limits are not supported"));
     }
     if mask & !known != 0 {
-        return Err((
-            libc::EINVAL,
-            "attribute mask bits not valid for ibv_modify_qp",
-        ));
+        return Err((libc::EINVAL, "attribute mask bits not valid for ibv_modify_qp"));
     }
     let on = |b: c_int| mask & b != 0;
     let bad = |why| (libc::EINVAL, why);
     Ok(ModifyQp {
-        state: if on(m::STATE) {
-            Some(state_from(a.qp_state).ok_or(bad("qp_state"))?)
-        } else {
-            None
-        },
-        cur_state: if on(m::CUR_STATE) {
-            Some(state_from(a.cur_qp_state).ok_or(bad("cur_qp_state"))?)
-        } else {
-            None
-        },
+        state: if on(m::STATE) { Some(state_from(a.qp_state).ok_or(bad("qp_state"))?) } else { None },
+        cur_state: if on(m::CUR_STATE) { Some(state_from(a.cur_qp_state).ok_or(bad("cur_qp_state"))?) } else { None },
         pkey_index: on(m::PKEY_INDEX).then_some(a.pkey_index),
         port: on(m::PORT).then_some(a.port_num),
         qkey: on(m::QKEY).then_some(a.qkey),
         access: on(m::ACCESS_FLAGS).then(|| Access::from_bits(a.qp_access_flags & 0xf)),
-        av: if on(m::AV) {
-            Some(av_from(&a.ah_attr).map_err(bad)?)
-        } else {
-            None
-        },
+        av: if on(m::AV) { Some(av_from(&a.ah_attr).map_err(bad)?) } else { None },
         path_mtu: if on(m::PATH_MTU) {
             Some(match a.path_mtu {
                 1 => Mtu::M256,
@@ -1083,11 +920,7 @@ fn modify_from(a: &IbvQpAttr, mask: c_int) -> Result<ModifyQp, (c_int, &'static 
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_modify_qp(
-    qp: *mut IbvQp,
-    attr: *mut IbvQpAttr,
-    attr_mask: c_int,
-) -> c_int {
+pub unsafe extern "C" fn ibv_modify_qp(qp: *mut IbvQp, attr: *mut IbvQpAttr, attr_mask: c_int) -> c_int {
     const WHAT: &str = "ibv_modify_qp";
     if qp.is_null() || attr.is_null() {
         return libc::EINVAL;
@@ -1202,16 +1035,8 @@ pub unsafe extern "C" fn ibv_create_ah(pd: *mut IbvPd, attr: *mut IbvAhAttr) -> 
         }
     };
     p.users.fetch_add(1, Ordering::AcqRel);
-    let ibv = IbvAh {
-        context: p.ibv.context,
-        pd,
-        handle: AH_HANDLE.fetch_add(1, Ordering::Relaxed),
-    };
-    Box::into_raw(Box::new(Ah {
-        ibv,
-        ah,
-        pd: pd as *mut Pd,
-    })) as *mut IbvAh
+    let ibv = IbvAh { context: p.ibv.context, pd, handle: AH_HANDLE.fetch_add(1, Ordering::Relaxed) };
+    Box::into_raw(Box::new(Ah { ibv, ah, pd: pd as *mut Pd })) as *mut IbvAh
 }
 
 #[no_mangle]
@@ -1237,10 +1062,7 @@ pub unsafe fn to_ah<'a>(ah: *mut IbvAh) -> &'a Ah {
 // ---- asynchronous events -----------------------------------------------------------------------
 
 #[no_mangle]
-pub unsafe extern "C" fn ibv_get_async_event(
-    context: *mut IbvContext,
-    event: *mut IbvAsyncEvent,
-) -> c_int {
+pub unsafe extern "C" fn ibv_get_async_event(context: *mut IbvContext, event: *mut IbvAsyncEvent) -> c_int {
     if context.is_null() || event.is_null() {
         errno::set(libc::EINVAL);
         return -1;
@@ -1250,11 +1072,7 @@ pub unsafe extern "C" fn ibv_get_async_event(
     // SAFETY: the public context is valid.
     let nonblock = is_nonblocking(unsafe { (*context).async_fd });
     loop {
-        let wait = if nonblock {
-            Duration::ZERO
-        } else {
-            Duration::from_secs(3600)
-        };
+        let wait = if nonblock { Duration::ZERO } else { Duration::from_secs(3600) };
         let Some(ev) = ctx.verbs.get_async_event(wait) else {
             if nonblock {
                 errno::set(libc::EAGAIN);
@@ -1265,54 +1083,26 @@ pub unsafe extern "C" fn ibv_get_async_event(
         let h = ctx.handles.lock().unwrap_or_else(|p| p.into_inner());
         let qp = |n: Qpn| h.qps.get(&n.value()).map(|p| *p as *mut IbvQp);
         let (elem, ty) = match ev {
-            AsyncEvent::CommEstablished(n) => {
-                (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_COMM_EST)
+            AsyncEvent::CommEstablished(n) => (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_COMM_EST),
+            AsyncEvent::SqDrained(n) => (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_SQ_DRAINED),
+            AsyncEvent::QpLastWqeReached(n) => {
+                (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_QP_LAST_WQE_REACHED)
             }
-            AsyncEvent::SqDrained(n) => (
-                qp(n).map(|q| IbvAsyncElement { qp: q }),
-                IBV_EVENT_SQ_DRAINED,
-            ),
-            AsyncEvent::QpLastWqeReached(n) => (
-                qp(n).map(|q| IbvAsyncElement { qp: q }),
-                IBV_EVENT_QP_LAST_WQE_REACHED,
-            ),
-            AsyncEvent::QpRequestError(n) => (
-                qp(n).map(|q| IbvAsyncElement { qp: q }),
-                IBV_EVENT_QP_REQ_ERR,
-            ),
-            AsyncEvent::QpAccessError(n) => (
-                qp(n).map(|q| IbvAsyncElement { qp: q }),
-                IBV_EVENT_QP_ACCESS_ERR,
-            ),
-            AsyncEvent::QpFatal(n) => {
-                (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_QP_FATAL)
+            AsyncEvent::QpRequestError(n) => (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_QP_REQ_ERR),
+            AsyncEvent::QpAccessError(n) => (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_QP_ACCESS_ERR),
+            AsyncEvent::QpFatal(n) => (qp(n).map(|q| IbvAsyncElement { qp: q }), IBV_EVENT_QP_FATAL),
+            AsyncEvent::SrqLimitReached(s) => {
+                (h.srqs.get(&s.0).map(|p| IbvAsyncElement { srq: *p as *mut IbvSrq }), IBV_EVENT_SRQ_LIMIT_REACHED)
             }
-            AsyncEvent::SrqLimitReached(s) => (
-                h.srqs.get(&s.0).map(|p| IbvAsyncElement {
-                    srq: *p as *mut IbvSrq,
-                }),
-                IBV_EVENT_SRQ_LIMIT_REACHED,
-            ),
-            AsyncEvent::CqError(c) => (
-                h.cqs.get(&c.0).map(|p| IbvAsyncElement {
-                    cq: *p as *mut IbvCq,
-                }),
-                IBV_EVENT_CQ_ERR,
-            ),
+            AsyncEvent::CqError(c) => {
+                (h.cqs.get(&c.0).map(|p| IbvAsyncElement { cq: *p as *mut IbvCq }), IBV_EVENT_CQ_ERR)
+            }
             _ => (None, 0),
         };
         // An event for an object already destroyed is dropped, as the kernel does.
         if let Some(element) = elem {
             // SAFETY: writable event (caller's contract).
-            unsafe {
-                ptr::write(
-                    event,
-                    IbvAsyncEvent {
-                        element,
-                        event_type: ty,
-                    },
-                )
-            };
+            unsafe { ptr::write(event, IbvAsyncEvent { element, event_type: ty }) };
             return 0;
         }
     }
@@ -1352,7 +1142,6 @@ pub unsafe extern "C" fn ibv_ack_async_event(event: *mut IbvAsyncEvent) {
 }
 
 /// Offset check used by `ext`: the QP's public struct starts our struct.
-const _: () =
-    assert!(offset_of!(Qp, ibv) == 0 && offset_of!(Cq, ibv) == 0 && offset_of!(Pd, ibv) == 0);
+const _: () = assert!(offset_of!(Qp, ibv) == 0 && offset_of!(Cq, ibv) == 0 && offset_of!(Pd, ibv) == 0);
 
 include!(concat!(env!("OUT_DIR"), "/symver_objects.rs"));

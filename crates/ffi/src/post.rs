@@ -28,11 +28,7 @@ pub unsafe fn sges(sg_list: *const IbvSge, num_sge: c_int) -> Result<Vec<Sge>, c
     for i in 0..num_sge as usize {
         // SAFETY: in bounds of the caller's array.
         let s = unsafe { *sg_list.add(i) };
-        v.push(Sge {
-            addr: s.addr,
-            length: s.length,
-            lkey: s.lkey,
-        });
+        v.push(Sge { addr: s.addr, length: s.length, lkey: s.lkey });
     }
     Ok(v)
 }
@@ -51,9 +47,7 @@ pub unsafe fn inline_bytes(sgl: &[Sge], max: u32) -> Result<Vec<u8>, c_int> {
     for s in sgl {
         if s.length > 0 {
             // SAFETY: the caller's buffer (function contract).
-            v.extend_from_slice(unsafe {
-                std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
-            });
+            v.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize) });
         }
     }
     Ok(v)
@@ -72,35 +66,20 @@ unsafe fn send_wr(q: &Qp, wr: &IbvSendWr) -> Result<SendWr, (c_int, &'static str
         IBV_WR_SEND => SendOp::Send,
         IBV_WR_SEND_WITH_IMM => SendOp::SendWithImm(imm),
         IBV_WR_SEND_WITH_INV => SendOp::SendWithInv(wr.imm_data),
-        IBV_WR_RDMA_WRITE => SendOp::Write {
-            remote_addr: rdma.remote_addr,
-            rkey: rdma.rkey,
-        },
-        IBV_WR_RDMA_WRITE_WITH_IMM => SendOp::WriteWithImm {
-            remote_addr: rdma.remote_addr,
-            rkey: rdma.rkey,
-            imm,
-        },
-        IBV_WR_RDMA_READ => SendOp::Read {
-            remote_addr: rdma.remote_addr,
-            rkey: rdma.rkey,
-        },
+        IBV_WR_RDMA_WRITE => SendOp::Write { remote_addr: rdma.remote_addr, rkey: rdma.rkey },
+        IBV_WR_RDMA_WRITE_WITH_IMM => SendOp::WriteWithImm { remote_addr: rdma.remote_addr, rkey: rdma.rkey, imm },
+        IBV_WR_RDMA_READ => SendOp::Read { remote_addr: rdma.remote_addr, rkey: rdma.rkey },
         IBV_WR_ATOMIC_CMP_AND_SWP => SendOp::CompareSwap {
             remote_addr: atomic.remote_addr,
             rkey: atomic.rkey,
             compare: atomic.compare_add,
             swap: atomic.swap,
         },
-        IBV_WR_ATOMIC_FETCH_AND_ADD => SendOp::FetchAdd {
-            remote_addr: atomic.remote_addr,
-            rkey: atomic.rkey,
-            add: atomic.compare_add,
-        },
+        IBV_WR_ATOMIC_FETCH_AND_ADD => {
+            SendOp::FetchAdd { remote_addr: atomic.remote_addr, rkey: atomic.rkey, add: atomic.compare_add }
+        }
         7 | 8 | 10 | 15 => {
-            return Err((
-                libc::EOPNOTSUPP,
-                "LOCAL_INV, BIND_MW, TSO and ATOMIC_WRITE are not supported",
-            ));
+            return Err((libc::EOPNOTSUPP, "LOCAL_INV, BIND_MW, TSO and ATOMIC_WRITE are not supported"));
         }
         _ => return Err(bad("unknown opcode")),
     };
@@ -108,10 +87,7 @@ unsafe fn send_wr(q: &Qp, wr: &IbvSendWr) -> Result<SendWr, (c_int, &'static str
     let sgl = unsafe { sges(wr.sg_list, wr.num_sge) }.map_err(|n| (n, "bad sg_list"))?;
     let payload = if wr.send_flags & IBV_SEND_INLINE != 0 && !op.is_read_or_atomic() {
         // SAFETY: forwarded contract.
-        Payload::Inline(
-            unsafe { inline_bytes(&sgl, q.cap.max_inline_data) }
-                .map_err(|n| (n, "inline data too long"))?,
-        )
+        Payload::Inline(unsafe { inline_bytes(&sgl, q.cap.max_inline_data) }.map_err(|n| (n, "inline data too long"))?)
     } else {
         Payload::Sgl(sgl)
     };
@@ -120,29 +96,15 @@ unsafe fn send_wr(q: &Qp, wr: &IbvSendWr) -> Result<SendWr, (c_int, &'static str
             return Err(bad("UD send without an address handle"));
         }
         // SAFETY: a live AH of ours.
-        Some(
-            unsafe { to_ah(ud.ah) }
-                .ah
-                .ud(Qpn::new(ud.remote_qpn & 0xff_ffff), ud.remote_qkey),
-        )
+        Some(unsafe { to_ah(ud.ah) }.ah.ud(Qpn::new(ud.remote_qpn & 0xff_ffff), ud.remote_qkey))
     } else {
         None
     };
-    Ok(SendWr {
-        wr_id: wr.wr_id,
-        op,
-        payload,
-        flags: SendFlags::from_bits(wr.send_flags),
-        ud,
-    })
+    Ok(SendWr { wr_id: wr.wr_id, op, payload, flags: SendFlags::from_bits(wr.send_flags), ud })
 }
 
 /// `ibv_context.ops.post_send`.
-pub unsafe extern "C" fn post_send(
-    qp: *mut IbvQp,
-    wr: *mut IbvSendWr,
-    bad_wr: *mut *mut IbvSendWr,
-) -> c_int {
+pub unsafe extern "C" fn post_send(qp: *mut IbvQp, wr: *mut IbvSendWr, bad_wr: *mut *mut IbvSendWr) -> c_int {
     // SAFETY: a live QP of ours.
     let q = unsafe { to_qp(qp) };
     let mut cur = wr;
@@ -182,11 +144,7 @@ unsafe fn post_recv_chain(
         let w = unsafe { &*cur };
         // SAFETY: forwarded contract.
         let r = match unsafe { sges(w.sg_list, w.num_sge) } {
-            Ok(sgl) => post(RecvWr {
-                wr_id: w.wr_id,
-                sgl,
-            })
-            .map_err(|e| errno::fail(what, &e)),
+            Ok(sgl) => post(RecvWr { wr_id: w.wr_id, sgl }).map_err(|e| errno::fail(what, &e)),
             Err(n) => Err(errno::refuse(what, n, "bad sg_list")),
         };
         if let Err(n) = r {
@@ -202,11 +160,7 @@ unsafe fn post_recv_chain(
 }
 
 /// `ibv_context.ops.post_recv`.
-pub unsafe extern "C" fn post_recv(
-    qp: *mut IbvQp,
-    wr: *mut IbvRecvWr,
-    bad_wr: *mut *mut IbvRecvWr,
-) -> c_int {
+pub unsafe extern "C" fn post_recv(qp: *mut IbvQp, wr: *mut IbvRecvWr, bad_wr: *mut *mut IbvRecvWr) -> c_int {
     // SAFETY: a live QP of ours; forwarded contract.
     unsafe {
         let q = to_qp(qp);
@@ -215,11 +169,7 @@ pub unsafe extern "C" fn post_recv(
 }
 
 /// `ibv_context.ops.post_srq_recv`.
-pub unsafe extern "C" fn post_srq_recv(
-    srq: *mut IbvSrq,
-    wr: *mut IbvRecvWr,
-    bad_wr: *mut *mut IbvRecvWr,
-) -> c_int {
+pub unsafe extern "C" fn post_srq_recv(srq: *mut IbvSrq, wr: *mut IbvRecvWr, bad_wr: *mut *mut IbvRecvWr) -> c_int {
     // SAFETY: a live SRQ of ours; forwarded contract.
     unsafe {
         let s = to_srq(srq);
@@ -291,7 +241,5 @@ pub unsafe extern "C" fn poll_cq(cq: *mut IbvCq, num_entries: c_int, wc: *mut Ib
 /// `ah` is a live AH of ours.
 pub unsafe fn ud_dest(ah: *mut IbvAh, remote_qpn: u32, remote_qkey: u32) -> UdDest {
     // SAFETY: forwarded contract.
-    unsafe { to_ah(ah) }
-        .ah
-        .ud(Qpn::new(remote_qpn & 0xff_ffff), remote_qkey)
+    unsafe { to_ah(ah) }.ah.ud(Qpn::new(remote_qpn & 0xff_ffff), remote_qkey)
 }

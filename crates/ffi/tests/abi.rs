@@ -35,11 +35,7 @@ fn c_abi_program() {
             return;
         }
     };
-    assert!(
-        built.status.success(),
-        "compiling abi.c failed:\n{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
+    assert!(built.status.success(), "compiling abi.c failed:\n{}", String::from_utf8_lossy(&built.stderr));
 
     let conf = dir.join("devices.conf");
     std::fs::write(&conf, "abi0 netdev lo addr 127.0.0.9\n").expect("write devices.conf");
@@ -50,21 +46,14 @@ fn c_abi_program() {
         .env("SOFTRDMA_UDP_PORT", common::free_udp_port().to_string())
         .output()
         .expect("run abi");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "abi.c failed:\n{text}");
     assert!(text.contains(", 0 failed"), "{text}");
     // The binary really uses our library, with rdma-core's symbol versions.
     let deps = Command::new("objdump").arg("-T").arg(&exe).output();
     if let Ok(d) = deps {
         let t = String::from_utf8_lossy(&d.stdout);
-        assert!(
-            t.contains("IBVERBS_1.1") && t.contains("ibv_open_device"),
-            "{t}"
-        );
+        assert!(t.contains("IBVERBS_1.1") && t.contains("ibv_open_device"), "{t}");
     }
 }
 
@@ -72,40 +61,23 @@ fn c_abi_program() {
 #[test]
 fn exported_symbols_and_soname() {
     let lib = common::lib_dir().join("libibverbs.so.1");
-    let Ok(out) = Command::new("objdump")
-        .arg("-T")
-        .arg("-p")
-        .arg(&lib)
-        .output()
-    else {
+    let Ok(out) = Command::new("objdump").arg("-T").arg("-p").arg(&lib).output() else {
         eprintln!("SKIP: objdump missing");
         return;
     };
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("SONAME               libibverbs.so.1"),
-        "{text}"
-    );
+    assert!(text.contains("SONAME               libibverbs.so.1"), "{text}");
     let table = include_str!("../symbols.txt");
-    for line in table
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-    {
+    for line in table.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
         let mut it = line.split_whitespace();
         let (v, s) = (it.next().unwrap(), it.next().unwrap());
         let found = text.lines().any(|l| {
             let cols: Vec<&str> = l.split_whitespace().collect();
-            cols.len() >= 2
-                && cols[cols.len() - 1] == s
-                && cols[cols.len() - 2] == v
-                && l.contains(".text")
+            cols.len() >= 2 && cols[cols.len() - 1] == s && cols[cols.len() - 2] == v && l.contains(".text")
         });
         assert!(found, "{s}@@{v} not exported");
     }
     // Nothing of Rust's leaks out unversioned.
-    let base: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains(" Base ") && l.contains(".text"))
-        .collect();
+    let base: Vec<&str> = text.lines().filter(|l| l.contains(" Base ") && l.contains(".text")).collect();
     assert!(base.is_empty(), "unversioned exports: {base:?}");
 }

@@ -27,23 +27,13 @@ fn skip(name: &str) -> bool {
 
 /// Whether a UDP socket is bound to `ip:port` (the server's device is open).
 fn udp_bound(ip: [u8; 4], port: u16) -> bool {
-    let want = format!(
-        "{:02X}{:02X}{:02X}{:02X}:{port:04X}",
-        ip[3], ip[2], ip[1], ip[0]
-    );
-    std::fs::read_to_string("/proc/net/udp").is_ok_and(|t| {
-        t.lines()
-            .skip(1)
-            .any(|l| l.split_whitespace().nth(1) == Some(&want))
-    })
+    let want = format!("{:02X}{:02X}{:02X}{:02X}:{port:04X}", ip[3], ip[2], ip[1], ip[0]);
+    std::fs::read_to_string("/proc/net/udp")
+        .is_ok_and(|t| t.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some(&want)))
 }
 
 fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
 /// Start `server_args`, wait until its device is up (plus a moment for `rdma_listen`, which
@@ -53,36 +43,18 @@ fn run_cm_pair(prog: &Path, server_args: &[&str], client_args: &[&str]) -> PairR
 }
 
 /// [`run_cm_pair`], the server given `server_limit` once the client is done.
-fn run_cm_pair_limit(
-    prog: &Path,
-    server_args: &[&str],
-    client_args: &[&str],
-    server_limit: Duration,
-) -> PairRun {
+fn run_cm_pair_limit(prog: &Path, server_args: &[&str], client_args: &[&str], server_limit: Duration) -> PairRun {
     let limit = Duration::from_secs(30);
     let udp = free_udp_port();
-    let server: Child = command(prog, udp)
-        .args(server_args)
-        .spawn()
-        .expect("spawn server");
+    let server: Child = command(prog, udp).args(server_args).spawn().expect("spawn server");
     let start = Instant::now();
     while !udp_bound([127, 0, 0, 2], udp) && start.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(Duration::from_millis(200));
-    let client = command(prog, udp)
-        .args(client_args)
-        .spawn()
-        .expect("spawn client");
+    let client = command(prog, udp).args(client_args).spawn().expect("spawn client");
     let (c, ckilled) = wait_limit(client, limit);
-    let (s, skilled) = wait_limit(
-        server,
-        if ckilled {
-            Duration::from_secs(1)
-        } else {
-            server_limit
-        },
-    );
+    let (s, skilled) = wait_limit(server, if ckilled { Duration::from_secs(1) } else { server_limit });
     PairRun {
         server: text(&s),
         client: text(&c),
@@ -92,17 +64,9 @@ fn run_cm_pair_limit(
 }
 
 fn assert_ok(what: &str, run: &PairRun) {
-    assert!(
-        run.server_ok && run.client_ok,
-        "{what} failed\n{}",
-        run.describe()
-    );
+    assert!(run.server_ok && run.client_ok, "{what} failed\n{}", run.describe());
     for out in [&run.server, &run.client] {
-        assert!(
-            !out.contains("softrdma libibverbs:"),
-            "{what} reported a failure\n{}",
-            run.describe()
-        );
+        assert!(!out.contains("softrdma libibverbs:"), "{what} reported a failure\n{}", run.describe());
     }
 }
 
@@ -128,9 +92,7 @@ fn rping_client_with_source_address() {
     let run = run_cm_pair(
         &program("rping").unwrap(),
         &["-s", "-a", SERVER_IP, "-p", &port, "-C", "10", "-v", "-V"],
-        &[
-            "-c", "-a", SERVER_IP, "-I", CLIENT_IP, "-p", &port, "-C", "10", "-v", "-V",
-        ],
+        &["-c", "-a", SERVER_IP, "-I", CLIENT_IP, "-p", &port, "-C", "10", "-v", "-V"],
     );
     assert_ok("rping", &run);
     for n in 0..10 {
@@ -146,11 +108,7 @@ fn rping_client_with_source_address() {
             run.describe()
         );
     }
-    assert!(
-        run.server.contains("server DISCONNECT EVENT..."),
-        "{}",
-        run.describe()
-    );
+    assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
 }
 
 #[test]
@@ -166,12 +124,7 @@ fn rping_client_picks_the_other_device() {
         &["-c", "-a", SERVER_IP, "-p", &port, "-C", "3", "-v"],
     );
     assert_ok("rping without -I", &run);
-    assert_eq!(
-        run.client.matches("ping data: rdma-ping-").count(),
-        3,
-        "{}",
-        run.describe()
-    );
+    assert_eq!(run.client.matches("ping data: rdma-ping-").count(), 3, "{}", run.describe());
 }
 
 #[test]
@@ -189,12 +142,7 @@ fn rping_without_a_listener_is_rejected() {
         Duration::from_millis(100),
     );
     assert!(!run.client_ok, "{}", run.describe());
-    assert!(
-        run.client
-            .contains("cma event RDMA_CM_EVENT_REJECTED, error 8"),
-        "{}",
-        run.describe()
-    );
+    assert!(run.client.contains("cma event RDMA_CM_EVENT_REJECTED, error 8"), "{}", run.describe());
 }
 
 #[test]
@@ -206,20 +154,12 @@ fn ucmatose_two_connections() {
     let port = free_tcp_port().to_string();
     let run = run_cm_pair(
         &program("ucmatose").unwrap(),
-        &[
-            "-b", SERVER_IP, "-p", &port, "-c", "2", "-C", "20", "-S", "4000",
-        ],
-        &[
-            "-s", SERVER_IP, "-b", CLIENT_IP, "-p", &port, "-c", "2", "-C", "20", "-S", "4000",
-        ],
+        &["-b", SERVER_IP, "-p", &port, "-c", "2", "-C", "20", "-S", "4000"],
+        &["-s", SERVER_IP, "-b", CLIENT_IP, "-p", &port, "-c", "2", "-C", "20", "-S", "4000"],
     );
     assert_ok("ucmatose", &run);
     for out in [&run.server, &run.client] {
-        for want in [
-            "data transfers complete",
-            "test complete",
-            "return status 0",
-        ] {
+        for want in ["data transfers complete", "test complete", "return status 0"] {
             assert!(out.contains(want), "missing {want:?}\n{}", run.describe());
         }
     }
@@ -233,18 +173,10 @@ fn udaddy_resolves_and_exchanges_datagrams() {
     }
     let _g = serial();
     // udaddy's port is fixed (7174); the CM port space is per device, so runs cannot collide.
-    let run = run_cm_pair(
-        &program("udaddy").unwrap(),
-        &["-b", SERVER_IP, "-C", "20"],
-        &["-s", SERVER_IP, "-C", "20"],
-    );
+    let run = run_cm_pair(&program("udaddy").unwrap(), &["-b", SERVER_IP, "-C", "20"], &["-s", SERVER_IP, "-C", "20"]);
     assert_ok("udaddy", &run);
     for out in [&run.server, &run.client] {
-        for want in [
-            "data transfers complete",
-            "test complete",
-            "return status 0",
-        ] {
+        for want in ["data transfers complete", "test complete", "return status 0"] {
             assert!(out.contains(want), "missing {want:?}\n{}", run.describe());
         }
     }
@@ -259,10 +191,7 @@ fn rdma_server_and_rdma_client() {
     let port = free_tcp_port().to_string();
     let udp = free_udp_port();
     // rdma_server binds 0.0.0.0 by default: it takes the first registry device, sr0.
-    let server = command(&program("rdma_server").unwrap(), udp)
-        .args(["-p", &port])
-        .spawn()
-        .expect("spawn rdma_server");
+    let server = command(&program("rdma_server").unwrap(), udp).args(["-p", &port]).spawn().expect("spawn rdma_server");
     let start = Instant::now();
     while !udp_bound([127, 0, 0, 2], udp) && start.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(10));
@@ -274,23 +203,11 @@ fn rdma_server_and_rdma_client() {
         .expect("spawn rdma_client");
     let (c, _) = wait_limit(client, Duration::from_secs(30));
     let (s, _) = wait_limit(server, Duration::from_secs(10));
-    let run = PairRun {
-        server: text(&s),
-        client: text(&c),
-        server_ok: s.status.success(),
-        client_ok: c.status.success(),
-    };
+    let run =
+        PairRun { server: text(&s), client: text(&c), server_ok: s.status.success(), client_ok: c.status.success() };
     assert_ok("rdma_server/rdma_client", &run);
-    assert!(
-        run.client.contains("rdma_client: end 0"),
-        "{}",
-        run.describe()
-    );
-    assert!(
-        run.server.contains("rdma_server: end 0"),
-        "{}",
-        run.describe()
-    );
+    assert!(run.client.contains("rdma_client: end 0"), "{}", run.describe());
+    assert!(run.server.contains("rdma_server: end 0"), "{}", run.describe());
 }
 
 fn perftest_cm(name: &str, extra: &[&str], result: &str) {
@@ -308,11 +225,7 @@ fn perftest_cm(name: &str, extra: &[&str], result: &str) {
     assert_ok(name, &run);
     for out in [&run.server, &run.client] {
         assert!(out.contains("rdma_cm QPs\t : ON"), "{}", run.describe());
-        assert!(
-            out.contains("Data ex. method : rdma_cm"),
-            "{}",
-            run.describe()
-        );
+        assert!(out.contains("Data ex. method : rdma_cm"), "{}", run.describe());
         let row = out
             .lines()
             .find(|l| l.trim_start().starts_with(result))
@@ -360,17 +273,10 @@ fn c_abi_program() {
             return;
         }
     };
-    assert!(
-        built.status.success(),
-        "compiling abi_rdmacm.c failed:\n{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
+    assert!(built.status.success(), "compiling abi_rdmacm.c failed:\n{}", String::from_utf8_lossy(&built.stderr));
     let conf = dir.join("devices.conf");
-    std::fs::write(
-        &conf,
-        "abi0 netdev lo addr 127.0.0.9\nabi1 netdev lo addr 127.0.0.10\n",
-    )
-    .expect("write devices.conf");
+    std::fs::write(&conf, "abi0 netdev lo addr 127.0.0.9\nabi1 netdev lo addr 127.0.0.10\n")
+        .expect("write devices.conf");
     let _g = serial();
     let child = std::process::Command::new(&exe)
         .env("LD_LIBRARY_PATH", lib)

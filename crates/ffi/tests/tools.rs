@@ -15,27 +15,12 @@ use std::time::Duration;
 use common::{command, free_udp_port, program, run_pair, serial, PairRun};
 
 /// Lines no successful run may print (our own failure explanations included).
-const ERROR_MARKERS: [&str; 7] = [
-    "Failed",
-    "Couldn't",
-    "couldn't",
-    "Error",
-    "error",
-    "Unable",
-    "softrdma libibverbs:",
-];
+const ERROR_MARKERS: [&str; 7] = ["Failed", "Couldn't", "couldn't", "Error", "error", "Unable", "softrdma libibverbs:"];
 
 fn assert_clean(what: &str, run: &PairRun) {
-    assert!(
-        run.server_ok && run.client_ok,
-        "{what} failed\n{}",
-        run.describe()
-    );
+    assert!(run.server_ok && run.client_ok, "{what} failed\n{}", run.describe());
     for out in [&run.server, &run.client] {
-        if let Some(l) = out
-            .lines()
-            .find(|l| ERROR_MARKERS.iter().any(|m| l.contains(m)))
-        {
+        if let Some(l) = out.lines().find(|l| ERROR_MARKERS.iter().any(|m| l.contains(m))) {
             panic!("{what} printed an error line: {l:?}\n{}", run.describe());
         }
     }
@@ -54,15 +39,9 @@ fn ibv_devices_lists_the_registry() {
     if skip("ibv_devices") {
         return;
     }
-    let out = command(&program("ibv_devices").unwrap(), free_udp_port())
-        .output()
-        .expect("run ibv_devices");
+    let out = command(&program("ibv_devices").unwrap(), free_udp_port()).output().expect("run ibv_devices");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "ibv_devices failed: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "ibv_devices failed: {text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("node GUID"), "{text}");
     for dev in ["sr0", "sr1"] {
         let line = text
@@ -70,10 +49,7 @@ fn ibv_devices_lists_the_registry() {
             .find(|l| l.split_whitespace().next() == Some(dev))
             .unwrap_or_else(|| panic!("{dev} missing:\n{text}"));
         let guid = line.split_whitespace().nth(1).expect("GUID column");
-        assert!(
-            guid.len() == 16 && guid.chars().all(|c| c.is_ascii_hexdigit()),
-            "{line}"
-        );
+        assert!(guid.len() == 16 && guid.chars().all(|c| c.is_ascii_hexdigit()), "{line}");
     }
 }
 
@@ -84,15 +60,9 @@ fn ibv_devinfo_reports_the_devices() {
     }
     let _g = serial();
     let prog = program("ibv_devinfo").unwrap();
-    let out = command(&prog, free_udp_port())
-        .output()
-        .expect("run ibv_devinfo");
+    let out = command(&prog, free_udp_port()).output().expect("run ibv_devinfo");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "ibv_devinfo failed: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "ibv_devinfo failed: {text}{}", String::from_utf8_lossy(&out.stderr));
     for want in [
         "hca_id:\tsr0",
         "hca_id:\tsr1",
@@ -104,16 +74,9 @@ fn ibv_devinfo_reports_the_devices() {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
 
-    let out = command(&prog, free_udp_port())
-        .args(["-v", "-d", "sr1"])
-        .output()
-        .expect("run ibv_devinfo -v");
+    let out = command(&prog, free_udp_port()).args(["-v", "-d", "sr1"]).output().expect("run ibv_devinfo -v");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "ibv_devinfo -v failed: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "ibv_devinfo -v failed: {text}{}", String::from_utf8_lossy(&out.stderr));
     for want in [
         "hca_id:\tsr1",
         "max_qp_wr:\t\t\t1048576",
@@ -128,10 +91,7 @@ fn ibv_devinfo_reports_the_devices() {
     ] {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
-    assert!(
-        !text.contains("board_id"),
-        "softrdma has no board_id:\n{text}"
-    );
+    assert!(!text.contains("board_id"), "softrdma has no board_id:\n{text}");
 }
 
 /// One pingpong run: both sides print the bytes and iterations lines.
@@ -144,23 +104,9 @@ fn pingpong(name: &str, args: &[&str]) {
     let what = format!("{name} {}", args.join(" "));
     assert_clean(&what, &run);
     for out in [&run.server, &run.client] {
-        assert!(
-            out.contains("local address:") && out.contains("remote address:"),
-            "{what}\n{}",
-            run.describe()
-        );
-        assert!(
-            out.lines()
-                .any(|l| l.contains(" bytes in ") && l.contains("Mbit/sec")),
-            "{what}\n{}",
-            run.describe()
-        );
-        assert!(
-            out.lines()
-                .any(|l| l.contains(" iters in ") && l.contains("usec/iter")),
-            "{what}\n{}",
-            run.describe()
-        );
+        assert!(out.contains("local address:") && out.contains("remote address:"), "{what}\n{}", run.describe());
+        assert!(out.lines().any(|l| l.contains(" bytes in ") && l.contains("Mbit/sec")), "{what}\n{}", run.describe());
+        assert!(out.lines().any(|l| l.contains(" iters in ") && l.contains("usec/iter")), "{what}\n{}", run.describe());
     }
 }
 
@@ -169,45 +115,27 @@ fn rc_pingpong() {
     pingpong("ibv_rc_pingpong", &["-g", "1", "-n", "200"]);
     pingpong("ibv_rc_pingpong", &["-g", "1", "-n", "200", "-e"]);
     pingpong("ibv_rc_pingpong", &["-g", "1", "-n", "100", "-s", "1"]);
-    pingpong(
-        "ibv_rc_pingpong",
-        &["-g", "1", "-n", "100", "-s", "1000", "-m", "512"],
-    );
-    pingpong(
-        "ibv_rc_pingpong",
-        &["-g", "1", "-n", "50", "-s", "65536", "-m", "4096", "-e"],
-    );
-    pingpong(
-        "ibv_rc_pingpong",
-        &["-g", "1", "-n", "1000", "-s", "64", "-c"],
-    );
+    pingpong("ibv_rc_pingpong", &["-g", "1", "-n", "100", "-s", "1000", "-m", "512"]);
+    pingpong("ibv_rc_pingpong", &["-g", "1", "-n", "50", "-s", "65536", "-m", "4096", "-e"]);
+    pingpong("ibv_rc_pingpong", &["-g", "1", "-n", "1000", "-s", "64", "-c"]);
 }
 
 #[test]
 fn uc_pingpong() {
     pingpong("ibv_uc_pingpong", &["-g", "1", "-n", "200"]);
-    pingpong(
-        "ibv_uc_pingpong",
-        &["-g", "1", "-n", "100", "-e", "-s", "2048"],
-    );
+    pingpong("ibv_uc_pingpong", &["-g", "1", "-n", "100", "-e", "-s", "2048"]);
 }
 
 #[test]
 fn ud_pingpong() {
     pingpong("ibv_ud_pingpong", &["-g", "1", "-n", "200"]);
-    pingpong(
-        "ibv_ud_pingpong",
-        &["-g", "1", "-n", "100", "-e", "-s", "1024"],
-    );
+    pingpong("ibv_ud_pingpong", &["-g", "1", "-n", "100", "-e", "-s", "1024"]);
 }
 
 #[test]
 fn srq_pingpong() {
     pingpong("ibv_srq_pingpong", &["-g", "1", "-n", "200"]);
-    pingpong(
-        "ibv_srq_pingpong",
-        &["-g", "1", "-n", "100", "-e", "-q", "4"],
-    );
+    pingpong("ibv_srq_pingpong", &["-g", "1", "-n", "100", "-e", "-q", "4"]);
 }
 
 /// RC without `-g` must fail the way it does on the kernel's rxe: RoCE needs a GRH.
@@ -217,28 +145,11 @@ fn rc_pingpong_without_gid_fails_cleanly() {
         return;
     }
     let _g = serial();
-    let run = run_pair(
-        &program("ibv_rc_pingpong").unwrap(),
-        &["-n", "10"],
-        "-p",
-        Duration::from_secs(20),
-    );
-    assert!(
-        !run.client_ok && !run.server_ok,
-        "expected a refusal\n{}",
-        run.describe()
-    );
+    let run = run_pair(&program("ibv_rc_pingpong").unwrap(), &["-n", "10"], "-p", Duration::from_secs(20));
+    assert!(!run.client_ok && !run.server_ok, "expected a refusal\n{}", run.describe());
     let both = format!("{}{}", run.server, run.client);
-    assert!(
-        both.contains("Failed to modify QP to RTR"),
-        "{}",
-        run.describe()
-    );
-    assert!(
-        both.contains("RoCE needs a GRH"),
-        "our explanation is missing\n{}",
-        run.describe()
-    );
+    assert!(both.contains("Failed to modify QP to RTR"), "{}", run.describe());
+    assert!(both.contains("RoCE needs a GRH"), "our explanation is missing\n{}", run.describe());
 }
 
 fn perftest_run(name: &str, args: &[&str]) -> PairRun {
@@ -267,61 +178,26 @@ fn perftest(name: &str, args: &[&str]) {
     let lat = name.ends_with("_lat");
     // Rows needed: every size of -a (2 B .. 8 MiB, as perftest runs them here, or the one atomic
     // size), else the default size.
-    let want_rows = if args.contains(&"-a") && !name.contains("atomic") {
-        20
-    } else {
-        1
-    };
+    let want_rows = if args.contains(&"-a") && !name.contains("atomic") { 20 } else { 1 };
     // Latency results are printed by the client, bandwidth results by both (a write or read
     // server, which takes no part in the loop, only for the last size).
-    let outputs: Vec<(&String, usize)> = if lat {
-        vec![(&run.client, want_rows)]
-    } else {
-        vec![(&run.server, 1), (&run.client, want_rows)]
-    };
+    let outputs: Vec<(&String, usize)> =
+        if lat { vec![(&run.client, want_rows)] } else { vec![(&run.server, 1), (&run.client, want_rows)] };
     for (out, want_rows) in outputs {
-        let header = if lat {
-            "t_avg[usec]"
-        } else {
-            "BW average[MB/sec]"
-        };
-        let mut lines = out
-            .lines()
-            .skip_while(|l| !(l.contains("#bytes") && l.contains(header)));
-        assert!(
-            lines.next().is_some(),
-            "{what}: no result table\n{}",
-            run.describe()
-        );
+        let header = if lat { "t_avg[usec]" } else { "BW average[MB/sec]" };
+        let mut lines = out.lines().skip_while(|l| !(l.contains("#bytes") && l.contains(header)));
+        assert!(lines.next().is_some(), "{what}: no result table\n{}", run.describe());
         let rows: Vec<Vec<f64>> = lines
-            .map(|l| {
-                l.split_whitespace()
-                    .filter_map(|w| w.parse::<f64>().ok())
-                    .collect::<Vec<_>>()
-            })
+            .map(|l| l.split_whitespace().filter_map(|w| w.parse::<f64>().ok()).collect::<Vec<_>>())
             .take_while(|n| n.len() >= 5)
             .collect();
-        assert!(
-            rows.len() >= want_rows,
-            "{what}: {} result rows, want {want_rows}\n{}",
-            rows.len(),
-            run.describe()
-        );
+        assert!(rows.len() >= want_rows, "{what}: {} result rows, want {want_rows}\n{}", rows.len(), run.describe());
         for r in &rows {
-            assert!(
-                r[0] >= 1.0 && r[1] >= 1.0,
-                "{what}: no bytes or iterations in {r:?}"
-            );
-            assert!(
-                r[2..].iter().any(|n| *n > 0.0),
-                "{what}: all-zero result {r:?}"
-            );
+            assert!(r[0] >= 1.0 && r[1] >= 1.0, "{what}: no bytes or iterations in {r:?}");
+            assert!(r[2..].iter().any(|n| *n > 0.0), "{what}: all-zero result {r:?}");
         }
         if want_rows > 1 {
-            assert!(
-                rows.windows(2).all(|w| w[1][0] > w[0][0]),
-                "{what}: sizes not increasing"
-            );
+            assert!(rows.windows(2).all(|w| w[1][0] > w[0][0]), "{what}: sizes not increasing");
         }
     }
 }

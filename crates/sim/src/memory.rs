@@ -29,11 +29,7 @@ pub struct SimMemory {
 impl SimMemory {
     /// Empty memory.
     pub fn new() -> SimMemory {
-        SimMemory {
-            regions: BTreeMap::new(),
-            next_key: 0x100,
-            next_addr: 0x1_0000_0000,
-        }
+        SimMemory { regions: BTreeMap::new(), next_key: 0x100, next_addr: 0x1_0000_0000 }
     }
 
     /// Register `len` zero bytes; returns (key, address).
@@ -43,15 +39,7 @@ impl SimMemory {
         let addr = self.next_addr;
         // Leave a gap between regions so out-of-bounds addresses never land in a neighbour.
         self.next_addr += (len as u64 + 0x10_0000) & !0xfff;
-        self.regions.insert(
-            key,
-            Region {
-                pd,
-                addr,
-                access,
-                bytes: vec![0; len],
-            },
-        );
+        self.regions.insert(key, Region { pd, addr, access, bytes: vec![0; len] });
         (key, addr)
     }
 
@@ -59,19 +47,8 @@ impl SimMemory {
     /// shows them, e.g. to replay the kernel's RETH and AtomicETH unchanged. Panics if the key is
     /// taken; keys handed out by [`SimMemory::register`] are multiples of 0x100, so pick others.
     pub fn register_at(&mut self, pd: PdId, key: u32, addr: u64, len: usize, access: Access) {
-        assert!(
-            !self.regions.contains_key(&key),
-            "key {key:#x} is already registered"
-        );
-        self.regions.insert(
-            key,
-            Region {
-                pd,
-                addr,
-                access,
-                bytes: vec![0; len],
-            },
-        );
+        assert!(!self.regions.contains_key(&key), "key {key:#x} is already registered");
+        self.regions.insert(key, Region { pd, addr, access, bytes: vec![0; len] });
     }
 
     /// Deregister.
@@ -89,14 +66,7 @@ impl SimMemory {
         self.regions.get_mut(&key).expect("registered key")
     }
 
-    fn resolve(
-        &self,
-        pd: PdId,
-        key: u32,
-        addr: u64,
-        len: u64,
-        need: Access,
-    ) -> Result<(&Region, usize), MemError> {
+    fn resolve(&self, pd: PdId, key: u32, addr: u64, len: u64, need: Access) -> Result<(&Region, usize), MemError> {
         let r = self.regions.get(&key).ok_or(MemError::InvalidKey)?;
         if r.pd != pd {
             return Err(MemError::PdMismatch);
@@ -127,39 +97,17 @@ fn write_right(kind: KeyKind) -> Access {
 }
 
 impl MemoryAccess for SimMemory {
-    fn check(
-        &self,
-        pd: PdId,
-        key: u32,
-        _kind: KeyKind,
-        addr: u64,
-        len: u64,
-        access: Access,
-    ) -> Result<(), MemError> {
+    fn check(&self, pd: PdId, key: u32, _kind: KeyKind, addr: u64, len: u64, access: Access) -> Result<(), MemError> {
         self.resolve(pd, key, addr, len, access).map(|_| ())
     }
 
-    fn read(
-        &self,
-        pd: PdId,
-        key: u32,
-        kind: KeyKind,
-        addr: u64,
-        out: &mut [u8],
-    ) -> Result<(), MemError> {
+    fn read(&self, pd: PdId, key: u32, kind: KeyKind, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
         let (r, off) = self.resolve(pd, key, addr, out.len() as u64, read_right(kind))?;
         out.copy_from_slice(&r.bytes[off..off + out.len()]);
         Ok(())
     }
 
-    fn write(
-        &mut self,
-        pd: PdId,
-        key: u32,
-        kind: KeyKind,
-        addr: u64,
-        data: &[u8],
-    ) -> Result<(), MemError> {
+    fn write(&mut self, pd: PdId, key: u32, kind: KeyKind, addr: u64, data: &[u8]) -> Result<(), MemError> {
         let (_, off) = self.resolve(pd, key, addr, data.len() as u64, write_right(kind))?;
         let r = self.regions.get_mut(&key).expect("resolved");
         r.bytes[off..off + data.len()].copy_from_slice(data);

@@ -56,13 +56,7 @@ impl Impairments {
     /// Loss `p`, plus duplication and reordering at a tenth of it each, and corruption at a
     /// hundredth — the mixed hostile network of the scenarios.
     pub fn hostile(p: f64) -> Impairments {
-        Impairments {
-            loss: p,
-            duplicate: p / 10.0,
-            reorder: p / 10.0,
-            corrupt: p / 100.0,
-            ..Impairments::NONE
-        }
+        Impairments { loss: p, duplicate: p / 10.0, reorder: p / 10.0, corrupt: p / 100.0, ..Impairments::NONE }
     }
 }
 
@@ -178,11 +172,7 @@ impl Net {
                 gid[11] = 0xff;
                 gid[12] = 10;
                 gid[15] = (i + 1) as u8;
-                Node {
-                    hca: Hca::new(config),
-                    mem: SimMemory::new(),
-                    gid,
-                }
+                Node { hca: Hca::new(config), mem: SimMemory::new(), gid }
             })
             .collect();
         Net {
@@ -211,10 +201,7 @@ impl Net {
         for from in 0..self.nodes.len() {
             loop {
                 let node = &mut self.nodes[from];
-                let Some(t) = node
-                    .hca
-                    .poll_transmit(self.now, &mut node.mem, &mut self.buf)
-                else {
+                let Some(t) = node.hca.poll_transmit(self.now, &mut node.mem, &mut self.buf) else {
                     break;
                 };
                 let mut frame = self.buf[..t.len].to_vec();
@@ -243,13 +230,7 @@ impl Net {
         }
         bytes.clear();
         bytes.extend_from_slice(frame);
-        self.capture.push_back(Captured {
-            at: self.now,
-            from,
-            to,
-            frame: bytes,
-            fate,
-        });
+        self.capture.push_back(Captured { at: self.now, from, to, frame: bytes, fate });
     }
 
     fn launch(&mut self, from: NodeId, to: NodeId, mut frame: Vec<u8>) {
@@ -284,13 +265,7 @@ impl Net {
                 at = at + Duration::from_nanos(self.rng.below(w.max(1)));
             }
             self.seq += 1;
-            self.flight.push(Reverse(InFlight {
-                at,
-                seq: self.seq,
-                to,
-                from,
-                frame: frame.clone(),
-            }));
+            self.flight.push(Reverse(InFlight { at, seq: self.seq, to, from, frame: frame.clone() }));
         }
     }
 
@@ -299,13 +274,7 @@ impl Net {
     pub fn inject(&mut self, from: NodeId, to: NodeId, frame: Vec<u8>) {
         self.record(from, to, &frame, Fate::Injected);
         self.seq += 1;
-        self.flight.push(Reverse(InFlight {
-            at: self.now + self.imp.delay,
-            seq: self.seq,
-            to,
-            from,
-            frame,
-        }));
+        self.flight.push(Reverse(InFlight { at: self.now + self.imp.delay, seq: self.seq, to, from, frame }));
     }
 
     /// The (address, port) node `n` sends from, or receives at (`to`).
@@ -380,8 +349,7 @@ impl Net {
         };
         ip.emit(&mut grh[20..40]).expect("20 bytes");
         let node = &mut self.nodes[f.to];
-        node.hca
-            .handle_packet(self.now, &f.frame, &RxInfo { grh }, &mut node.mem);
+        node.hca.handle_packet(self.now, &f.frame, &RxInfo { grh }, &mut node.mem);
     }
 
     /// The next moment something happens: a delivery or a timer.
@@ -404,11 +372,7 @@ impl Net {
         if at > self.now {
             self.now = at;
         }
-        while self
-            .flight
-            .peek()
-            .is_some_and(|Reverse(f)| f.at <= self.now)
-        {
+        while self.flight.peek().is_some_and(|Reverse(f)| f.at <= self.now) {
             let Reverse(f) = self.flight.pop().expect("peeked");
             self.deliver(f);
         }
@@ -450,11 +414,7 @@ impl Drop for Net {
         if let Some(path) = self.pcap_on_panic.take() {
             if std::thread::panicking() {
                 match self.write_pcap(&path) {
-                    Ok(()) => eprintln!(
-                        "sim: {} frames written to {}",
-                        self.capture.len(),
-                        path.display()
-                    ),
+                    Ok(()) => eprintln!("sim: {} frames written to {}", self.capture.len(), path.display()),
                     Err(e) => eprintln!("sim: could not write {}: {e}", path.display()),
                 }
             }

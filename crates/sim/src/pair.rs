@@ -2,8 +2,8 @@
 
 use softrdma_transport::attr::QpCap;
 use softrdma_transport::{
-    Access, AddressVector, CqId, ModifyQp, Mtu, PdId, QpInit, QpState, QpType, RecvWr, SendWr,
-    SrqId, VerbsError, WorkCompletion,
+    Access, AddressVector, CqId, ModifyQp, Mtu, PdId, QpInit, QpState, QpType, RecvWr, SendWr, SrqId, VerbsError,
+    WorkCompletion,
 };
 use softrdma_wire::{Psn, Qpn};
 
@@ -60,9 +60,7 @@ impl Default for ConnOpts {
             min_rnr_timer: 1,
             rd_atomic: 16,
             psn: 0x10,
-            access: Access::REMOTE_WRITE
-                .with(Access::REMOTE_READ)
-                .with(Access::REMOTE_ATOMIC),
+            access: Access::REMOTE_WRITE.with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC),
             depth: 4096,
         }
     }
@@ -88,23 +86,9 @@ impl Net {
             max_inline_data: 256,
         };
         let qpn = hca
-            .create_qp(QpInit {
-                qp_type: o.qp_type,
-                pd,
-                send_cq: scq,
-                recv_cq: rcq,
-                srq,
-                cap,
-                sq_sig_all: false,
-            })
+            .create_qp(QpInit { qp_type: o.qp_type, pd, send_cq: scq, recv_cq: rcq, srq, cap, sq_sig_all: false })
             .expect("create qp");
-        Endpoint {
-            node,
-            pd,
-            scq,
-            rcq,
-            qpn,
-        }
+        Endpoint { node, pd, scq, rcq, qpn }
     }
 
     /// Modify a QP.
@@ -115,14 +99,7 @@ impl Net {
     }
 
     /// Bring a QP to RTS towards `peer` (RC/UC) or just to RTS (UD, `peer` ignored).
-    pub fn bring_up(
-        &mut self,
-        ep: &Endpoint,
-        peer: &Endpoint,
-        o: &ConnOpts,
-        sq_psn: u32,
-        rq_psn: u32,
-    ) {
+    pub fn bring_up(&mut self, ep: &Endpoint, peer: &Endpoint, o: &ConnOpts, sq_psn: u32, rq_psn: u32) {
         let ud = o.qp_type == QpType::Ud;
         let init = ModifyQp {
             state: Some(QpState::Init),
@@ -134,11 +111,7 @@ impl Net {
         };
         self.modify(ep, &init).expect("INIT");
         let rc = o.qp_type == QpType::Rc;
-        let av = AddressVector {
-            dgid: self.nodes[peer.node].gid,
-            hop_limit: 64,
-            ..Default::default()
-        };
+        let av = AddressVector { dgid: self.nodes[peer.node].gid, hop_limit: 64, ..Default::default() };
         let rtr = ModifyQp {
             state: Some(QpState::Rtr),
             av: (!ud).then_some(av),
@@ -173,13 +146,7 @@ impl Net {
     }
 
     /// Two connected QPs, `b` (on `nb`) receiving from `srq_b`.
-    pub fn connect_srq(
-        &mut self,
-        na: NodeId,
-        nb: NodeId,
-        o: &ConnOpts,
-        srq_b: SrqId,
-    ) -> (Endpoint, Endpoint) {
+    pub fn connect_srq(&mut self, na: NodeId, nb: NodeId, o: &ConnOpts, srq_b: SrqId) -> (Endpoint, Endpoint) {
         let a = self.create_qp(na, o);
         let b = self.create_qp_srq(nb, o, Some(srq_b));
         let (pa, pb) = (o.psn, o.psn.wrapping_add(0x1000) & 0xff_ffff);
@@ -205,10 +172,7 @@ impl Net {
     /// Drain a CQ.
     pub fn poll(&mut self, node: NodeId, cq: CqId) -> Vec<WorkCompletion> {
         let mut v = Vec::new();
-        self.nodes[node]
-            .hca
-            .poll_cq(cq, usize::MAX, &mut v)
-            .expect("cq exists");
+        self.nodes[node].hca.poll_cq(cq, usize::MAX, &mut v).expect("cq exists");
         v
     }
 }

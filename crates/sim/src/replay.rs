@@ -30,8 +30,8 @@ use std::path::{Path, PathBuf};
 
 use softrdma_transport::attr::QpCap;
 use softrdma_transport::{
-    Access, AddressVector, Config, CqId, Hca, Instant, ModifyQp, Mtu, PdId, QpInit, QpState,
-    QpType, RecvWr, RxInfo, SendWr, WorkCompletion,
+    Access, AddressVector, Config, CqId, Hca, Instant, ModifyQp, Mtu, PdId, QpInit, QpState, QpType, RecvWr, RxInfo,
+    SendWr, WorkCompletion,
 };
 use softrdma_wire::capture::{classify, Classified, LinkType, PcapReader, PcapWriter};
 use softrdma_wire::opcode::Flags;
@@ -82,8 +82,7 @@ pub fn load(path: &Path) -> Vec<CapturedPacket> {
         let Classified::RoceV2(ip) = classify(link, frame.data) else {
             continue;
         };
-        let p = RoceV2Packet::parse_verified(ip)
-            .unwrap_or_else(|e| panic!("{} frame {}: {e}", path.display(), i + 1));
+        let p = RoceV2Packet::parse_verified(ip).unwrap_or_else(|e| panic!("{} frame {}: {e}", path.display(), i + 1));
         let (src, dst) = match p.ip() {
             IpRepr::V4(v4) => (IpAddr::V4(v4.src_addr), IpAddr::V4(v4.dst_addr)),
             IpRepr::V6(v6) => (IpAddr::V6(v6.src_addr), IpAddr::V6(v6.dst_addr)),
@@ -112,19 +111,12 @@ impl Packet {
     /// Parse a transport packet (BTH through ICRC).
     pub fn parse(ib: &[u8]) -> softrdma_wire::Result<Packet> {
         let p = IbPacket::new_checked(ib)?;
-        Ok(Packet {
-            repr: IbRepr::parse(&p)?,
-            payload: p.payload().to_vec(),
-        })
+        Ok(Packet { repr: IbRepr::parse(&p)?, payload: p.payload().to_vec() })
     }
 
     /// The opcode table entry.
     pub fn info(&self) -> &'static OpcodeInfo {
-        self.repr
-            .bth
-            .opcode
-            .info()
-            .expect("parsed packets have known opcodes")
+        self.repr.bth.opcode.info().expect("parsed packets have known opcodes")
     }
 
     /// An ACK, atomic ACK or read response (sent by a responder).
@@ -153,46 +145,25 @@ impl Packet {
         field("SE", a.solicited.to_string(), b.solicited.to_string());
         field("MigReq", a.mig_req.to_string(), b.mig_req.to_string());
         field("pad", a.pad.to_string(), b.pad.to_string());
-        field(
-            "pkey",
-            format!("{:#06x}", a.pkey),
-            format!("{:#06x}", b.pkey),
-        );
+        field("pkey", format!("{:#06x}", a.pkey), format!("{:#06x}", b.pkey));
         field("FECN", a.fecn.to_string(), b.fecn.to_string());
         field("BECN", a.becn.to_string(), b.becn.to_string());
         let (a, b) = (&self.repr, &kernel.repr);
         field("DETH", format!("{:?}", a.deth), format!("{:?}", b.deth));
         field("RETH", format!("{:x?}", a.reth), format!("{:x?}", b.reth));
-        field(
-            "AtomicETH",
-            format!("{:x?}", a.atomic_eth),
-            format!("{:x?}", b.atomic_eth),
-        );
+        field("AtomicETH", format!("{:x?}", a.atomic_eth), format!("{:x?}", b.atomic_eth));
         field(
             "AETH syndrome",
             format!("{:?}", a.aeth.map(|x| x.syndrome)),
             format!("{:?}", b.aeth.map(|x| x.syndrome)),
         );
-        field(
-            "AETH MSN",
-            format!("{:x?}", a.aeth.map(|x| x.msn)),
-            format!("{:x?}", b.aeth.map(|x| x.msn)),
-        );
-        field(
-            "AtomicAckETH",
-            format!("{:x?}", a.atomic_ack_eth),
-            format!("{:x?}", b.atomic_ack_eth),
-        );
+        field("AETH MSN", format!("{:x?}", a.aeth.map(|x| x.msn)), format!("{:x?}", b.aeth.map(|x| x.msn)));
+        field("AtomicAckETH", format!("{:x?}", a.atomic_ack_eth), format!("{:x?}", b.atomic_ack_eth));
         field("ImmDt", format!("{:x?}", a.imm), format!("{:x?}", b.imm));
         field("IETH", format!("{:x?}", a.ieth), format!("{:x?}", b.ieth));
-        field(
-            "payload length",
-            self.payload.len().to_string(),
-            kernel.payload.len().to_string(),
-        );
+        field("payload length", self.payload.len().to_string(), kernel.payload.len().to_string());
         if self.payload.len() == kernel.payload.len() {
-            if let Some(i) = (0..self.payload.len()).find(|&i| self.payload[i] != kernel.payload[i])
-            {
+            if let Some(i) = (0..self.payload.len()).find(|&i| self.payload[i] != kernel.payload[i]) {
                 d.push(format!("payload differs from byte {i}"));
             }
         }
@@ -211,11 +182,7 @@ impl fmt::Debug for Packet {
             write!(f, " SE")?;
         }
         if let Some(r) = &self.repr.reth {
-            write!(
-                f,
-                " RETH va {:#x} rkey {:#x} len {}",
-                r.va, r.rkey, r.dma_len
-            )?;
+            write!(f, " RETH va {:#x} rkey {:#x} len {}", r.va, r.rkey, r.dma_len)?;
         }
         if let Some(a) = &self.repr.atomic_eth {
             write!(
@@ -254,18 +221,12 @@ pub struct Tagged {
 
 /// The requests of a stream (SEND, WRITE, READ request, atomics).
 pub fn requests(s: &[Tagged]) -> Vec<Tagged> {
-    s.iter()
-        .filter(|t| !t.packet.is_response())
-        .cloned()
-        .collect()
+    s.iter().filter(|t| !t.packet.is_response()).cloned().collect()
 }
 
 /// The responses of a stream (ACK, atomic ACK, read responses).
 pub fn responses(s: &[Tagged]) -> Vec<Tagged> {
-    s.iter()
-        .filter(|t| t.packet.is_response())
-        .cloned()
-        .collect()
+    s.iter().filter(|t| t.packet.is_response()).cloned().collect()
 }
 
 /// Assert that two streams carry the same packets in the same order, every header field and every
@@ -290,11 +251,7 @@ pub fn assert_same(what: &str, ours: &[Tagged], kernel: &[Tagged]) {
         } else {
             kernel[ours.len()..].iter().take(5).collect()
         };
-        panic!(
-            "{what}: we sent {} packets, the kernel {}; the first unmatched: {extra:#?}",
-            ours.len(),
-            kernel.len()
-        );
+        panic!("{what}: we sent {} packets, the kernel {}; the first unmatched: {extra:#?}", ours.len(), kernel.len());
     }
 }
 
@@ -319,18 +276,12 @@ pub fn assert_not_later(what: &str, ours: &[Tagged], kernel: &[Tagged]) {
 fn is_plain_ack(t: &Tagged) -> bool {
     let p = &t.packet;
     p.repr.bth.opcode.base() == softrdma_wire::opcode::base::ACKNOWLEDGE
-        && matches!(
-            p.repr.aeth.map(|a| a.syndrome),
-            Some(softrdma_wire::Syndrome::Ack { .. })
-        )
+        && matches!(p.repr.aeth.map(|a| a.syndrome), Some(softrdma_wire::Syndrome::Ack { .. }))
 }
 
 /// The (PSN, MSN) of every plain ACK of a stream, in order.
 pub fn plain_acks(s: &[Tagged]) -> Vec<(Psn, u32)> {
-    s.iter()
-        .filter(|t| is_plain_ack(t))
-        .map(|t| (t.packet.psn(), t.packet.repr.aeth.map_or(0, |a| a.msn)))
-        .collect()
+    s.iter().filter(|t| is_plain_ack(t)).map(|t| (t.packet.psn(), t.packet.repr.aeth.map_or(0, |a| a.msn))).collect()
 }
 
 /// The plain ACKs an RC responder owes for `inbound` requests, starting at `first_psn` with path MTU
@@ -387,31 +338,22 @@ pub fn acks_due(inbound: &[Tagged], first_psn: Psn, mtu: usize) -> Vec<(Psn, u32
 /// Returns how many ACKs we sent and how many the kernel did.
 #[track_caller]
 pub fn assert_acks_coalesced(what: &str, ours: &[Tagged], kernel: &[Tagged]) -> (usize, usize) {
-    let others =
-        |s: &[Tagged]| -> Vec<Tagged> { s.iter().filter(|t| !is_plain_ack(t)).cloned().collect() };
+    let others = |s: &[Tagged]| -> Vec<Tagged> { s.iter().filter(|t| !is_plain_ack(t)).cloned().collect() };
     let (o, k) = (others(ours), others(kernel));
     assert_same(&format!("{what} (other than ACKs)"), &o, &k);
     assert_not_later(&format!("{what} (other than ACKs)"), &o, &k);
-    let acks =
-        |s: &[Tagged]| -> Vec<Tagged> { s.iter().filter(|t| is_plain_ack(t)).cloned().collect() };
+    let acks = |s: &[Tagged]| -> Vec<Tagged> { s.iter().filter(|t| is_plain_ack(t)).cloned().collect() };
     let (ours, kernel) = (acks(ours), acks(kernel));
     let mut at = 0;
     for o in &ours {
-        let found = kernel[at..]
-            .iter()
-            .position(|k| o.packet.diff(&k.packet).is_empty());
+        let found = kernel[at..].iter().position(|k| o.packet.diff(&k.packet).is_empty());
         let Some(j) = found else {
-            panic!(
-                "{what}: our ACK {:?} (after frame {}) is none of the kernel's remaining ACKs",
-                o.packet, o.frame
-            );
+            panic!("{what}: our ACK {:?} (after frame {}) is none of the kernel's remaining ACKs", o.packet, o.frame);
         };
         at += j + 1;
     }
     for k in &kernel {
-        let covered = ours
-            .iter()
-            .any(|o| o.frame < k.frame && o.packet.psn().diff(k.packet.psn()) >= 0);
+        let covered = ours.iter().any(|o| o.frame < k.frame && o.packet.psn().diff(k.packet.psn()) >= 0);
         assert!(
             covered,
             "{what}: the kernel's ACK {:?} (frame {}) has no ACK of ours covering it in time",
@@ -461,14 +403,7 @@ pub struct Setup {
 impl Setup {
     /// An RC QP with the attributes of `ibv_rc_pingpong` and perftest (MTU 1024, timeout 14, retry
     /// and RNR retry 7, RNR timer 12, one read/atomic each way) and every remote right.
-    pub fn rc(
-        ip: IpAddr,
-        peer_ip: IpAddr,
-        qpn: u32,
-        dest_qpn: u32,
-        sq_psn: u32,
-        rq_psn: u32,
-    ) -> Setup {
+    pub fn rc(ip: IpAddr, peer_ip: IpAddr, qpn: u32, dest_qpn: u32, sq_psn: u32, rq_psn: u32) -> Setup {
         Setup {
             ip,
             peer_ip,
@@ -544,18 +479,8 @@ impl Replay {
             max_recv_sge: 4,
             max_inline_data: 256,
         };
-        let init = QpInit {
-            qp_type: QpType::Rc,
-            pd,
-            send_cq: cq,
-            recv_cq: cq,
-            srq: None,
-            cap,
-            sq_sig_all: false,
-        };
-        let qpn = hca
-            .create_qp_with_qpn(init, setup.qpn)
-            .expect("QP at the captured QPN");
+        let init = QpInit { qp_type: QpType::Rc, pd, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false };
+        let qpn = hca.create_qp_with_qpn(init, setup.qpn).expect("QP at the captured QPN");
         let now = Instant::ZERO;
         let steps = [
             ModifyQp {
@@ -653,11 +578,7 @@ impl Replay {
         self.frames
             .iter()
             .filter(|c| c.src == self.setup.ip)
-            .map(|c| Tagged {
-                frame: c.frame,
-                at: c.at,
-                packet: c.packet(),
-            })
+            .map(|c| Tagged { frame: c.frame, at: c.at, packet: c.packet() })
             .collect()
     }
 
@@ -666,11 +587,7 @@ impl Replay {
         self.frames
             .iter()
             .filter(|c| c.src == self.setup.peer_ip)
-            .map(|c| Tagged {
-                frame: c.frame,
-                at: c.at,
-                packet: c.packet(),
-            })
+            .map(|c| Tagged { frame: c.frame, at: c.at, packet: c.packet() })
             .collect()
     }
 
@@ -695,17 +612,13 @@ impl Replay {
 
     /// Post a send work request now.
     pub fn post_send(&mut self, wr: SendWr) {
-        self.hca
-            .post_send(self.setup.qpn, wr, self.now, &mut self.mem)
-            .expect("post_send");
+        self.hca.post_send(self.setup.qpn, wr, self.now, &mut self.mem).expect("post_send");
         self.drain();
     }
 
     /// Post a receive work request now.
     pub fn post_recv(&mut self, wr: RecvWr) {
-        self.hca
-            .post_recv(self.setup.qpn, wr, self.now, &mut self.mem)
-            .expect("post_recv");
+        self.hca.post_recv(self.setup.qpn, wr, self.now, &mut self.mem).expect("post_recv");
         self.drain();
     }
 
@@ -713,11 +626,7 @@ impl Replay {
     /// (see [`Replay::message_starts`]), running the capture in between, then run it to the end.
     pub fn post_sends_as_captured(&mut self, wrs: Vec<SendWr>) {
         let starts = self.message_starts();
-        assert_eq!(
-            wrs.len(),
-            starts.len(),
-            "work requests vs messages the kernel started"
-        );
+        assert_eq!(wrs.len(), starts.len(), "work requests vs messages the kernel started");
         for (wr, frame) in wrs.into_iter().zip(starts) {
             self.run_until(frame);
             self.post_send(wr);
@@ -748,9 +657,7 @@ impl Replay {
     /// Drain the CQ.
     pub fn completions(&mut self) -> Vec<WorkCompletion> {
         let mut v = Vec::new();
-        self.hca
-            .poll_cq(self.cq, usize::MAX, &mut v)
-            .expect("CQ exists");
+        self.hca.poll_cq(self.cq, usize::MAX, &mut v).expect("CQ exists");
         v
     }
 
@@ -764,10 +671,7 @@ impl Replay {
             self.log.push((self.now, f.src, f.dst, f.ib.clone()));
         }
         self.last_frame = f.frame;
-        let more = self
-            .frames
-            .get(self.next)
-            .is_some_and(|n| n.src == self.setup.peer_ip);
+        let more = self.frames.get(self.next).is_some_and(|n| n.src == self.setup.peer_ip);
         if !(self.batched && more) {
             self.drain();
         }
@@ -789,24 +693,15 @@ impl Replay {
 
     fn drain(&mut self) {
         for _ in 0..100_000 {
-            let Some(t) = self
-                .hca
-                .poll_transmit(self.now, &mut self.mem, &mut self.buf)
-            else {
+            let Some(t) = self.hca.poll_transmit(self.now, &mut self.mem, &mut self.buf) else {
                 return;
             };
             assert_eq!(t.src_qpn, self.setup.qpn, "transmit source QP");
             assert_eq!(t.dest_qpn, self.setup.dest_qpn, "transmit destination QP");
             let bytes = self.buf[..t.len].to_vec();
-            self.log
-                .push((self.now, self.setup.ip, self.setup.peer_ip, bytes));
-            let packet = Packet::parse(&self.buf[..t.len])
-                .unwrap_or_else(|e| panic!("our packet does not parse: {e}"));
-            self.sent.push(Tagged {
-                frame: self.last_frame,
-                at: self.now,
-                packet,
-            });
+            self.log.push((self.now, self.setup.ip, self.setup.peer_ip, bytes));
+            let packet = Packet::parse(&self.buf[..t.len]).unwrap_or_else(|e| panic!("our packet does not parse: {e}"));
+            self.sent.push(Tagged { frame: self.last_frame, at: self.now, packet });
         }
         panic!("the engine keeps transmitting");
     }

@@ -6,8 +6,7 @@ use core::time::Duration;
 
 use softrdma_transport::wr::Payload;
 use softrdma_transport::{
-    Access, AsyncEvent, Instant, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode,
-    WcStatus, WorkCompletion,
+    Access, AsyncEvent, Instant, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 use softrdma_wire::opcode::Flags;
 use softrdma_wire::{IbPacket, Psn, Syndrome};
@@ -16,10 +15,8 @@ use crate::net::{Captured, Fate, Net, NodeId};
 use crate::pair::Endpoint;
 
 /// Every access right.
-pub const ALL_ACCESS: Access = Access::LOCAL_WRITE
-    .with(Access::REMOTE_WRITE)
-    .with(Access::REMOTE_READ)
-    .with(Access::REMOTE_ATOMIC);
+pub const ALL_ACCESS: Access =
+    Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
 
 /// A registered region on one node.
 #[derive(Debug, Clone, Copy)]
@@ -41,23 +38,13 @@ impl Mr {
     }
     /// An SGE over `[off, off+len)`.
     pub fn sge(&self, off: usize, len: usize) -> Sge {
-        Sge {
-            addr: self.at(off),
-            length: len as u32,
-            lkey: self.key,
-        }
+        Sge { addr: self.at(off), length: len as u32, lkey: self.key }
     }
 }
 
 /// A send WR with `SIGNALED` over the given SGEs.
 pub fn wr(wr_id: u64, op: SendOp, sgl: &[Sge]) -> SendWr {
-    SendWr {
-        wr_id,
-        op,
-        payload: Payload::Sgl(sgl.to_vec()),
-        flags: SendFlags::SIGNALED,
-        ud: None,
-    }
+    SendWr { wr_id, op, payload: Payload::Sgl(sgl.to_vec()), flags: SendFlags::SIGNALED, ud: None }
 }
 
 /// The same WR without `SIGNALED`.
@@ -74,10 +61,7 @@ pub fn flagged(mut w: SendWr, flag: SendFlags) -> SendWr {
 
 /// A receive WR.
 pub fn recv(wr_id: u64, sgl: &[Sge]) -> RecvWr {
-    RecvWr {
-        wr_id,
-        sgl: sgl.to_vec(),
-    }
+    RecvWr { wr_id, sgl: sgl.to_vec() }
 }
 
 /// What a completion must be: (wr_id, status, opcode, byte_len).
@@ -86,18 +70,13 @@ pub type Expect = (u64, WcStatus, WcOpcode, u32);
 /// Assert that `got` is exactly `want`, in order.
 #[track_caller]
 pub fn assert_wcs(got: &[WorkCompletion], want: &[Expect]) {
-    let g: Vec<Expect> = got
-        .iter()
-        .map(|w| (w.wr_id, w.status, w.opcode, w.byte_len))
-        .collect();
+    let g: Vec<Expect> = got.iter().map(|w| (w.wr_id, w.status, w.opcode, w.byte_len)).collect();
     assert_eq!(g, want, "completions (wr_id, status, opcode, byte_len)");
 }
 
 /// `n` bytes of a recognisable pattern seeded by `seed`.
 pub fn pattern(seed: u8, n: usize) -> Vec<u8> {
-    (0..n)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
-        .collect()
+    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect()
 }
 
 impl Net {
@@ -106,18 +85,12 @@ impl Net {
         let mem = &mut self.nodes[ep.node].mem;
         let (key, addr) = mem.register(ep.pd, len, access);
         mem.region_mut(key).bytes.fill(guard);
-        Mr {
-            node: ep.node,
-            key,
-            addr,
-            len,
-        }
+        Mr { node: ep.node, key, addr, len }
     }
 
     /// Copy `data` into `mr` at `off`.
     pub fn fill(&mut self, mr: &Mr, off: usize, data: &[u8]) {
-        self.nodes[mr.node].mem.region_mut(mr.key).bytes[off..off + data.len()]
-            .copy_from_slice(data);
+        self.nodes[mr.node].mem.region_mut(mr.key).bytes[off..off + data.len()].copy_from_slice(data);
     }
 
     /// The contents of `mr`.
@@ -159,11 +132,7 @@ impl Net {
 
     /// The QP's state.
     pub fn state(&self, ep: &Endpoint) -> QpState {
-        self.nodes[ep.node]
-            .hca
-            .query_qp(ep.qpn)
-            .expect("qp exists")
-            .state
+        self.nodes[ep.node].hca.query_qp(ep.qpn).expect("qp exists").state
     }
 
     /// Drain the node's async events.

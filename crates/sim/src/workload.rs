@@ -4,9 +4,7 @@
 use core::time::Duration;
 
 use softrdma_transport::wr::Payload;
-use softrdma_transport::{
-    Access, QpType, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
-};
+use softrdma_transport::{Access, QpType, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion};
 
 use crate::net::Net;
 use crate::pair::Endpoint;
@@ -72,15 +70,7 @@ impl Workload {
     /// Plan `n` operations of the kinds the QP type allows, plus one of `big` bytes (0 = none),
     /// register and fill memory on both nodes, and post receives on B for every SEND and WRITE
     /// with immediate.
-    pub fn plan(
-        net: &mut Net,
-        a: &Endpoint,
-        b: &Endpoint,
-        qp_type: QpType,
-        n: usize,
-        big: u32,
-        max: u32,
-    ) -> Workload {
+    pub fn plan(net: &mut Net, a: &Endpoint, b: &Endpoint, qp_type: QpType, n: usize, big: u32, max: u32) -> Workload {
         let mut rng = net.rng().clone();
         let kinds: &[OpKind] = match qp_type {
             QpType::Rc => &[
@@ -92,12 +82,7 @@ impl Workload {
                 OpKind::FetchAdd,
                 OpKind::CmpSwap,
             ],
-            QpType::Uc => &[
-                OpKind::Send,
-                OpKind::SendImm,
-                OpKind::Write,
-                OpKind::WriteImm,
-            ],
+            QpType::Uc => &[OpKind::Send, OpKind::SendImm, OpKind::Write, OpKind::WriteImm],
             QpType::Ud => &[OpKind::Send, OpKind::SendImm],
         };
         let mut ops = Vec::with_capacity(n + 1);
@@ -113,43 +98,21 @@ impl Workload {
             off += (u64::from(len) + 8 + 63) & !63;
         }
         let span = off.max(64);
-        let rights = Access::LOCAL_WRITE
-            .with(Access::REMOTE_WRITE)
-            .with(Access::REMOTE_READ)
-            .with(Access::REMOTE_ATOMIC);
+        let rights =
+            Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
         let (a_key, a_addr) = net.nodes[a.node].mem.register(a.pd, span as usize, rights);
         let (b_key, b_addr) = net.nodes[b.node].mem.register(b.pd, span as usize, rights);
         rng.fill(&mut net.nodes[a.node].mem.region_mut(a_key).bytes);
         rng.fill(&mut net.nodes[b.node].mem.region_mut(b_key).bytes);
-        let w = Workload {
-            ops,
-            a_node: a.node,
-            b_node: b.node,
-            a_key,
-            a_addr,
-            b_key,
-            b_addr,
-            span,
-        };
+        let w = Workload { ops, a_node: a.node, b_node: b.node, a_key, a_addr, b_key, b_addr, span };
         for (i, op) in w.ops.iter().enumerate() {
             if matches!(op.kind, OpKind::Send | OpKind::SendImm | OpKind::WriteImm) {
                 let sgl = if op.kind == OpKind::WriteImm {
                     vec![]
                 } else {
-                    vec![Sge {
-                        addr: b_addr + op.off,
-                        length: op.len.max(1),
-                        lkey: b_key,
-                    }]
+                    vec![Sge { addr: b_addr + op.off, length: op.len.max(1), lkey: b_key }]
                 };
-                net.post_recv(
-                    b,
-                    RecvWr {
-                        wr_id: i as u64,
-                        sgl,
-                    },
-                )
-                .expect("post recv");
+                net.post_recv(b, RecvWr { wr_id: i as u64, sgl }).expect("post recv");
             }
         }
         net.rng().clone_from(&rng);
@@ -159,57 +122,26 @@ impl Workload {
     /// Zero B's compare-and-swap targets so their expected value is known (done by `run`).
     pub fn prepare(&self, net: &mut Net) {
         for op in self.ops.iter().filter(|o| o.kind == OpKind::CmpSwap) {
-            net.nodes[self.b_node].mem.region_mut(self.b_key).bytes
-                [op.off as usize..op.off as usize + 8]
-                .fill(0);
+            net.nodes[self.b_node].mem.region_mut(self.b_key).bytes[op.off as usize..op.off as usize + 8].fill(0);
         }
     }
 
     /// The send WR of operation `i` (posted on A).
     pub fn wr(&self, i: usize) -> SendWr {
         let op = &self.ops[i];
-        let local = Sge {
-            addr: self.a_addr + op.off,
-            length: op.len,
-            lkey: self.a_key,
-        };
+        let local = Sge { addr: self.a_addr + op.off, length: op.len, lkey: self.a_key };
         let remote = self.b_addr + op.off;
         let rkey = self.b_key;
         let op_ = match op.kind {
             OpKind::Send => SendOp::Send,
             OpKind::SendImm => SendOp::SendWithImm(i as u32),
-            OpKind::Write => SendOp::Write {
-                remote_addr: remote,
-                rkey,
-            },
-            OpKind::WriteImm => SendOp::WriteWithImm {
-                remote_addr: remote,
-                rkey,
-                imm: i as u32,
-            },
-            OpKind::Read => SendOp::Read {
-                remote_addr: remote,
-                rkey,
-            },
-            OpKind::FetchAdd => SendOp::FetchAdd {
-                remote_addr: remote,
-                rkey,
-                add: i as u64,
-            },
-            OpKind::CmpSwap => SendOp::CompareSwap {
-                remote_addr: remote,
-                rkey,
-                compare: 0,
-                swap: i as u64,
-            },
+            OpKind::Write => SendOp::Write { remote_addr: remote, rkey },
+            OpKind::WriteImm => SendOp::WriteWithImm { remote_addr: remote, rkey, imm: i as u32 },
+            OpKind::Read => SendOp::Read { remote_addr: remote, rkey },
+            OpKind::FetchAdd => SendOp::FetchAdd { remote_addr: remote, rkey, add: i as u64 },
+            OpKind::CmpSwap => SendOp::CompareSwap { remote_addr: remote, rkey, compare: 0, swap: i as u64 },
         };
-        SendWr {
-            wr_id: i as u64,
-            op: op_,
-            payload: Payload::Sgl(vec![local]),
-            flags: SendFlags::SIGNALED,
-            ud: None,
-        }
+        SendWr { wr_id: i as u64, op: op_, payload: Payload::Sgl(vec![local]), flags: SendFlags::SIGNALED, ud: None }
     }
 
     /// Post everything (as the send queue has room) and run until all completions are in, or
@@ -255,11 +187,7 @@ impl Workload {
         before_b: &[u8],
     ) -> Result<(), String> {
         if scq.len() != self.ops.len() {
-            return Err(format!(
-                "{} of {} send completions",
-                scq.len(),
-                self.ops.len()
-            ));
+            return Err(format!("{} of {} send completions", scq.len(), self.ops.len()));
         }
         for (i, wc) in scq.iter().enumerate() {
             if wc.wr_id != i as u64 || wc.status != WcStatus::Success {
@@ -273,15 +201,9 @@ impl Workload {
             let r = op.off as usize..(op.off + u64::from(op.len)) as usize;
             match op.kind {
                 OpKind::Send | OpKind::SendImm | OpKind::WriteImm => {
-                    let wc = rcq
-                        .get(recv_i)
-                        .ok_or(format!("missing receive completion for op {i}"))?;
+                    let wc = rcq.get(recv_i).ok_or(format!("missing receive completion for op {i}"))?;
                     recv_i += 1;
-                    let want_op = if op.kind == OpKind::WriteImm {
-                        WcOpcode::RecvRdmaWithImm
-                    } else {
-                        WcOpcode::Recv
-                    };
+                    let want_op = if op.kind == OpKind::WriteImm { WcOpcode::RecvRdmaWithImm } else { WcOpcode::Recv };
                     if wc.wr_id != i as u64
                         || wc.status != WcStatus::Success
                         || wc.opcode != want_op
@@ -311,9 +233,7 @@ impl Workload {
                     let got = u64::from_ne_bytes(a_now[r.clone()].try_into().unwrap());
                     let now = u64::from_ne_bytes(b_now[r.clone()].try_into().unwrap());
                     if got != orig || now != orig.wrapping_add(i as u64) {
-                        return Err(format!(
-                            "op {i}: fetch-add orig {got:#x} (want {orig:#x}), now {now:#x}"
-                        ));
+                        return Err(format!("op {i}: fetch-add orig {got:#x} (want {orig:#x}), now {now:#x}"));
                     }
                 }
                 OpKind::CmpSwap => {
@@ -326,21 +246,14 @@ impl Workload {
             }
         }
         if recv_i != rcq.len() {
-            return Err(format!(
-                "{} unexpected receive completions",
-                rcq.len() - recv_i
-            ));
+            return Err(format!("{} unexpected receive completions", rcq.len() - recv_i));
         }
         Ok(())
     }
 
     /// Contents of A's (`true`) or B's data region.
     pub fn region<'n>(&self, net: &'n Net, a_side: bool) -> &'n [u8] {
-        let (node, key) = if a_side {
-            (self.a_node, self.a_key)
-        } else {
-            (self.b_node, self.b_key)
-        };
+        let (node, key) = if a_side { (self.a_node, self.a_key) } else { (self.b_node, self.b_key) };
         &net.nodes[node].mem.region(key).bytes
     }
 }

@@ -3,15 +3,10 @@
 use core::time::Duration;
 use softrdma_sim::{ConnOpts, Impairments, Net};
 use softrdma_transport::wr::Payload;
-use softrdma_transport::{
-    Access, Config, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus,
-};
+use softrdma_transport::{Access, Config, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus};
 
 fn all_access() -> Access {
-    Access::LOCAL_WRITE
-        .with(Access::REMOTE_WRITE)
-        .with(Access::REMOTE_READ)
-        .with(Access::REMOTE_ATOMIC)
+    Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC)
 }
 
 #[test]
@@ -25,23 +20,8 @@ fn every_operation_once() {
     net.nodes[0].mem.region_mut(ka).bytes[..5000].copy_from_slice(&data);
 
     // SEND with immediate, 5000 bytes = 5 packets at MTU 1024.
-    net.post_recv(
-        &b,
-        RecvWr {
-            wr_id: 100,
-            sgl: vec![Sge {
-                addr: vb,
-                length: 8192,
-                lkey: kb,
-            }],
-        },
-    )
-    .unwrap();
-    let sgl = vec![Sge {
-        addr: va,
-        length: 5000,
-        lkey: ka,
-    }];
+    net.post_recv(&b, RecvWr { wr_id: 100, sgl: vec![Sge { addr: vb, length: 8192, lkey: kb }] }).unwrap();
+    let sgl = vec![Sge { addr: va, length: 5000, lkey: ka }];
     net.post_send(
         &a,
         SendWr {
@@ -58,10 +38,7 @@ fn every_operation_once() {
         &a,
         SendWr {
             wr_id: 2,
-            op: SendOp::Write {
-                remote_addr: vb + 8192,
-                rkey: kb,
-            },
+            op: SendOp::Write { remote_addr: vb + 8192, rkey: kb },
             payload: Payload::Sgl(sgl.clone()),
             flags: SendFlags::SIGNALED,
             ud: None,
@@ -73,15 +50,8 @@ fn every_operation_once() {
         &a,
         SendWr {
             wr_id: 3,
-            op: SendOp::Read {
-                remote_addr: vb + 8192,
-                rkey: kb,
-            },
-            payload: Payload::Sgl(vec![Sge {
-                addr: va + 16384,
-                length: 5000,
-                lkey: ka,
-            }]),
+            op: SendOp::Read { remote_addr: vb + 8192, rkey: kb },
+            payload: Payload::Sgl(vec![Sge { addr: va + 16384, length: 5000, lkey: ka }]),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
@@ -93,16 +63,8 @@ fn every_operation_once() {
         &a,
         SendWr {
             wr_id: 4,
-            op: SendOp::FetchAdd {
-                remote_addr: vb + 32768,
-                rkey: kb,
-                add: 2,
-            },
-            payload: Payload::Sgl(vec![Sge {
-                addr: va + 32768,
-                length: 8,
-                lkey: ka,
-            }]),
+            op: SendOp::FetchAdd { remote_addr: vb + 32768, rkey: kb, add: 2 },
+            payload: Payload::Sgl(vec![Sge { addr: va + 32768, length: 8, lkey: ka }]),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
@@ -112,40 +74,20 @@ fn every_operation_once() {
         &a,
         SendWr {
             wr_id: 5,
-            op: SendOp::CompareSwap {
-                remote_addr: vb + 32768,
-                rkey: kb,
-                compare: 42,
-                swap: 7,
-            },
-            payload: Payload::Sgl(vec![Sge {
-                addr: va + 32776,
-                length: 8,
-                lkey: ka,
-            }]),
+            op: SendOp::CompareSwap { remote_addr: vb + 32768, rkey: kb, compare: 42, swap: 7 },
+            payload: Payload::Sgl(vec![Sge { addr: va + 32776, length: 8, lkey: ka }]),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
     )
     .unwrap();
     // WRITE with immediate needs a receive.
-    net.post_recv(
-        &b,
-        RecvWr {
-            wr_id: 101,
-            sgl: vec![],
-        },
-    )
-    .unwrap();
+    net.post_recv(&b, RecvWr { wr_id: 101, sgl: vec![] }).unwrap();
     net.post_send(
         &a,
         SendWr {
             wr_id: 6,
-            op: SendOp::WriteWithImm {
-                remote_addr: vb + 40000,
-                rkey: kb,
-                imm: 0x5566_7788,
-            },
+            op: SendOp::WriteWithImm { remote_addr: vb + 40000, rkey: kb, imm: 0x5566_7788 },
             payload: Payload::Inline(b"inline!".to_vec()),
             flags: SendFlags::SIGNALED.with(SendFlags::INLINE),
             ud: None,
@@ -169,10 +111,7 @@ fn every_operation_once() {
     );
     let rc = net.poll(1, b.rcq);
     assert_eq!(rc.len(), 2);
-    assert_eq!(
-        (rc[0].wr_id, rc[0].status, rc[0].byte_len, rc[0].imm),
-        (100, WcStatus::Success, 5000, 0x1122_3344)
-    );
+    assert_eq!((rc[0].wr_id, rc[0].status, rc[0].byte_len, rc[0].imm), (100, WcStatus::Success, 5000, 0x1122_3344));
     assert!(rc[0].flags.contains(WcFlags::WITH_IMM));
     assert_eq!(
         (rc[1].wr_id, rc[1].opcode, rc[1].byte_len, rc[1].imm),

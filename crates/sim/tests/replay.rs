@@ -54,13 +54,11 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 
 use softrdma_sim::replay::{
-    self, acks_due, assert_acks_coalesced, assert_not_later, assert_same, plain_acks, requests,
-    responses, CapturedPacket, Replay, Setup, Tagged,
+    self, acks_due, assert_acks_coalesced, assert_not_later, assert_same, plain_acks, requests, responses,
+    CapturedPacket, Replay, Setup, Tagged,
 };
 use softrdma_transport::wr::Payload;
-use softrdma_transport::{
-    Access, Counters, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus,
-};
+use softrdma_transport::{Access, Counters, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus};
 use softrdma_wire::opcode::Flags;
 use softrdma_wire::Psn;
 
@@ -70,9 +68,7 @@ const VM1: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 77, 0, 11));
 const VM2: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 77, 0, 12));
 
 fn golden(file: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden")
-        .join(file)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden").join(file)
 }
 
 fn capture(name: &str) -> Vec<CapturedPacket> {
@@ -99,10 +95,7 @@ fn txt_says(name: &str, lines: &[&str]) {
 }
 
 fn all_access() -> Access {
-    Access::LOCAL_WRITE
-        .with(Access::REMOTE_WRITE)
-        .with(Access::REMOTE_READ)
-        .with(Access::REMOTE_ATOMIC)
+    Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC)
 }
 
 /// A completion as compared: wr_id, status, opcode, byte_len, immediate data if flagged.
@@ -123,21 +116,11 @@ fn wcs(r: &mut Replay) -> Vec<Wc> {
 }
 
 fn sge(lkey: u32, addr: u64, length: usize) -> Vec<Sge> {
-    vec![Sge {
-        addr,
-        length: length as u32,
-        lkey,
-    }]
+    vec![Sge { addr, length: length as u32, lkey }]
 }
 
 fn signaled(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
-    SendWr {
-        wr_id,
-        op,
-        payload: Payload::Sgl(sgl),
-        flags: SendFlags::SIGNALED,
-        ud: None,
-    }
+    SendWr { wr_id, op, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud: None }
 }
 
 /// The payloads of the packets of message `k` (0-based) of a request or response stream, joined.
@@ -191,11 +174,7 @@ fn compare_streams(r: &Replay) -> (usize, usize) {
     let (or, kr) = (responses(ours), responses(&kernel));
     // The kernel ACKs exactly the SEND and WRITE packets that ask for it, each with the MSN of
     // that point, and nothing else.
-    let due = acks_due(
-        &requests(&r.kernel_received()),
-        r.setup.rq_psn,
-        r.setup.mtu.bytes(),
-    );
+    let due = acks_due(&requests(&r.kernel_received()), r.setup.rq_psn, r.setup.mtu.bytes());
     assert_eq!(plain_acks(&kr), due, "the kernel's ACKs");
     if r.batched() {
         return assert_acks_coalesced("responses", &or, &kr);
@@ -228,11 +207,7 @@ fn widest_gap(sent: &[Tagged], inbound: &[Tagged], first_psn: Psn, ours: bool) -
                     r.frame < t.frame
                 }
             };
-            let una = inbound
-                .iter()
-                .rev()
-                .find(seen)
-                .map_or(first_psn, |r| r.packet.psn().next());
+            let una = inbound.iter().rev().find(seen).map_or(first_psn, |r| r.packet.psn().next());
             t.packet.psn().diff(una)
         })
         .max()
@@ -260,14 +235,9 @@ fn pingpong_side(
     r.mem.region_mut(buf).bytes.fill(0x7b);
     let (rbuf, rbuf_va) = r.mem.register(pd, size, all_access());
     for _ in 0..500 {
-        r.post_recv(RecvWr {
-            wr_id: 1,
-            sgl: sge(rbuf, rbuf_va, size),
-        });
+        r.post_recv(RecvWr { wr_id: 1, sgl: sge(rbuf, rbuf_va, size) });
     }
-    let wrs = (0..iters)
-        .map(|_| signaled(2, SendOp::Send, sge(buf, buf_va, size)))
-        .collect();
+    let wrs = (0..iters).map(|_| signaled(2, SendOp::Send, sge(buf, buf_va, size))).collect();
     r.post_sends_as_captured(wrs);
     let acks = assert_streams_and(&r, events);
     let recv = ok(1, WcOpcode::Recv, size as u32);
@@ -292,23 +262,15 @@ fn rxe_rc_pingpong() {
     let cap = capture(name);
     // vm1 got the first SEND twice (the client's retransmission, below) and ACKed both copies.
     let server = Setup::rc(VM1, VM2, 0x11, 0x11, 0x81590e, 0xfb7b33);
-    let events = Counters {
-        duplicate_request: 1,
-        ..Counters::default()
-    };
+    let events = Counters { duplicate_request: 1, ..Counters::default() };
     let acks = both_drives(|b| pingpong_side(name, &cap, server, 64, 5, events, b).1);
     // Batched: the first SEND and its retransmission arrive back to back; one ACK answers both.
     assert_eq!(acks, (5, 6));
     // vm2 timed out once and sent the first SEND again; the second ACK of it matched nothing
     // outstanding any more and was dropped.
     let client = Setup::rc(VM2, VM1, 0x11, 0x11, 0xfb7b33, 0x81590e);
-    let events = Counters {
-        ack_timeouts: 1,
-        retry_rounds: 1,
-        retransmits: 1,
-        drop_stray_resp: 1,
-        ..Counters::default()
-    };
+    let events =
+        Counters { ack_timeouts: 1, retry_rounds: 1, retransmits: 1, drop_stray_resp: 1, ..Counters::default() };
     let acks = both_drives(|b| pingpong_side(name, &cap, client, 64, 5, events, b).1);
     assert_eq!(acks, (5, 5));
 
@@ -318,10 +280,7 @@ fn rxe_rc_pingpong() {
     let (r, _) = pingpong_side(name, &cap, client, 64, 5, events, false);
     let (ours, kernel) = (requests(r.ours()), requests(&r.kernel_sent()));
     assert_eq!(ours[0].packet.psn(), ours[1].packet.psn());
-    assert_eq!(
-        ours[1].at - ours[0].at,
-        core::time::Duration::from_nanos(4096 << 14)
-    );
+    assert_eq!(ours[1].at - ours[0].at, core::time::Duration::from_nanos(4096 << 14));
     assert!(ours[1].at <= kernel[1].at);
 }
 
@@ -337,12 +296,10 @@ fn rxe_rc_pingpong_4k() {
     );
     let cap = capture(name);
     let server = Setup::rc(VM1, VM2, 0x12, 0x12, 0x1a3044, 0xbe0d24);
-    let acks =
-        both_drives(|b| pingpong_side(name, &cap, server, 4096, 3, Counters::default(), b).1);
+    let acks = both_drives(|b| pingpong_side(name, &cap, server, 4096, 3, Counters::default(), b).1);
     assert_eq!(acks, (3, 3));
     let client = Setup::rc(VM2, VM1, 0x12, 0x12, 0xbe0d24, 0x1a3044);
-    let acks =
-        both_drives(|b| pingpong_side(name, &cap, client, 4096, 3, Counters::default(), b).1);
+    let acks = both_drives(|b| pingpong_side(name, &cap, client, 4096, 3, Counters::default(), b).1);
     assert_eq!(acks, (3, 3));
 }
 
@@ -368,15 +325,9 @@ fn rxe_write() {
 
     // Responder: vm1's buffer takes 20 writes of 8192 bytes.
     let acks = both_drives(|batched| {
-        let mut r = replay(
-            name,
-            &cap,
-            Setup::rc(VM1, VM2, 0x14, 0x14, 0x4eeff6, 0xcaa95e),
-            batched,
-        );
+        let mut r = replay(name, &cap, Setup::rc(VM1, VM2, 0x14, 0x14, 0x4eeff6, 0xcaa95e), batched);
         let pd = r.pd;
-        r.mem
-            .register_at(pd, 0x564, 0x55ee_281b_2000, size, all_access());
+        r.mem.register_at(pd, 0x564, 0x55ee_281b_2000, size, all_access());
         r.run_to_end();
         let acks = assert_streams(&r);
         assert_eq!(wcs(&mut r), vec![]);
@@ -389,28 +340,15 @@ fn rxe_write() {
 
     // Requester: vm2 writes its buffer 20 times.
     let acks = both_drives(|batched| {
-        let mut r = replay(
-            name,
-            &cap,
-            Setup::rc(VM2, VM1, 0x14, 0x14, 0xcaa95e, 0x4eeff6),
-            batched,
-        );
+        let mut r = replay(name, &cap, Setup::rc(VM2, VM1, 0x14, 0x14, 0xcaa95e, 0x4eeff6), batched);
         let pd = r.pd;
-        r.mem
-            .register_at(pd, 0x5d5, 0x5563_6828_6000, size, all_access());
+        r.mem.register_at(pd, 0x5d5, 0x5563_6828_6000, size, all_access());
         r.mem.region_mut(0x5d5).bytes.copy_from_slice(&data);
-        let write = SendOp::Write {
-            remote_addr: 0x55ee_281b_2000,
-            rkey: 0x564,
-        };
-        let wrs = (0..iters)
-            .map(|i| signaled(i, write, sge(0x5d5, 0x5563_6828_6000, size)))
-            .collect();
+        let write = SendOp::Write { remote_addr: 0x55ee_281b_2000, rkey: 0x564 };
+        let wrs = (0..iters).map(|i| signaled(i, write, sge(0x5d5, 0x5563_6828_6000, size))).collect();
         r.post_sends_as_captured(wrs);
         let acks = assert_streams(&r);
-        let want: Vec<_> = (0..iters)
-            .map(|i| ok(i, WcOpcode::RdmaWrite, size as u32))
-            .collect();
+        let want: Vec<_> = (0..iters).map(|i| ok(i, WcOpcode::RdmaWrite, size as u32)).collect();
         assert_eq!(wcs(&mut r), want);
         acks
     });
@@ -430,16 +368,10 @@ fn rxe_read() {
     let cap = capture(name);
     let (size, iters) = (65536usize, 20u64);
     // Both sides allow 128 reads in flight ("OUT 0x80").
-    let server = Setup {
-        max_dest_rd_atomic: 128,
-        max_rd_atomic: 128,
-        ..Setup::rc(VM1, VM2, 0x15, 0x15, 0x3f12bf, 0xb3e098)
-    };
-    let client = Setup {
-        max_dest_rd_atomic: 128,
-        max_rd_atomic: 128,
-        ..Setup::rc(VM2, VM1, 0x15, 0x15, 0xb3e098, 0x3f12bf)
-    };
+    let server =
+        Setup { max_dest_rd_atomic: 128, max_rd_atomic: 128, ..Setup::rc(VM1, VM2, 0x15, 0x15, 0x3f12bf, 0xb3e098) };
+    let client =
+        Setup { max_dest_rd_atomic: 128, max_rd_atomic: 128, ..Setup::rc(VM2, VM1, 0x15, 0x15, 0xb3e098, 0x3f12bf) };
     // rxe sends while its next PSN is at most RXE_MAX_UNACKED_PSNS (128) past the oldest one not
     // answered; our default window (129 PSNs in flight before sending) is the same limit.
     assert_eq!(client.config.max_inflight_packets, 129);
@@ -450,8 +382,7 @@ fn rxe_read() {
     let acks = both_drives(|batched| {
         let mut r = replay(name, &cap, server, batched);
         let pd = r.pd;
-        r.mem
-            .register_at(pd, 0x6c7, 0x7f31_7ac0_a000, size, all_access());
+        r.mem.register_at(pd, 0x6c7, 0x7f31_7ac0_a000, size, all_access());
         r.mem.region_mut(0x6c7).bytes.copy_from_slice(&data);
         r.run_to_end();
         let acks = assert_streams(&r);
@@ -465,13 +396,9 @@ fn rxe_read() {
         let mut r = replay(name, &cap, client, batched);
         let pd = r.pd;
         let base = 0x7fa3_5f57_c000;
-        r.mem
-            .register_at(pd, 0x6a4, base, size * iters as usize, all_access());
+        r.mem.register_at(pd, 0x6a4, base, size * iters as usize, all_access());
         for i in 0..iters {
-            let read = SendOp::Read {
-                remote_addr: 0x7f31_7ac0_a000,
-                rkey: 0x6c7,
-            };
+            let read = SendOp::Read { remote_addr: 0x7f31_7ac0_a000, rkey: 0x6c7 };
             r.post_send(signaled(i, read, sge(0x6a4, base + i * size as u64, size)));
         }
         r.run_to_end();
@@ -480,13 +407,8 @@ fn rxe_read() {
         // oldest one unanswered, as far as the responses seen by then tell, is 128 on both sides.
         let inbound = responses(&r.kernel_received());
         assert_eq!(widest_gap(r.ours(), &inbound, client.sq_psn, true), 128);
-        assert_eq!(
-            widest_gap(&r.kernel_sent(), &inbound, client.sq_psn, false),
-            128
-        );
-        let want: Vec<_> = (0..iters)
-            .map(|i| ok(i, WcOpcode::RdmaRead, size as u32))
-            .collect();
+        assert_eq!(widest_gap(&r.kernel_sent(), &inbound, client.sq_psn, false), 128);
+        let want: Vec<_> = (0..iters).map(|i| ok(i, WcOpcode::RdmaRead, size as u32)).collect();
         assert_eq!(wcs(&mut r), want);
         for chunk in r.mem.region(0x6a4).bytes.chunks(size) {
             assert!(chunk == data, "a read's data did not land");
@@ -519,16 +441,11 @@ fn rxe_send() {
         let pd = r.pd;
         let (rkey, rva) = r.mem.register(pd, size * iters as usize, all_access());
         for i in 0..iters {
-            r.post_recv(RecvWr {
-                wr_id: i,
-                sgl: sge(rkey, rva + i * size as u64, size),
-            });
+            r.post_recv(RecvWr { wr_id: i, sgl: sge(rkey, rva + i * size as u64, size) });
         }
         r.run_to_end();
         let acks = assert_streams(&r);
-        let want: Vec<_> = (0..iters)
-            .map(|i| ok(i, WcOpcode::Recv, size as u32))
-            .collect();
+        let want: Vec<_> = (0..iters).map(|i| ok(i, WcOpcode::Recv, size as u32)).collect();
         assert_eq!(wcs(&mut r), want);
         for (i, slot) in r.mem.region(rkey).bytes.chunks(size).enumerate() {
             assert!(slot == message(&inbound, i), "message {i} did not land");
@@ -540,23 +457,14 @@ fn rxe_send() {
 
     // Requester: vm2 sends its buffer 20 times.
     let acks = both_drives(|batched| {
-        let mut r = replay(
-            name,
-            &cap,
-            Setup::rc(VM2, VM1, 0x16, 0x16, 0x762725, 0x14ec52),
-            batched,
-        );
+        let mut r = replay(name, &cap, Setup::rc(VM2, VM1, 0x16, 0x16, 0x762725, 0x14ec52), batched);
         let pd = r.pd;
         let (lkey, va) = r.mem.register(pd, size, all_access());
         r.mem.region_mut(lkey).bytes = message(&inbound, 0);
-        let wrs = (0..iters)
-            .map(|i| signaled(i, SendOp::Send, sge(lkey, va, size)))
-            .collect();
+        let wrs = (0..iters).map(|i| signaled(i, SendOp::Send, sge(lkey, va, size))).collect();
         r.post_sends_as_captured(wrs);
         let acks = assert_streams(&r);
-        let want: Vec<_> = (0..iters)
-            .map(|i| ok(i, WcOpcode::Send, size as u32))
-            .collect();
+        let want: Vec<_> = (0..iters).map(|i| ok(i, WcOpcode::Send, size as u32)).collect();
         assert_eq!(wcs(&mut r), want);
         acks
     });
@@ -568,16 +476,10 @@ fn rxe_send() {
 /// packets tell what, so the responder's memory is filled from them.
 fn atomic(name: &str, qpn: u32, server_psn: u32, client_psn: u32, cas: bool) {
     let cap = capture(name);
-    let server = Setup {
-        max_dest_rd_atomic: 128,
-        max_rd_atomic: 128,
-        ..Setup::rc(VM1, VM2, qpn, qpn, server_psn, client_psn)
-    };
-    let client = Setup {
-        max_dest_rd_atomic: 128,
-        max_rd_atomic: 128,
-        ..Setup::rc(VM2, VM1, qpn, qpn, client_psn, server_psn)
-    };
+    let server =
+        Setup { max_dest_rd_atomic: 128, max_rd_atomic: 128, ..Setup::rc(VM1, VM2, qpn, qpn, server_psn, client_psn) };
+    let client =
+        Setup { max_dest_rd_atomic: 128, max_rd_atomic: 128, ..Setup::rc(VM2, VM1, qpn, qpn, client_psn, server_psn) };
     let (reqs, acks) = {
         let r = Replay::new(&cap, server);
         (requests(&r.kernel_received()), responses(&r.kernel_sent()))
@@ -624,28 +526,15 @@ fn atomic(name: &str, qpn: u32, server_psn: u32, client_psn: u32, cas: bool) {
         for (i, q) in reqs.iter().enumerate() {
             let e = eth(q);
             let op = if cas {
-                SendOp::CompareSwap {
-                    remote_addr: e.va,
-                    rkey: e.rkey,
-                    compare: e.compare,
-                    swap: e.swap_add,
-                }
+                SendOp::CompareSwap { remote_addr: e.va, rkey: e.rkey, compare: e.compare, swap: e.swap_add }
             } else {
-                SendOp::FetchAdd {
-                    remote_addr: e.va,
-                    rkey: e.rkey,
-                    add: e.swap_add,
-                }
+                SendOp::FetchAdd { remote_addr: e.va, rkey: e.rkey, add: e.swap_add }
             };
             r.post_send(signaled(i as u64, op, sge(lkey, va + 8 * i as u64, 8)));
         }
         r.run_to_end();
         let n = assert_streams(&r);
-        let opcode = if cas {
-            WcOpcode::CompSwap
-        } else {
-            WcOpcode::FetchAdd
-        };
+        let opcode = if cas { WcOpcode::CompSwap } else { WcOpcode::FetchAdd };
         let want: Vec<_> = (0..20).map(|i| ok(i, opcode, 8)).collect();
         assert_eq!(wcs(&mut r), want);
         for (slot, a) in r.mem.region(lkey).bytes.chunks(8).zip(&acks) {
@@ -673,13 +562,7 @@ fn rxe_atomic() {
 #[test]
 fn rxe_atomic_cas() {
     let name = "rxe_atomic_cas";
-    txt_says(
-        name,
-        &[
-            "Atomic CMP_AND_SWAP BW Test",
-            "local address: LID 0000 QPN 0x0018 PSN 0x622eca",
-        ],
-    );
+    txt_says(name, &["Atomic CMP_AND_SWAP BW Test", "local address: LID 0000 QPN 0x0018 PSN 0x622eca"]);
     atomic(name, 0x18, 0x622eca, 0x622eca, true);
 }
 
@@ -705,11 +588,7 @@ fn rxe_imm() {
     let client = Setup::rc(VM2, VM1, 0x1a, 0x1a, 0x9495aa, 0xa2f831);
     let (buf_va, buf_key) = (0x5625_6a8f_5500u64, 0xdacu32);
     // The server's first message: its buffer's address and key, little-endian.
-    let hello: Vec<u8> = buf_va
-        .to_le_bytes()
-        .into_iter()
-        .chain(buf_key.to_le_bytes())
-        .collect();
+    let hello: Vec<u8> = buf_va.to_le_bytes().into_iter().chain(buf_key.to_le_bytes()).collect();
     // What the server's buffer held at +2048: the payload of its read response.
     let read_me = message(&responses(&Replay::new(&cap, server).kernel_sent()), 2);
     assert_eq!(read_me.len(), 32);
@@ -725,10 +604,7 @@ fn rxe_imm() {
         r.mem.region_mut(buf_key).bytes[2048..2048 + 32].copy_from_slice(&read_me);
         let (rkey, rva) = r.mem.register(pd, 3 * 64, all_access());
         for i in 0..3 {
-            r.post_recv(RecvWr {
-                wr_id: 10 + i,
-                sgl: sge(rkey, rva + 64 * i, 64),
-            });
+            r.post_recv(RecvWr { wr_id: 10 + i, sgl: sge(rkey, rva + 64 * i, 64) });
         }
         let (skey, sva) = r.mem.register(pd, hello.len(), all_access());
         r.mem.region_mut(skey).bytes.copy_from_slice(&hello);
@@ -740,13 +616,7 @@ fn rxe_imm() {
             vec![
                 ok(1, WcOpcode::Send, 12),
                 (10, WcStatus::Success, WcOpcode::Recv, 14, Some(0x1122_3344)),
-                (
-                    11,
-                    WcStatus::Success,
-                    WcOpcode::RecvRdmaWithImm,
-                    15,
-                    Some(0x5566_7788)
-                ),
+                (11, WcStatus::Success, WcOpcode::RecvRdmaWithImm, 15, Some(0x5566_7788)),
                 ok(12, WcOpcode::Recv, 4),
             ]
         );
@@ -770,29 +640,15 @@ fn rxe_imm() {
         for (i, m) in msgs.iter().enumerate() {
             r.mem.region_mut(key).bytes[i * 64..i * 64 + m.len()].copy_from_slice(m);
         }
-        r.post_recv(RecvWr {
-            wr_id: 10,
-            sgl: sge(key, va + 1024, 64),
-        });
+        r.post_recv(RecvWr { wr_id: 10, sgl: sge(key, va + 1024, 64) });
         let wrs = vec![
             signaled(1, SendOp::SendWithImm(0x1122_3344), sge(key, va, 14)),
             signaled(
                 2,
-                SendOp::WriteWithImm {
-                    remote_addr: buf_va + 1024,
-                    rkey: buf_key,
-                    imm: 0x5566_7788,
-                },
+                SendOp::WriteWithImm { remote_addr: buf_va + 1024, rkey: buf_key, imm: 0x5566_7788 },
                 sge(key, va + 64, 15),
             ),
-            signaled(
-                3,
-                SendOp::Read {
-                    remote_addr: buf_va + 2048,
-                    rkey: buf_key,
-                },
-                sge(key, va + 2048, 32),
-            ),
+            signaled(3, SendOp::Read { remote_addr: buf_va + 2048, rkey: buf_key }, sge(key, va + 2048, 32)),
             signaled(4, SendOp::Send, sge(key, va + 128, 4)),
         ];
         r.post_sends_as_captured(wrs);

@@ -14,18 +14,11 @@ fn scenario(mtu: Mtu, loss: f64, seed: u64, n: usize, big: u32, max: u32) {
 
 fn scenario_on(qp_type: QpType, mtu: Mtu, loss: f64, seed: u64, n: usize, big: u32, max: u32) {
     let window = if loss >= 0.1 { 32 } else { 256 };
-    let config = Config {
-        max_inflight_packets: window,
-        ..Config::default()
-    };
+    let config = Config { max_inflight_packets: window, ..Config::default() };
     let mut net = Net::new(2, config, Impairments::hostile(loss), seed);
     let name = format!("{qp_type:?}_mtu{}_loss{loss}_seed{seed}", mtu.bytes());
     net.pcap_on_failure(concat!(env!("CARGO_TARGET_TMPDIR"), "/scenarios"), &name);
-    let o = ConnOpts {
-        qp_type,
-        mtu,
-        ..ConnOpts::default()
-    };
+    let o = ConnOpts { qp_type, mtu, ..ConnOpts::default() };
     let (a, b) = net.connect(0, 1, &o);
     let w = Workload::plan(&mut net, &a, &b, qp_type, n, big, max);
     let before_a = w.region(&net, true).to_vec();
@@ -40,10 +33,7 @@ fn scenario_on(qp_type: QpType, mtu: Mtu, loss: f64, seed: u64, n: usize, big: u
         );
     }
     if loss > 0.0 {
-        assert!(
-            net.stats.lost > 0 && net.nodes[0].hca.counters().retransmits > 0,
-            "impairments had no effect"
-        );
+        assert!(net.stats.lost > 0 && net.nodes[0].hca.counters().retransmits > 0, "impairments had no effect");
     }
 }
 

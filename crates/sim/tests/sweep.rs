@@ -13,11 +13,7 @@ fn one(seed: u64) -> Result<(), String> {
     let rd_atomic = [1u8, 2, 4, 16][(seed / 30 % 4) as usize];
     let window = [4u32, 16, 64, 1024][(seed / 7 % 4) as usize];
     let ack_req_every = [1u32, 4, 64][(seed / 11 % 3) as usize];
-    let config = Config {
-        max_inflight_packets: window,
-        ack_req_every,
-        ..Config::default()
-    };
+    let config = Config { max_inflight_packets: window, ack_req_every, ..Config::default() };
     let mut net = Net::new(2, config, Impairments::hostile(loss), seed);
     let name = format!("sweep_seed{seed}");
     net.pcap_on_failure(concat!(env!("CARGO_TARGET_TMPDIR"), "/sweep"), &name);
@@ -34,7 +30,10 @@ fn one(seed: u64) -> Result<(), String> {
     let before_b = w.region(&net, false).to_vec();
     let (scq, rcq) = w.run(&mut net, &a, &b, 32, Duration::from_secs(3600));
     w.check(&net, &scq, &rcq, &before_a, &before_b).map_err(|e| {
-        format!("seed {seed} mtu {} loss {loss} rd_atomic {rd_atomic} window {window} ack_every {ack_req_every}: {e}", mtu.bytes())
+        format!(
+            "seed {seed} mtu {} loss {loss} rd_atomic {rd_atomic} window {window} ack_every {ack_req_every}: {e}",
+            mtu.bytes()
+        )
     })?;
     net.pcap_on_panic = None;
     Ok(())
@@ -54,10 +53,5 @@ fn sweep() {
             Err(_) => fails.push(format!("seed {seed}: panicked")),
         }
     }
-    assert!(
-        fails.is_empty(),
-        "{} failures:\n{}",
-        fails.len(),
-        fails.join("\n")
-    );
+    assert!(fails.is_empty(), "{} failures:\n{}", fails.len(), fails.join("\n"));
 }

@@ -54,10 +54,7 @@ impl QpState {
 
     /// Packets are accepted by the responder.
     pub fn can_receive(self) -> bool {
-        matches!(
-            self,
-            QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
-        )
+        matches!(self, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
     }
 
     /// The requester may transmit.
@@ -276,10 +273,7 @@ pub fn transition(cur: QpState, next: QpState, t: QpType) -> Option<Transition> 
         };
         Some(Transition { required, optional })
     };
-    let none = Some(Transition {
-        required: 0,
-        optional: 0,
-    });
+    let none = Some(Transition { required: 0, optional: 0 });
     match (cur, next) {
         (_, Reset) | (_, Err) => none,
         (Reset, Init) => by_type(
@@ -295,29 +289,17 @@ pub fn transition(cur: QpState, next: QpState, t: QpType) -> Option<Transition> 
         (Init, Rtr) => by_type(
             (0, PKEY_INDEX | QKEY),
             (AV | PATH_MTU | DEST_QPN | RQ_PSN, ACCESS_FLAGS | PKEY_INDEX),
-            (
-                AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
-                ACCESS_FLAGS | PKEY_INDEX,
-            ),
+            (AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER, ACCESS_FLAGS | PKEY_INDEX),
         ),
         (Rtr, Rts) => by_type(
             (SQ_PSN, CUR_STATE | QKEY),
             (SQ_PSN, CUR_STATE | ACCESS_FLAGS),
-            (
-                TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC,
-                CUR_STATE | ACCESS_FLAGS | MIN_RNR_TIMER,
-            ),
+            (TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC, CUR_STATE | ACCESS_FLAGS | MIN_RNR_TIMER),
         ),
-        (Rts, Rts) | (Sqd, Rts) => by_type(
-            (0, CUR_STATE | QKEY),
-            (0, CUR_STATE | ACCESS_FLAGS),
-            (0, CUR_STATE | ACCESS_FLAGS | MIN_RNR_TIMER),
-        ),
-        (Rts, Sqd) => by_type(
-            (0, EN_SQD_ASYNC_NOTIFY),
-            (0, EN_SQD_ASYNC_NOTIFY),
-            (0, EN_SQD_ASYNC_NOTIFY),
-        ),
+        (Rts, Rts) | (Sqd, Rts) => {
+            by_type((0, CUR_STATE | QKEY), (0, CUR_STATE | ACCESS_FLAGS), (0, CUR_STATE | ACCESS_FLAGS | MIN_RNR_TIMER))
+        }
+        (Rts, Sqd) => by_type((0, EN_SQD_ASYNC_NOTIFY), (0, EN_SQD_ASYNC_NOTIFY), (0, EN_SQD_ASYNC_NOTIFY)),
         (Sqd, Sqd) => by_type(
             (0, PKEY_INDEX | QKEY),
             (0, AV | ACCESS_FLAGS | PKEY_INDEX),
@@ -334,9 +316,7 @@ pub fn transition(cur: QpState, next: QpState, t: QpType) -> Option<Transition> 
                     | MIN_RNR_TIMER,
             ),
         ),
-        (Sqe, Rts) if t != QpType::Rc => {
-            by_type((0, CUR_STATE | QKEY), (0, CUR_STATE | ACCESS_FLAGS), (0, 0))
-        }
+        (Sqe, Rts) if t != QpType::Rc => by_type((0, CUR_STATE | QKEY), (0, CUR_STATE | ACCESS_FLAGS), (0, 0)),
         _ => None,
     }
 }
@@ -349,25 +329,14 @@ pub fn check_modify(cur: QpState, t: QpType, attr: &ModifyQp) -> Result<QpState,
         }
     }
     let next = attr.state.unwrap_or(cur);
-    let tr = transition(cur, next, t).ok_or(VerbsError::IllegalTransition {
-        from: cur,
-        to: next,
-    })?;
+    let tr = transition(cur, next, t).ok_or(VerbsError::IllegalTransition { from: cur, to: next })?;
     let given = attr.mask() & !mask::STATE;
     if given & tr.required != tr.required {
-        return Err(VerbsError::MissingAttributes {
-            from: cur,
-            to: next,
-            mask: tr.required & !given,
-        });
+        return Err(VerbsError::MissingAttributes { from: cur, to: next, mask: tr.required & !given });
     }
     let extra = given & !(tr.required | tr.optional);
     if extra != 0 {
-        return Err(VerbsError::UnexpectedAttributes {
-            from: cur,
-            to: next,
-            mask: extra,
-        });
+        return Err(VerbsError::UnexpectedAttributes { from: cur, to: next, mask: extra });
     }
     Ok(next)
 }
@@ -410,10 +379,7 @@ mod tests {
 
     #[test]
     fn legal_and_illegal_transitions() {
-        assert_eq!(
-            check_modify(QpState::Init, QpType::Rc, &rc_rtr()),
-            Ok(QpState::Rtr)
-        );
+        assert_eq!(check_modify(QpState::Init, QpType::Rc, &rc_rtr()), Ok(QpState::Rtr));
         // RESET -> RTR skips INIT.
         assert!(matches!(
             check_modify(QpState::Reset, QpType::Rc, &rc_rtr()),
@@ -424,62 +390,31 @@ mod tests {
         m.dest_qpn = None;
         assert_eq!(
             check_modify(QpState::Init, QpType::Rc, &m),
-            Err(VerbsError::MissingAttributes {
-                from: QpState::Init,
-                to: QpState::Rtr,
-                mask: mask::DEST_QPN
-            })
+            Err(VerbsError::MissingAttributes { from: QpState::Init, to: QpState::Rtr, mask: mask::DEST_QPN })
         );
         // SQ_PSN is not allowed INIT->RTR.
         let mut m = rc_rtr();
         m.sq_psn = Some(Psn::new(0));
-        assert!(matches!(
-            check_modify(QpState::Init, QpType::Rc, &m),
-            Err(VerbsError::UnexpectedAttributes { .. })
-        ));
+        assert!(matches!(check_modify(QpState::Init, QpType::Rc, &m), Err(VerbsError::UnexpectedAttributes { .. })));
         // UC INIT->RTR must not carry RC-only attributes.
         assert!(matches!(
             check_modify(QpState::Init, QpType::Uc, &rc_rtr()),
             Err(VerbsError::UnexpectedAttributes { .. })
         ));
         // SQE -> RTS is for UC/UD only.
-        let to_rts = ModifyQp {
-            state: Some(QpState::Rts),
-            ..Default::default()
-        };
-        assert_eq!(
-            check_modify(QpState::Sqe, QpType::Ud, &to_rts),
-            Ok(QpState::Rts)
-        );
+        let to_rts = ModifyQp { state: Some(QpState::Rts), ..Default::default() };
+        assert_eq!(check_modify(QpState::Sqe, QpType::Ud, &to_rts), Ok(QpState::Rts));
         assert!(check_modify(QpState::Sqe, QpType::Rc, &to_rts).is_err());
         // Anything to ERR and RESET.
-        for s in [
-            QpState::Reset,
-            QpState::Init,
-            QpState::Rtr,
-            QpState::Rts,
-            QpState::Sqd,
-            QpState::Sqe,
-            QpState::Err,
-        ] {
-            let e = ModifyQp {
-                state: Some(QpState::Err),
-                ..Default::default()
-            };
+        for s in [QpState::Reset, QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqd, QpState::Sqe, QpState::Err] {
+            let e = ModifyQp { state: Some(QpState::Err), ..Default::default() };
             assert_eq!(check_modify(s, QpType::Rc, &e), Ok(QpState::Err));
         }
         // ERR -> RTS is illegal.
         assert!(check_modify(QpState::Err, QpType::Rc, &to_rts).is_err());
         // A wrong asserted current state.
-        let m = ModifyQp {
-            state: Some(QpState::Rts),
-            cur_state: Some(QpState::Init),
-            ..Default::default()
-        };
-        assert_eq!(
-            check_modify(QpState::Rts, QpType::Ud, &m),
-            Err(VerbsError::InvalidAttribute("cur_state"))
-        );
+        let m = ModifyQp { state: Some(QpState::Rts), cur_state: Some(QpState::Init), ..Default::default() };
+        assert_eq!(check_modify(QpState::Rts, QpType::Ud, &m), Err(VerbsError::InvalidAttribute("cur_state")));
     }
 
     #[test]
@@ -492,26 +427,11 @@ mod tests {
 
     #[test]
     fn value_ranges() {
-        let m = ModifyQp {
-            retry_cnt: Some(8),
-            ..Default::default()
-        };
-        assert_eq!(
-            m.check_values(16),
-            Err(VerbsError::InvalidAttribute("retry_cnt"))
-        );
-        let m = ModifyQp {
-            max_rd_atomic: Some(17),
-            ..Default::default()
-        };
-        assert_eq!(
-            m.check_values(16),
-            Err(VerbsError::InvalidAttribute("max_rd_atomic"))
-        );
-        let m = ModifyQp {
-            port: Some(2),
-            ..Default::default()
-        };
+        let m = ModifyQp { retry_cnt: Some(8), ..Default::default() };
+        assert_eq!(m.check_values(16), Err(VerbsError::InvalidAttribute("retry_cnt")));
+        let m = ModifyQp { max_rd_atomic: Some(17), ..Default::default() };
+        assert_eq!(m.check_values(16), Err(VerbsError::InvalidAttribute("max_rd_atomic")));
+        let m = ModifyQp { port: Some(2), ..Default::default() };
         assert!(m.check_values(16).is_err());
     }
 }

@@ -54,28 +54,13 @@ impl fmt::Display for VerbsError {
         match self {
             VerbsError::NoSuchObject => write!(f, "no such object"),
             VerbsError::IllegalTransition { from, to } => {
-                write!(
-                    f,
-                    "illegal QP state transition {} -> {}",
-                    from.name(),
-                    to.name()
-                )
+                write!(f, "illegal QP state transition {} -> {}", from.name(), to.name())
             }
             VerbsError::MissingAttributes { from, to, mask } => {
-                write!(
-                    f,
-                    "modify {} -> {} misses required attributes (mask {mask:#x})",
-                    from.name(),
-                    to.name()
-                )
+                write!(f, "modify {} -> {} misses required attributes (mask {mask:#x})", from.name(), to.name())
             }
             VerbsError::UnexpectedAttributes { from, to, mask } => {
-                write!(
-                    f,
-                    "modify {} -> {} has attributes it may not carry (mask {mask:#x})",
-                    from.name(),
-                    to.name()
-                )
+                write!(f, "modify {} -> {} has attributes it may not carry (mask {mask:#x})", from.name(), to.name())
             }
             VerbsError::InvalidAttribute(a) => write!(f, "invalid value for attribute {a}"),
             VerbsError::QueueFull => write!(f, "work queue full"),

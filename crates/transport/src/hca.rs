@@ -207,32 +207,9 @@ impl Hca {
         &mut self.stats
     }
 
-    fn ctx<'a>(
-        &'a mut self,
-        now: Instant,
-        mem: &'a mut dyn MemoryAccess,
-    ) -> (&'a mut BTreeMap<Qpn, Qp>, Ctx<'a>) {
-        let Hca {
-            config,
-            qps,
-            queues,
-            events,
-            stats,
-            ready,
-            ..
-        } = self;
-        (
-            qps,
-            Ctx {
-                now,
-                mem,
-                queues,
-                events,
-                stats,
-                config,
-                ready,
-            },
-        )
+    fn ctx<'a>(&'a mut self, now: Instant, mem: &'a mut dyn MemoryAccess) -> (&'a mut BTreeMap<Qpn, Qp>, Ctx<'a>) {
+        let Hca { config, qps, queues, events, stats, ready, .. } = self;
+        (qps, Ctx { now, mem, queues, events, stats, config, ready })
     }
 
     // ---- CQ / SRQ ----------------------------------------------------------------------------
@@ -241,15 +218,9 @@ impl Hca {
     pub fn create_cq(&mut self, depth: u32) -> CqId {
         let id = CqId(self.next_id);
         self.next_id += 1;
-        self.queues.cqs.insert(
-            id,
-            Cq {
-                entries: VecDeque::new(),
-                depth: depth.max(1) as usize,
-                armed: None,
-                users: 0,
-            },
-        );
+        self.queues
+            .cqs
+            .insert(id, Cq { entries: VecDeque::new(), depth: depth.max(1) as usize, armed: None, users: 0 });
         id
     }
 
@@ -266,17 +237,8 @@ impl Hca {
     }
 
     /// Take up to `max` completions, oldest first.
-    pub fn poll_cq(
-        &mut self,
-        cq: CqId,
-        max: usize,
-        out: &mut Vec<WorkCompletion>,
-    ) -> Result<usize, VerbsError> {
-        let q = self
-            .queues
-            .cqs
-            .get_mut(&cq)
-            .ok_or(VerbsError::NoSuchObject)?;
+    pub fn poll_cq(&mut self, cq: CqId, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize, VerbsError> {
+        let q = self.queues.cqs.get_mut(&cq).ok_or(VerbsError::NoSuchObject)?;
         let n = max.min(q.entries.len());
         out.extend(q.entries.drain(..n));
         Ok(n)
@@ -285,11 +247,7 @@ impl Hca {
     /// Ask for a completion event on the next completion (only solicited or error ones if
     /// `solicited_only`).
     pub fn req_notify_cq(&mut self, cq: CqId, solicited_only: bool) -> Result<(), VerbsError> {
-        let q = self
-            .queues
-            .cqs
-            .get_mut(&cq)
-            .ok_or(VerbsError::NoSuchObject)?;
+        let q = self.queues.cqs.get_mut(&cq).ok_or(VerbsError::NoSuchObject)?;
         q.armed = Some(solicited_only);
         Ok(())
     }
@@ -305,35 +263,21 @@ impl Hca {
         self.next_id += 1;
         self.queues.srqs.insert(
             id,
-            Srq {
-                wqes: VecDeque::new(),
-                max_wr: max_wr as usize,
-                max_sge: max_sge as usize,
-                limit: None,
-                users: 0,
-            },
+            Srq { wqes: VecDeque::new(), max_wr: max_wr as usize, max_sge: max_sge as usize, limit: None, users: 0 },
         );
         id
     }
 
     /// Arm the SRQ limit: an event fires when fewer than `limit` WQEs remain.
     pub fn arm_srq(&mut self, srq: SrqId, limit: u32) -> Result<(), VerbsError> {
-        let s = self
-            .queues
-            .srqs
-            .get_mut(&srq)
-            .ok_or(VerbsError::NoSuchObject)?;
+        let s = self.queues.srqs.get_mut(&srq).ok_or(VerbsError::NoSuchObject)?;
         s.limit = (limit > 0).then_some(limit as usize);
         Ok(())
     }
 
     /// Post a receive to an SRQ.
     pub fn post_srq_recv(&mut self, srq: SrqId, wr: RecvWr) -> Result<(), VerbsError> {
-        let s = self
-            .queues
-            .srqs
-            .get_mut(&srq)
-            .ok_or(VerbsError::NoSuchObject)?;
+        let s = self.queues.srqs.get_mut(&srq).ok_or(VerbsError::NoSuchObject)?;
         if wr.sgl.len() > s.max_sge {
             return Err(VerbsError::InvalidWorkRequest("more SGEs than max_sge"));
         }
@@ -360,17 +304,11 @@ impl Hca {
 
     /// Create a QP in RESET.
     pub fn create_qp(&mut self, init: QpInit) -> Result<Qpn, VerbsError> {
-        if !self.queues.cqs.contains_key(&init.send_cq)
-            || !self.queues.cqs.contains_key(&init.recv_cq)
-        {
+        if !self.queues.cqs.contains_key(&init.send_cq) || !self.queues.cqs.contains_key(&init.recv_cq) {
             return Err(VerbsError::NoSuchObject);
         }
         if let Some(srq) = init.srq {
-            self.queues
-                .srqs
-                .get_mut(&srq)
-                .ok_or(VerbsError::NoSuchObject)?
-                .users += 1;
+            self.queues.srqs.get_mut(&srq).ok_or(VerbsError::NoSuchObject)?.users += 1;
         }
         for cq in [init.send_cq, init.recv_cq] {
             if let Some(c) = self.queues.cqs.get_mut(&cq) {
@@ -436,17 +374,12 @@ impl Hca {
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
         let (qps, mut ctx) = self.ctx(now, mem);
-        qps.get_mut(&qpn)
-            .ok_or(VerbsError::NoSuchObject)?
-            .modify(attr, &mut ctx)
+        qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?.modify(attr, &mut ctx)
     }
 
     /// Query a QP.
     pub fn query_qp(&self, qpn: Qpn) -> Result<QpInfo, VerbsError> {
-        self.qps
-            .get(&qpn)
-            .map(|q| q.info())
-            .ok_or(VerbsError::NoSuchObject)
+        self.qps.get(&qpn).map(|q| q.info()).ok_or(VerbsError::NoSuchObject)
     }
 
     /// Post a send work request.
@@ -458,9 +391,7 @@ impl Hca {
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
         let (qps, mut ctx) = self.ctx(now, mem);
-        qps.get_mut(&qpn)
-            .ok_or(VerbsError::NoSuchObject)?
-            .post_send(wr, &mut ctx)
+        qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?.post_send(wr, &mut ctx)
     }
 
     /// Post a receive work request.
@@ -472,22 +403,14 @@ impl Hca {
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
         let (qps, mut ctx) = self.ctx(now, mem);
-        qps.get_mut(&qpn)
-            .ok_or(VerbsError::NoSuchObject)?
-            .post_recv(wr, &mut ctx)
+        qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?.post_recv(wr, &mut ctx)
     }
 
     // ---- packets and time --------------------------------------------------------------------
 
     /// A received IB transport packet (BTH through ICRC; the ICRC was checked by the I/O layer).
     /// Malformed packets and packets for unknown QPs are counted and dropped.
-    pub fn handle_packet(
-        &mut self,
-        now: Instant,
-        bytes: &[u8],
-        rx: &RxInfo,
-        mem: &mut dyn MemoryAccess,
-    ) {
+    pub fn handle_packet(&mut self, now: Instant, bytes: &[u8], rx: &RxInfo, mem: &mut dyn MemoryAccess) {
         self.stats.rcvd_pkts += 1;
         let pkt = match IbPacket::new_checked(bytes) {
             Ok(p) => p,
@@ -520,12 +443,7 @@ impl Hca {
     }
 
     /// Write the next packet to send into `buf` (at least MTU + 64 bytes long).
-    pub fn poll_transmit(
-        &mut self,
-        now: Instant,
-        mem: &mut dyn MemoryAccess,
-        buf: &mut [u8],
-    ) -> Option<Transmit> {
+    pub fn poll_transmit(&mut self, now: Instant, mem: &mut dyn MemoryAccess, buf: &mut [u8]) -> Option<Transmit> {
         let burst = self.config.burst;
         let (qps, mut ctx) = self.ctx(now, mem);
         while let Some(&qpn) = ctx.ready.front() {

@@ -103,33 +103,11 @@ impl AtomicOp {
 /// memory: an `Err` means nothing was read or written.
 pub trait MemoryAccess {
     /// Check that `[addr, addr+len)` under `key` is accessible with `access` from `pd`.
-    fn check(
-        &self,
-        pd: PdId,
-        key: u32,
-        kind: KeyKind,
-        addr: u64,
-        len: u64,
-        access: Access,
-    ) -> Result<(), MemError>;
+    fn check(&self, pd: PdId, key: u32, kind: KeyKind, addr: u64, len: u64, access: Access) -> Result<(), MemError>;
     /// Copy memory into `out`.
-    fn read(
-        &self,
-        pd: PdId,
-        key: u32,
-        kind: KeyKind,
-        addr: u64,
-        out: &mut [u8],
-    ) -> Result<(), MemError>;
+    fn read(&self, pd: PdId, key: u32, kind: KeyKind, addr: u64, out: &mut [u8]) -> Result<(), MemError>;
     /// Copy `data` into memory.
-    fn write(
-        &mut self,
-        pd: PdId,
-        key: u32,
-        kind: KeyKind,
-        addr: u64,
-        data: &[u8],
-    ) -> Result<(), MemError>;
+    fn write(&mut self, pd: PdId, key: u32, kind: KeyKind, addr: u64, data: &[u8]) -> Result<(), MemError>;
     /// Perform an atomic on the 8-byte word at `addr` (host byte order), returning the original value.
     fn atomic(&mut self, pd: PdId, rkey: u32, addr: u64, op: AtomicOp) -> Result<u64, MemError>;
     /// Invalidate a remote key (SEND with invalidate). Implementations without memory windows or
@@ -143,22 +121,8 @@ pub fn sgl_len(sgl: &[Sge]) -> u64 {
 }
 
 /// Check every SGE of a list for local access with `access`.
-pub fn check_sgl(
-    mem: &dyn MemoryAccess,
-    pd: PdId,
-    sgl: &[Sge],
-    access: Access,
-) -> Result<(), MemError> {
-    sgl.iter().try_for_each(|s| {
-        mem.check(
-            pd,
-            s.lkey,
-            KeyKind::Local,
-            s.addr,
-            u64::from(s.length),
-            access,
-        )
-    })
+pub fn check_sgl(mem: &dyn MemoryAccess, pd: PdId, sgl: &[Sge], access: Access) -> Result<(), MemError> {
+    sgl.iter().try_for_each(|s| mem.check(pd, s.lkey, KeyKind::Local, s.addr, u64::from(s.length), access))
 }
 
 /// Walk the pieces of `sgl` covering `[offset, offset+len)`, calling `f(sge, addr, range_in_piece)`.
@@ -191,28 +155,12 @@ fn walk(
 }
 
 /// Gather `out.len()` bytes starting at byte `offset` of the message described by `sgl`.
-pub fn gather(
-    mem: &dyn MemoryAccess,
-    pd: PdId,
-    sgl: &[Sge],
-    offset: u64,
-    out: &mut [u8],
-) -> Result<(), MemError> {
+pub fn gather(mem: &dyn MemoryAccess, pd: PdId, sgl: &[Sge], offset: u64, out: &mut [u8]) -> Result<(), MemError> {
     let len = out.len();
-    walk(sgl, offset, len, |s, addr, r| {
-        mem.read(pd, s.lkey, KeyKind::Local, addr, &mut out[r])
-    })
+    walk(sgl, offset, len, |s, addr, r| mem.read(pd, s.lkey, KeyKind::Local, addr, &mut out[r]))
 }
 
 /// Scatter `data` into the buffers of `sgl` starting at byte `offset` of the message.
-pub fn scatter(
-    mem: &mut dyn MemoryAccess,
-    pd: PdId,
-    sgl: &[Sge],
-    offset: u64,
-    data: &[u8],
-) -> Result<(), MemError> {
-    walk(sgl, offset, data.len(), |s, addr, r| {
-        mem.write(pd, s.lkey, KeyKind::Local, addr, &data[r])
-    })
+pub fn scatter(mem: &mut dyn MemoryAccess, pd: PdId, sgl: &[Sge], offset: u64, data: &[u8]) -> Result<(), MemError> {
+    walk(sgl, offset, data.len(), |s, addr, r| mem.write(pd, s.lkey, KeyKind::Local, addr, &data[r]))
 }

@@ -11,9 +11,7 @@ use crate::{WcOpcode, WcStatus};
 use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::opcode::base;
-use softrdma_wire::{
-    BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn, QpType as WireQpType, Qpn, Syndrome,
-};
+use softrdma_wire::{BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn, QpType as WireQpType, Qpn, Syndrome};
 
 /// One flat region at address 0 under key 1, every right granted.
 struct Flat(Vec<u8>);
@@ -32,37 +30,15 @@ impl Flat {
 }
 
 impl MemoryAccess for Flat {
-    fn check(
-        &self,
-        _: PdId,
-        key: u32,
-        _: KeyKind,
-        addr: u64,
-        len: u64,
-        _: Access,
-    ) -> Result<(), MemError> {
+    fn check(&self, _: PdId, key: u32, _: KeyKind, addr: u64, len: u64, _: Access) -> Result<(), MemError> {
         self.range(key, addr, len).map(|_| ())
     }
-    fn read(
-        &self,
-        _: PdId,
-        key: u32,
-        _: KeyKind,
-        addr: u64,
-        out: &mut [u8],
-    ) -> Result<(), MemError> {
+    fn read(&self, _: PdId, key: u32, _: KeyKind, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
         let r = self.range(key, addr, out.len() as u64)?;
         out.copy_from_slice(&self.0[r]);
         Ok(())
     }
-    fn write(
-        &mut self,
-        _: PdId,
-        key: u32,
-        _: KeyKind,
-        addr: u64,
-        data: &[u8],
-    ) -> Result<(), MemError> {
+    fn write(&mut self, _: PdId, key: u32, _: KeyKind, addr: u64, data: &[u8]) -> Result<(), MemError> {
         let r = self.range(key, addr, data.len() as u64)?;
         self.0[r].copy_from_slice(data);
         Ok(())
@@ -95,13 +71,7 @@ impl Rig {
     fn new() -> Rig {
         let mut hca = Hca::new(Config::default());
         let cq = hca.create_cq(64);
-        let cap = QpCap {
-            max_send_wr: 16,
-            max_recv_wr: 16,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        };
+        let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
         let qpn = hca
             .create_qp(QpInit {
                 qp_type: QpType::Rc,
@@ -134,13 +104,7 @@ impl Rig {
             ..Default::default()
         };
         hca.modify_qp(qpn, &rtr, now, &mut mem).unwrap();
-        Rig {
-            hca,
-            mem,
-            qpn,
-            cq,
-            now,
-        }
+        Rig { hca, mem, qpn, cq, now }
     }
 
     /// Feed one request (`send!`).
@@ -161,8 +125,7 @@ impl Rig {
         let mut buf = vec![0xabu8; repr.buffer_len()];
         let n = repr.emit(&mut buf).unwrap();
         let rx = RxInfo { grh: [0; 40] };
-        self.hca
-            .handle_packet(self.now, &buf[..n], &rx, &mut self.mem);
+        self.hca.handle_packet(self.now, &buf[..n], &rx, &mut self.mem);
     }
 
     /// Everything the engine sends now (`recv!`), as (opcode base, PSN, syndrome, MSN).
@@ -183,23 +146,12 @@ impl Rig {
     }
 
     fn post_recv(&mut self, wr_id: u64, len: u32) {
-        let wr = RecvWr {
-            wr_id,
-            sgl: vec![Sge {
-                addr: 0x1000 * wr_id,
-                length: len,
-                lkey: 1,
-            }],
-        };
-        self.hca
-            .post_recv(self.qpn, wr, self.now, &mut self.mem)
-            .unwrap();
+        let wr = RecvWr { wr_id, sgl: vec![Sge { addr: 0x1000 * wr_id, length: len, lkey: 1 }] };
+        self.hca.post_recv(self.qpn, wr, self.now, &mut self.mem).unwrap();
     }
 }
 
-const ACK: Option<Syndrome> = Some(Syndrome::Ack {
-    credits: CREDITS_INVALID,
-});
+const ACK: Option<Syndrome> = Some(Syndrome::Ack { credits: CREDITS_INVALID });
 
 #[test]
 fn rnr_nak_carries_the_timer_code_and_the_psn() {
@@ -218,9 +170,7 @@ fn rnr_nak_carries_the_timer_code_and_the_psn() {
     let mut wc = Vec::new();
     r.hca.poll_cq(r.cq, 8, &mut wc).unwrap();
     assert_eq!(
-        wc.iter()
-            .map(|w| (w.wr_id, w.status, w.opcode, w.byte_len))
-            .collect::<Vec<_>>(),
+        wc.iter().map(|w| (w.wr_id, w.status, w.opcode, w.byte_len)).collect::<Vec<_>>(),
         vec![(1, WcStatus::Success, WcOpcode::Recv, 10)]
     );
 }
@@ -242,27 +192,18 @@ fn rnr_on_a_write_with_immediate() {
             ack_req: true,
             psn: Psn::new(EPSN),
         });
-        repr.reth = Some(softrdma_wire::RethRepr {
-            va: 0x100,
-            rkey: 1,
-            dma_len: 4,
-        });
+        repr.reth = Some(softrdma_wire::RethRepr { va: 0x100, rkey: 1, dma_len: 4 });
         repr.imm = Some(0x55);
         repr.payload_len = 4;
         let mut buf = vec![0u8; repr.buffer_len()];
         let n = repr.emit(&mut buf).unwrap();
         buf[repr.payload_range()].copy_from_slice(b"abcd");
-        r.hca
-            .handle_packet(r.now, &buf[..n], &RxInfo { grh: [0; 40] }, &mut r.mem);
+        r.hca.handle_packet(r.now, &buf[..n], &RxInfo { grh: [0; 40] }, &mut r.mem);
     };
     repr_write(&mut r);
     let rnr = Some(Syndrome::RnrNak { timer: RNR_CODE });
     assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, rnr, Some(0))]);
-    assert_eq!(
-        &r.mem.0[0x100..0x104],
-        &[0; 4],
-        "memory untouched before a receive exists"
-    );
+    assert_eq!(&r.mem.0[0x100..0x104], &[0; 4], "memory untouched before a receive exists");
     r.post_recv(2, 0);
     repr_write(&mut r);
     assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, ACK, Some(1))]);
@@ -299,21 +240,13 @@ fn acks_coalesce_to_the_newest() {
         ack_req: true,
         psn: Psn::new(EPSN + 5),
     });
-    read.reth = Some(softrdma_wire::RethRepr {
-        va: 0,
-        rkey: 1,
-        dma_len: 16,
-    });
+    read.reth = Some(softrdma_wire::RethRepr { va: 0, rkey: 1, dma_len: 16 });
     let mut buf = vec![0u8; read.buffer_len()];
     let n = read.emit(&mut buf).unwrap();
-    r.hca
-        .handle_packet(r.now, &buf[..n], &RxInfo { grh: [0; 40] }, &mut r.mem);
+    r.hca.handle_packet(r.now, &buf[..n], &RxInfo { grh: [0; 40] }, &mut r.mem);
     assert_eq!(
         r.recv(),
-        vec![
-            (base::ACKNOWLEDGE, EPSN + 4, ACK, Some(4)),
-            (base::READ_RESPONSE_ONLY, EPSN + 5, ACK, Some(5)),
-        ]
+        vec![(base::ACKNOWLEDGE, EPSN + 4, ACK, Some(4)), (base::READ_RESPONSE_ONLY, EPSN + 5, ACK, Some(5)),]
     );
 }
 
@@ -332,13 +265,7 @@ fn one_sequence_nak_per_gap() {
     // The gap is filled: the next gap gets its own NAK.
     r.send(base::SEND_ONLY, EPSN, true, 1);
     r.send(base::SEND_ONLY, EPSN + 2, true, 1);
-    assert_eq!(
-        r.recv(),
-        vec![
-            (base::ACKNOWLEDGE, EPSN, ACK, Some(1)),
-            (base::ACKNOWLEDGE, EPSN + 1, seq, Some(1)),
-        ]
-    );
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN, ACK, Some(1)), (base::ACKNOWLEDGE, EPSN + 1, seq, Some(1)),]);
 }
 
 #[test]
@@ -364,9 +291,6 @@ fn comm_established_on_the_first_packet_in_rtr() {
     r.post_recv(1, 64);
     r.send(base::SEND_ONLY, EPSN, true, 1);
     r.send(base::SEND_ONLY, EPSN + 1, true, 1);
-    assert_eq!(
-        r.hca.poll_event(),
-        Some(crate::AsyncEvent::CommEstablished(r.qpn))
-    );
+    assert_eq!(r.hca.poll_event(), Some(crate::AsyncEvent::CommEstablished(r.qpn)));
     assert_eq!(r.hca.poll_event(), None);
 }

@@ -101,10 +101,7 @@ pub enum SendOp {
 impl SendOp {
     /// RDMA READ or atomic: bounded by `max_rd_atomic` and subject to fences.
     pub const fn is_read_or_atomic(&self) -> bool {
-        matches!(
-            self,
-            SendOp::Read { .. } | SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. }
-        )
+        matches!(self, SendOp::Read { .. } | SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. })
     }
     /// An atomic.
     pub const fn is_atomic(&self) -> bool {
@@ -112,10 +109,7 @@ impl SendOp {
     }
     /// A send (plain, immediate or invalidate).
     pub const fn is_send(&self) -> bool {
-        matches!(
-            self,
-            SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_)
-        )
+        matches!(self, SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_))
     }
 }
 

@@ -102,7 +102,8 @@ impl UdpPort {
     /// retransmits.
     pub fn send_to(&self, buf: &[u8], dst: SocketAddr) -> io::Result<()> {
         let s = if dst.is_ipv4() { self.v4.as_ref() } else { self.v6.as_ref() };
-        let (s, _) = s.ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "no socket for this address family"))?;
+        let (s, _) =
+            s.ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "no socket for this address family"))?;
         match s.send_to(buf, dst) {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
@@ -296,7 +297,12 @@ impl UdpPort {
                     // checksum offload) turns GSO off for good; the transport retransmits.
                     _ => {
                         let (a, b) = run[off];
-                        if b - a > 1 && matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EIO | libc::ENOPROTOOPT | libc::EOPNOTSUPP)) {
+                        if b - a > 1
+                            && matches!(
+                                e.raw_os_error(),
+                                Some(libc::EINVAL | libc::EIO | libc::ENOPROTOOPT | libc::EOPNOTSUPP)
+                            )
+                        {
                             self.gso.store(false, std::sync::atomic::Ordering::Relaxed);
                         }
                         errors += b - a;
@@ -344,7 +350,11 @@ pub fn recv_batch(sock: &UdpSocket, buf: &mut [u8], slot: usize, meta: &mut [RxM
     let mut addrs: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
     let mut ctl = [[0u64; 8]; BATCH];
     let base = buf.as_mut_ptr();
-    let setup = |i: usize, iov: &mut libc::iovec, h: &mut libc::msghdr, addr: &mut libc::sockaddr_storage, ctl: &mut [u64; 8]| {
+    let setup = |i: usize,
+                 iov: &mut libc::iovec,
+                 h: &mut libc::msghdr,
+                 addr: &mut libc::sockaddr_storage,
+                 ctl: &mut [u64; 8]| {
         // SAFETY: i * slot + slot <= buf.len() by the choice of n.
         *iov = libc::iovec { iov_base: unsafe { base.add(i * slot) } as *mut libc::c_void, iov_len: slot };
         h.msg_name = addr as *mut _ as *mut libc::c_void;
@@ -389,7 +399,9 @@ pub fn recv_batch(sock: &UdpSocket, buf: &mut [u8], slot: usize, meta: &mut [RxM
     // SAFETY: every message points at a distinct `slot`-byte piece of `buf` and at its own address
     // and control buffers, all live for the call; the socket is non-blocking, so a null timeout
     // never waits.
-    let rc = unsafe { libc::recvmmsg(sock.as_raw_fd(), msgs.as_mut_ptr().add(1), (n - 1) as libc::c_uint, 0, std::ptr::null_mut()) };
+    let rc = unsafe {
+        libc::recvmmsg(sock.as_raw_fd(), msgs.as_mut_ptr().add(1), (n - 1) as libc::c_uint, 0, std::ptr::null_mut())
+    };
     if rc <= 0 {
         return Ok(1);
     }

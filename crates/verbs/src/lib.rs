@@ -22,8 +22,8 @@
 //! port 4791 of the device's address (configurable for tests). Two processes on one host use two
 //! devices on two loopback addresses.
 
-pub mod daemon;
 pub mod cm;
+pub mod daemon;
 pub mod device;
 pub mod error;
 pub mod io;
@@ -33,19 +33,19 @@ pub mod verbs;
 
 pub use cm::{CmEvent, CmEventChannel, CmId};
 pub use device::{devices, open_device, DeviceBuilder};
-pub use softrdma_cm::{ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace};
 pub use error::Error;
 pub use memory::MemoryRegion;
+pub use softrdma_cm::{ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace};
 pub use softrdma_device::{DeviceAttr, DeviceInfo, Gid, PortAttr};
 pub use softrdma_transport::wr::{Payload, UdDest};
 pub use softrdma_transport::{
-    Access, AddressVector, AsyncEvent, ModifyQp, Mtu, QpCap, QpState, QpType, RecvWr, SendFlags, SendOp,
-    SendWr, Sge, WcFlags, WcOpcode, WcStatus, WorkCompletion,
+    Access, AddressVector, AsyncEvent, ModifyQp, Mtu, QpCap, QpState, QpType, RecvWr, SendFlags, SendOp, SendWr, Sge,
+    WcFlags, WcOpcode, WcStatus, WorkCompletion,
 };
 pub use softrdma_wire::{Psn, Qpn};
 pub use verbs::{
-    AddressHandle, AhAttr, CompletionChannel, ConnectParams, CompletionQueue, Context, ProtectionDomain, QpInitAttr, QueuePair,
-    SharedReceiveQueue,
+    AddressHandle, AhAttr, CompletionChannel, CompletionQueue, ConnectParams, Context, ProtectionDomain, QpInitAttr,
+    QueuePair, SharedReceiveQueue,
 };
 
 /// The RoCEv2 UDP destination port.

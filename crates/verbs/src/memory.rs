@@ -198,7 +198,15 @@ fn write_right(kind: KeyKind) -> Access {
 }
 
 impl MemoryAccess for MrTable {
-    fn check(&self, pd: PdId, key: u32, _kind: KeyKind, addr: u64, len: u64, access: Access) -> core::result::Result<(), MemError> {
+    fn check(
+        &self,
+        pd: PdId,
+        key: u32,
+        _kind: KeyKind,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> core::result::Result<(), MemError> {
         self.resolve(pd, key, addr, len, access).map(|_| ())
     }
 
@@ -213,7 +221,14 @@ impl MemoryAccess for MrTable {
         Ok(())
     }
 
-    fn write(&mut self, pd: PdId, key: u32, kind: KeyKind, addr: u64, data: &[u8]) -> core::result::Result<(), MemError> {
+    fn write(
+        &mut self,
+        pd: PdId,
+        key: u32,
+        kind: KeyKind,
+        addr: u64,
+        data: &[u8],
+    ) -> core::result::Result<(), MemError> {
         let p = match self.resolve(pd, key, addr, data.len() as u64, write_right(kind))? {
             Loc::Local(p) => p,
             Loc::Remote(pid, a) => return process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true),
@@ -296,7 +311,12 @@ impl MemoryRegion {
         match dev {
             Dev::Embedded(h) => Ok(h.dev.lock().mem.insert(pd, ptr, len, access)),
             Dev::Daemon(s) => {
-                let req = softrdma_abi::msg::Request::RegMr { pd: pd.0, addr: ptr as u64, len: len as u64, access: access.bits() };
+                let req = softrdma_abi::msg::Request::RegMr {
+                    pd: pd.0,
+                    addr: ptr as u64,
+                    len: len as u64,
+                    access: access.bits(),
+                };
                 s.call_id(&req)
             }
         }
@@ -441,6 +461,10 @@ impl Drop for MemoryRegion {
 
 impl std::fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryRegion").field("key", &self.key).field("addr", &self.addr()).field("len", &self.len()).finish()
+        f.debug_struct("MemoryRegion")
+            .field("key", &self.key)
+            .field("addr", &self.addr())
+            .field("len", &self.len())
+            .finish()
     }
 }

@@ -21,7 +21,9 @@ use std::time::Duration;
 
 use softrdma_device::DeviceInfo;
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{seal_udp_payload, seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats};
+use softrdma_wire::roce::{
+    seal_udp_payload, seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats,
+};
 
 use crate::cm::CmState;
 use crate::error::{Error, Result};
@@ -300,9 +302,10 @@ impl Device {
             let st = &mut *st;
             st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
                 let dst = SocketAddr::new(gid_ip(&dgid), self.port.port());
-                let sent = self.port.local_for(&dst).is_some_and(|src| {
-                    seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok()
-                });
+                let sent = self
+                    .port
+                    .local_for(&dst)
+                    .is_some_and(|src| seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok());
                 if !sent {
                     st.tx_errors += 1;
                 }
@@ -311,7 +314,8 @@ impl Device {
         let State { hca, mem, tx_buf, tx_errors, qp_traffic, .. } = &mut *st;
         let gso = self.port.gso();
         loop {
-            let mut meta = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            let mut meta =
+                [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
             let mut slots = [0usize; udp::BATCH];
             let (mut n, mut k) = (0, 0);
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {

@@ -22,7 +22,8 @@ fn open(last: u8, port: u16) -> Context {
 fn qp(ctx: &Context, cq: &CompletionQueue, t: QpType) -> (softrdma_verbs::ProtectionDomain, QueuePair) {
     let pd = ctx.alloc_pd();
     let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-    let qp = pd.create_qp(&QpInitAttr { qp_type: t, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false }).unwrap();
+    let qp =
+        pd.create_qp(&QpInitAttr { qp_type: t, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false }).unwrap();
     (pd, qp)
 }
 
@@ -103,8 +104,24 @@ fn connect_transfer_disconnect() {
     let cm = c.cpd.reg_mr(8192, Access::LOCAL_WRITE).unwrap();
     cm.write(0, &[7u8; 5000]).unwrap();
     c.sqp.post_recv(RecvWr { wr_id: 1, sgl: vec![sm.sge(0, 8192).unwrap()] }).unwrap();
-    c.cqp.post_send(SendWr { wr_id: 2, op: SendOp::Send, payload: Payload::Sgl(vec![cm.sge(0, 5000).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
-    c.cqp.post_send(SendWr { wr_id: 3, op: SendOp::Write { remote_addr: sm.addr() + 6000, rkey: sm.rkey() }, payload: Payload::Sgl(vec![cm.sge(0, 100).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+    c.cqp
+        .post_send(SendWr {
+            wr_id: 2,
+            op: SendOp::Send,
+            payload: Payload::Sgl(vec![cm.sge(0, 5000).unwrap()]),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        })
+        .unwrap();
+    c.cqp
+        .post_send(SendWr {
+            wr_id: 3,
+            op: SendOp::Write { remote_addr: sm.addr() + 6000, rkey: sm.rkey() },
+            payload: Payload::Sgl(vec![cm.sge(0, 100).unwrap()]),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        })
+        .unwrap();
     let w = wait_wc(&c.ccq, 2);
     assert!(w.iter().all(|w| w.status == WcStatus::Success), "{w:?}");
     let r = wait_wc(&c.scq, 1);
@@ -186,7 +203,8 @@ fn ud_resolution_with_sidr() {
 fn migrate_moves_later_events_to_another_channel() {
     let sctx = open(10, 47915);
     let cctx = open(9, 47915);
-    let (sch, cch, other) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
+    let (sch, cch, other) =
+        (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
     let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
     listener.bind_addr(SocketAddr::new(ip(10), 7471)).unwrap();
     listener.listen(1).unwrap();

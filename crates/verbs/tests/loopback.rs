@@ -5,9 +5,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use softrdma_verbs::{
-    Access, AhAttr, CompletionQueue, Context, DeviceBuilder, ModifyQp, Mtu, Payload, ProtectionDomain, Psn,
-    QpCap, QpInitAttr, QpState, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus,
-    WorkCompletion,
+    Access, AhAttr, CompletionQueue, Context, DeviceBuilder, ModifyQp, Mtu, Payload, ProtectionDomain, Psn, QpCap,
+    QpInitAttr, QpState, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// A port of our own per test so tests run in parallel.
@@ -30,9 +29,8 @@ fn side(ctx: Context, qp_type: QpType) -> Side {
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(4096, None).unwrap();
     let cap = QpCap { max_send_wr: 1024, max_recv_wr: 1024, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 64 };
-    let qp = pd
-        .create_qp(&QpInitAttr { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false })
-        .unwrap();
+    let qp =
+        pd.create_qp(&QpInitAttr { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false }).unwrap();
     Side { ctx, pd, cq, qp }
 }
 
@@ -43,7 +41,12 @@ fn connect(a: &Side, b: &Side, mtu: Mtu) {
                 state: Some(QpState::Init),
                 pkey_index: Some(0),
                 port: Some(1),
-                access: Some(Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC)),
+                access: Some(
+                    Access::LOCAL_WRITE
+                        .with(Access::REMOTE_WRITE)
+                        .with(Access::REMOTE_READ)
+                        .with(Access::REMOTE_ATOMIC),
+                ),
                 ..Default::default()
             })
             .unwrap();
@@ -107,7 +110,14 @@ fn rc_every_operation_and_size() {
         // SEND with immediate.
         b.qp.post_recv(RecvWr { wr_id: 10, sgl: vec![mb.sge(0, BIG).unwrap()] }).unwrap();
         let sgl = vec![ma.sge(0, len).unwrap()];
-        a.qp.post_send(SendWr { wr_id: 1, op: SendOp::SendWithImm(0xabcd), payload: Payload::Sgl(sgl.clone()), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        a.qp.post_send(SendWr {
+            wr_id: 1,
+            op: SendOp::SendWithImm(0xabcd),
+            payload: Payload::Sgl(sgl.clone()),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        })
+        .unwrap();
         let wa = wait(&a.cq, 1);
         let wb = wait(&b.cq, 1);
         assert_eq!((wa[0].status, wa[0].opcode), (WcStatus::Success, WcOpcode::Send), "len {len}");
@@ -115,15 +125,40 @@ fn rc_every_operation_and_size() {
         assert!(mb.to_vec(0, len).unwrap() == data, "send data, len {len}");
         // WRITE into the second half, then READ it back into A's second half.
         mb.fill(0);
-        a.qp.post_send(SendWr { wr_id: 2, op: SendOp::Write { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() }, payload: Payload::Sgl(sgl.clone()), flags: SendFlags::SIGNALED, ud: None }).unwrap();
-        a.qp.post_send(SendWr { wr_id: 3, op: SendOp::Read { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() }, payload: Payload::Sgl(vec![ma.sge(BIG, len).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        a.qp.post_send(SendWr {
+            wr_id: 2,
+            op: SendOp::Write { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() },
+            payload: Payload::Sgl(sgl.clone()),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        })
+        .unwrap();
+        a.qp.post_send(SendWr {
+            wr_id: 3,
+            op: SendOp::Read { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() },
+            payload: Payload::Sgl(vec![ma.sge(BIG, len).unwrap()]),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        })
+        .unwrap();
         let wa = wait(&a.cq, 2);
-        assert_eq!(wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(), vec![(2, WcStatus::Success), (3, WcStatus::Success)], "len {len}");
+        assert_eq!(
+            wa.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+            vec![(2, WcStatus::Success), (3, WcStatus::Success)],
+            "len {len}"
+        );
         assert!(mb.to_vec(BIG, len).unwrap() == data, "write data, len {len}");
         assert!(ma.to_vec(BIG, len).unwrap() == data, "read data, len {len}");
         // WRITE with immediate.
         b.qp.post_recv(RecvWr { wr_id: 11, sgl: vec![] }).unwrap();
-        a.qp.post_send(SendWr { wr_id: 4, op: SendOp::WriteWithImm { remote_addr: mb.addr(), rkey: mb.rkey(), imm: 7 }, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        a.qp.post_send(SendWr {
+            wr_id: 4,
+            op: SendOp::WriteWithImm { remote_addr: mb.addr(), rkey: mb.rkey(), imm: 7 },
+            payload: Payload::Sgl(sgl),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        })
+        .unwrap();
         assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
         let wb = wait(&b.cq, 1);
         assert_eq!((wb[0].opcode, wb[0].byte_len, wb[0].imm), (WcOpcode::RecvRdmaWithImm, len as u32, 7));
@@ -131,8 +166,22 @@ fn rc_every_operation_and_size() {
     }
     // Atomics.
     mb.write(64, &100u64.to_ne_bytes()).unwrap();
-    a.qp.post_send(SendWr { wr_id: 5, op: SendOp::FetchAdd { remote_addr: mb.addr() + 64, rkey: mb.rkey(), add: 5 }, payload: Payload::Sgl(vec![ma.sge(0, 8).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
-    a.qp.post_send(SendWr { wr_id: 6, op: SendOp::CompareSwap { remote_addr: mb.addr() + 64, rkey: mb.rkey(), compare: 105, swap: 1 }, payload: Payload::Sgl(vec![ma.sge(8, 8).unwrap()]), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 5,
+        op: SendOp::FetchAdd { remote_addr: mb.addr() + 64, rkey: mb.rkey(), add: 5 },
+        payload: Payload::Sgl(vec![ma.sge(0, 8).unwrap()]),
+        flags: SendFlags::SIGNALED,
+        ud: None,
+    })
+    .unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 6,
+        op: SendOp::CompareSwap { remote_addr: mb.addr() + 64, rkey: mb.rkey(), compare: 105, swap: 1 },
+        payload: Payload::Sgl(vec![ma.sge(8, 8).unwrap()]),
+        flags: SendFlags::SIGNALED,
+        ud: None,
+    })
+    .unwrap();
     let wa = wait(&a.cq, 2);
     assert!(wa.iter().all(|w| w.status == WcStatus::Success));
     assert_eq!(ma.to_vec(0, 16).unwrap(), [100u64.to_ne_bytes(), 105u64.to_ne_bytes()].concat());
@@ -146,7 +195,14 @@ fn ud_send_with_grh() {
     let a = side(open(3, 48792), QpType::Ud);
     let b = side(open(4, 48792), QpType::Ud);
     for s in [&a, &b] {
-        s.qp.modify(&ModifyQp { state: Some(QpState::Init), pkey_index: Some(0), port: Some(1), qkey: Some(0x1111_1111), ..Default::default() }).unwrap();
+        s.qp.modify(&ModifyQp {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            qkey: Some(0x1111_1111),
+            ..Default::default()
+        })
+        .unwrap();
         s.qp.modify(&ModifyQp { state: Some(QpState::Rtr), ..Default::default() }).unwrap();
         s.qp.modify(&ModifyQp { state: Some(QpState::Rts), sq_psn: Some(Psn::new(1)), ..Default::default() }).unwrap();
     }
@@ -156,7 +212,14 @@ fn ud_send_with_grh() {
     ma.write(0, &data).unwrap();
     b.qp.post_recv(RecvWr { wr_id: 1, sgl: vec![mb.sge(0, 40 + 512).unwrap()] }).unwrap();
     let ah = a.pd.create_ah(&AhAttr::new(b.ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
-    a.qp.post_send(SendWr { wr_id: 2, op: SendOp::SendWithImm(5), payload: Payload::Sgl(vec![ma.sge(0, 512).unwrap()]), flags: SendFlags::SIGNALED, ud: Some(ah.ud(b.qp.qpn(), 0x1111_1111)) }).unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 2,
+        op: SendOp::SendWithImm(5),
+        payload: Payload::Sgl(vec![ma.sge(0, 512).unwrap()]),
+        flags: SendFlags::SIGNALED,
+        ud: Some(ah.ud(b.qp.qpn(), 0x1111_1111)),
+    })
+    .unwrap();
     assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
     let wb = wait(&b.cq, 1);
     assert_eq!((wb[0].status, wb[0].byte_len, wb[0].src_qp, wb[0].imm), (WcStatus::Success, 552, a.qp.qpn(), 5));

@@ -47,8 +47,8 @@ use std::time::{Duration, Instant};
 
 use common::{all_rights, compare, pattern, Endpoint};
 use softrdma_verbs::{
-    ConnectParams, Context, DeviceBuilder, Gid, Mtu, Payload, Psn, RecvWr, SendFlags, SendOp,
-    SendWr, WcFlags, WcOpcode, WcStatus, WorkCompletion, ROCE_PORT,
+    ConnectParams, Context, DeviceBuilder, Gid, Mtu, Payload, Psn, RecvWr, SendFlags, SendOp, SendWr, WcFlags,
+    WcOpcode, WcStatus, WorkCompletion, ROCE_PORT,
 };
 use softrdma_wire::roce::seal_udp_payload;
 
@@ -105,11 +105,7 @@ fn sh(args: &[&str]) -> Result<String, String> {
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
-        Err(format!(
-            "`{}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
@@ -129,10 +125,7 @@ struct Net {
 impl Net {
     fn create() -> Result<Net, String> {
         let pid = std::process::id();
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos();
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
         let tag = format!("srdma-{pid}-{:x}", nanos & 0xffff);
         // A subnet number per run; the addresses exist only inside our namespaces anyway.
         let n = (pid % 250) as u8 + 1;
@@ -153,30 +146,10 @@ impl Net {
         let (na, nb) = (net.ns_a.as_str(), net.ns_b.as_str());
         // Created inside A with its peer moved straight into B: no name ever exists in the host's
         // namespace.
-        sh(&[
-            "ip", "-n", na, "link", "add", "vA", "type", "veth", "peer", "name", "vB", "netns", nb,
-        ])?;
-        sh(&[
-            "ip",
-            "-n",
-            na,
-            "addr",
-            "add",
-            &format!("{}/24", net.a),
-            "dev",
-            "vA",
-        ])?;
+        sh(&["ip", "-n", na, "link", "add", "vA", "type", "veth", "peer", "name", "vB", "netns", nb])?;
+        sh(&["ip", "-n", na, "addr", "add", &format!("{}/24", net.a), "dev", "vA"])?;
         for addr in [net.b, net.relay_a, net.relay_b] {
-            sh(&[
-                "ip",
-                "-n",
-                nb,
-                "addr",
-                "add",
-                &format!("{addr}/24"),
-                "dev",
-                "vB",
-            ])?;
+            sh(&["ip", "-n", nb, "addr", "add", &format!("{addr}/24"), "dev", "vB"])?;
         }
         for (ns, dev) in [(na, "vA"), (nb, "vB"), (na, "lo"), (nb, "lo")] {
             sh(&["ip", "-n", ns, "link", "set", dev, "up"])?;
@@ -193,22 +166,8 @@ impl Net {
 
     /// Datagrams the loss rule of namespace `ns` dropped.
     fn dropped(&self, ns: &str) -> u64 {
-        let text = sh(&[
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "nft",
-            "list",
-            "table",
-            "inet",
-            "softrdma_loss",
-        ])
-        .unwrap();
-        let after = text
-            .split("counter packets ")
-            .nth(1)
-            .unwrap_or_else(|| panic!("no counter in {text}"));
+        let text = sh(&["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "softrdma_loss"]).unwrap();
+        let after = text.split("counter packets ").nth(1).unwrap_or_else(|| panic!("no counter in {text}"));
         after.split(' ').next().unwrap().parse().unwrap()
     }
 }
@@ -222,20 +181,12 @@ fn nft(ns: &str, rules: &str) -> Result<(), String> {
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("nft: {e}"))?;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(rules.as_bytes())
-        .map_err(|e| format!("nft: {e}"))?;
+    child.stdin.take().unwrap().write_all(rules.as_bytes()).map_err(|e| format!("nft: {e}"))?;
     let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "nft in {ns} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(format!("nft in {ns} failed: {}", String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
@@ -255,10 +206,7 @@ fn enter_netns(ns: &str) -> Result<(), String> {
     let f = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
     // SAFETY: setns on a valid descriptor; it changes only this thread's network namespace.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(format!(
-            "setns({path}): {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(format!("setns({path}): {}", std::io::Error::last_os_error()));
     }
     Ok(())
 }
@@ -286,14 +234,7 @@ fn private_sysfs() -> Result<(), String> {
             return Err(err("making / a slave mount"));
         }
         libc::umount2(c("/sys").as_ptr(), libc::MNT_DETACH);
-        if libc::mount(
-            c("sysfs").as_ptr(),
-            c("/sys").as_ptr(),
-            c("sysfs").as_ptr(),
-            0,
-            std::ptr::null(),
-        ) != 0
-        {
+        if libc::mount(c("sysfs").as_ptr(), c("/sys").as_ptr(), c("sysfs").as_ptr(), 0, std::ptr::null()) != 0 {
             return Err(err("mounting sysfs"));
         }
     }
@@ -307,11 +248,7 @@ fn open_in(ns: &str, name: &str, netdev: &str, ip: Ipv4Addr) -> Context {
         let (ns, name) = (ns2, name2);
         enter_netns(&ns)?;
         private_sysfs()?;
-        DeviceBuilder::new(&name, &netdev)
-            .addr(IpAddr::V4(ip))
-            .udp_port(ROCE_PORT)
-            .open()
-            .map_err(|e| e.to_string())
+        DeviceBuilder::new(&name, &netdev).addr(IpAddr::V4(ip)).udp_port(ROCE_PORT).open().map_err(|e| e.to_string())
     })
     .join()
     .expect("namespace thread")
@@ -356,14 +293,7 @@ struct Leg {
 
 impl Relay {
     /// `a`, `b`: the devices; `ra`, `rb`: the relay's addresses B and A believe are their peers'.
-    fn start(
-        ns: &str,
-        a: SocketAddr,
-        b: SocketAddr,
-        ra: SocketAddr,
-        rb: SocketAddr,
-        seed: u64,
-    ) -> Relay {
+    fn start(ns: &str, a: SocketAddr, b: SocketAddr, ra: SocketAddr, rb: SocketAddr, seed: u64) -> Relay {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = std::sync::mpsc::channel();
         let (ns, st) = (ns.to_string(), Arc::clone(&stop));
@@ -405,10 +335,7 @@ impl Relay {
             }
         });
         rx.recv().unwrap().unwrap_or_else(|e| panic!("relay: {e}"));
-        Relay {
-            stop,
-            thread: Some(thread),
-        }
+        Relay { stop, thread: Some(thread) }
     }
 
     fn finish(mut self) -> RelayStats {
@@ -426,20 +353,12 @@ impl Drop for Relay {
     }
 }
 
-fn relay_loop(
-    socks: &[UdpSocket; 2],
-    legs: &[Leg; 2],
-    stop: &AtomicBool,
-    mut rng: Rng,
-) -> RelayStats {
+fn relay_loop(socks: &[UdpSocket; 2], legs: &[Leg; 2], stop: &AtomicBool, mut rng: Rng) -> RelayStats {
     let mut stats = RelayStats::default();
     // Held-back datagrams: (due, outgoing socket, destination, bytes).
     let mut held: Vec<(Instant, usize, SocketAddr, Vec<u8>)> = Vec::new();
     let mut buf = vec![0u8; 65536];
-    let local = [
-        socks[0].local_addr().unwrap(),
-        socks[1].local_addr().unwrap(),
-    ];
+    let local = [socks[0].local_addr().unwrap(), socks[1].local_addr().unwrap()];
     let send = |stats: &mut RelayStats, out: usize, to: SocketAddr, pkt: &[u8]| {
         if socks[out].send_to(pkt, to).is_err() {
             stats.send_errors += 1;
@@ -447,20 +366,9 @@ fn relay_loop(
     };
     while !stop.load(Ordering::Acquire) {
         let now = Instant::now();
-        let wait = held
-            .iter()
-            .map(|h| h.0.saturating_duration_since(now))
-            .min()
-            .unwrap_or(Duration::from_millis(20));
-        let ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: wait.min(Duration::from_millis(20)).as_nanos() as libc::c_long,
-        };
-        let mut fds = [0, 1].map(|i| libc::pollfd {
-            fd: socks[i].as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
+        let wait = held.iter().map(|h| h.0.saturating_duration_since(now)).min().unwrap_or(Duration::from_millis(20));
+        let ts = libc::timespec { tv_sec: 0, tv_nsec: wait.min(Duration::from_millis(20)).as_nanos() as libc::c_long };
+        let mut fds = [0, 1].map(|i| libc::pollfd { fd: socks[i].as_raw_fd(), events: libc::POLLIN, revents: 0 });
         // SAFETY: a live array of two pollfds and a live timespec.
         unsafe { libc::ppoll(fds.as_mut_ptr(), 2, &ts, std::ptr::null()) };
         for i in 0..2 {
@@ -517,19 +425,9 @@ enum Op {
     CmpSwap,
 }
 
-const OPS: [Op; 7] = [
-    Op::Send,
-    Op::SendImm,
-    Op::Write,
-    Op::WriteImm,
-    Op::Read,
-    Op::FetchAdd,
-    Op::CmpSwap,
-];
+const OPS: [Op; 7] = [Op::Send, Op::SendImm, Op::Write, Op::WriteImm, Op::Read, Op::FetchAdd, Op::CmpSwap];
 const ROUNDS: usize = 24;
-const SIZES: [usize; 12] = [
-    0, 1, 63, 1000, 1024, 1025, 2048, 4096, 5000, 16384, 30000, 65536,
-];
+const SIZES: [usize; 12] = [0, 1, 63, 1000, 1024, 1025, 2048, 4096, 5000, 16384, 30000, 65536];
 const GUARD: usize = 64;
 const CANARY: u8 = 0x5a;
 const WINDOW: usize = 24;
@@ -576,11 +474,7 @@ fn workload(dir: u32, rng: &mut Rng) -> (Vec<Msg>, usize) {
             };
             let init = rng.next();
             // Half of the compare-and-swaps match.
-            let arg1 = if op == Op::CmpSwap && r % 2 == 0 {
-                init
-            } else {
-                rng.next()
-            };
+            let arg1 = if op == Op::CmpSwap && r % 2 == 0 { init } else { rng.next() };
             msgs.push(Msg {
                 op,
                 len,
@@ -620,9 +514,7 @@ impl Side<'_> {
         let mr = &self.ep.mr;
         for m in self.mine {
             match m.op {
-                Op::Send | Op::SendImm | Op::Write | Op::WriteImm => {
-                    mr.write(m.off, &pattern(m.len, m.seed)).unwrap()
-                }
+                Op::Send | Op::SendImm | Op::Write | Op::WriteImm => mr.write(m.off, &pattern(m.len, m.seed)).unwrap(),
                 _ => mr.write(m.off, &vec![CANARY; m.len + GUARD]).unwrap(),
             }
         }
@@ -634,18 +526,8 @@ impl Side<'_> {
                 _ => mr.write(at, &vec![CANARY; m.len + GUARD]).unwrap(),
             }
             if m.consumes_recv() {
-                let sgl = if m.op == Op::WriteImm {
-                    vec![]
-                } else {
-                    vec![self.ep.sge(at, m.len + GUARD)]
-                };
-                self.ep
-                    .qp
-                    .post_recv(RecvWr {
-                        wr_id: i as u64,
-                        sgl,
-                    })
-                    .unwrap();
+                let sgl = if m.op == Op::WriteImm { vec![] } else { vec![self.ep.sge(at, m.len + GUARD)] };
+                self.ep.qp.post_recv(RecvWr { wr_id: i as u64, sgl }).unwrap();
             }
         }
     }
@@ -660,39 +542,14 @@ impl Side<'_> {
             let op = match m.op {
                 Op::Send => SendOp::Send,
                 Op::SendImm => SendOp::SendWithImm(m.imm),
-                Op::Write => SendOp::Write {
-                    remote_addr: remote,
-                    rkey,
-                },
-                Op::WriteImm => SendOp::WriteWithImm {
-                    remote_addr: remote,
-                    rkey,
-                    imm: m.imm,
-                },
-                Op::Read => SendOp::Read {
-                    remote_addr: remote,
-                    rkey,
-                },
-                Op::FetchAdd => SendOp::FetchAdd {
-                    remote_addr: remote,
-                    rkey,
-                    add: m.arg1,
-                },
-                Op::CmpSwap => SendOp::CompareSwap {
-                    remote_addr: remote,
-                    rkey,
-                    compare: m.arg1,
-                    swap: m.arg2,
-                },
+                Op::Write => SendOp::Write { remote_addr: remote, rkey },
+                Op::WriteImm => SendOp::WriteWithImm { remote_addr: remote, rkey, imm: m.imm },
+                Op::Read => SendOp::Read { remote_addr: remote, rkey },
+                Op::FetchAdd => SendOp::FetchAdd { remote_addr: remote, rkey, add: m.arg1 },
+                Op::CmpSwap => SendOp::CompareSwap { remote_addr: remote, rkey, compare: m.arg1, swap: m.arg2 },
             };
             let sgl = vec![self.ep.sge(m.off, m.len)];
-            let wr = SendWr {
-                wr_id: i as u64,
-                op,
-                payload: Payload::Sgl(sgl),
-                flags: SendFlags::SIGNALED,
-                ud: None,
-            };
+            let wr = SendWr { wr_id: i as u64, op, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud: None };
             self.ep.qp.post_send(wr).expect("post_send");
             self.posted += 1;
         }
@@ -702,12 +559,7 @@ impl Side<'_> {
         let mut wcs = Vec::new();
         self.ep.cq.poll(64, &mut wcs).unwrap();
         for wc in wcs {
-            assert_eq!(
-                wc.status,
-                WcStatus::Success,
-                "completion {wc:?} (status {})",
-                wc.status.description()
-            );
+            assert_eq!(wc.status, WcStatus::Success, "completion {wc:?} (status {})", wc.status.description());
             if matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
                 self.recvs_done.push(wc);
             } else {
@@ -733,47 +585,23 @@ impl Side<'_> {
                 Op::CmpSwap => WcOpcode::CompSwap,
             };
             if wc.wr_id != i as u64 || wc.opcode != want {
-                return Err(format!(
-                    "send completion {i}: {wc:?}, expected wr_id {i} {want:?}"
-                ));
+                return Err(format!("send completion {i}: {wc:?}, expected wr_id {i} {want:?}"));
             }
-            let what = format!(
-                "{}: requester side of {:?} #{i} ({} bytes)",
-                self.ep.ctx.name(),
-                m.op,
-                m.len
-            );
+            let what = format!("{}: requester side of {:?} #{i} ({} bytes)", self.ep.ctx.name(), m.op, m.len);
             match m.op {
-                Op::Send | Op::SendImm | Op::Write | Op::WriteImm => compare(
-                    &what,
-                    &mr.to_vec(m.off, m.len).unwrap(),
-                    &pattern(m.len, m.seed),
-                )?,
-                Op::Read => compare(
-                    &what,
-                    &mr.to_vec(m.off, m.len).unwrap(),
-                    &pattern(m.len, m.seed),
-                )?,
-                Op::FetchAdd | Op::CmpSwap => compare(
-                    &what,
-                    &mr.to_vec(m.off, 8).unwrap(),
-                    &m.atomic_result().1.to_ne_bytes(),
-                )?,
+                Op::Send | Op::SendImm | Op::Write | Op::WriteImm => {
+                    compare(&what, &mr.to_vec(m.off, m.len).unwrap(), &pattern(m.len, m.seed))?
+                }
+                Op::Read => compare(&what, &mr.to_vec(m.off, m.len).unwrap(), &pattern(m.len, m.seed))?,
+                Op::FetchAdd | Op::CmpSwap => {
+                    compare(&what, &mr.to_vec(m.off, 8).unwrap(), &m.atomic_result().1.to_ne_bytes())?
+                }
             }
             if !matches!(m.op, Op::Send | Op::SendImm | Op::Write | Op::WriteImm) {
-                compare(
-                    &format!("{what}, guard"),
-                    &mr.to_vec(m.off + m.len, GUARD).unwrap(),
-                    &[CANARY; GUARD],
-                )?;
+                compare(&format!("{what}, guard"), &mr.to_vec(m.off + m.len, GUARD).unwrap(), &[CANARY; GUARD])?;
             }
         }
-        let consumers: Vec<(usize, &Msg)> = self
-            .theirs
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.consumes_recv())
-            .collect();
+        let consumers: Vec<(usize, &Msg)> = self.theirs.iter().enumerate().filter(|(_, m)| m.consumes_recv()).collect();
         for (wc, (i, m)) in self.recvs_done.iter().zip(&consumers) {
             let (opcode, imm) = match m.op {
                 Op::Send => (WcOpcode::Recv, None),
@@ -781,40 +609,24 @@ impl Side<'_> {
                 _ => (WcOpcode::RecvRdmaWithImm, Some(m.imm)),
             };
             let got_imm = wc.flags.contains(WcFlags::WITH_IMM).then_some(wc.imm);
-            if wc.wr_id != *i as u64
-                || wc.opcode != opcode
-                || wc.byte_len as usize != m.len
-                || got_imm != imm
-            {
-                return Err(format!("receive completion for #{i}: {wc:?}, expected {opcode:?} of {} bytes, imm {imm:?}", m.len));
+            if wc.wr_id != *i as u64 || wc.opcode != opcode || wc.byte_len as usize != m.len || got_imm != imm {
+                return Err(format!(
+                    "receive completion for #{i}: {wc:?}, expected {opcode:?} of {} bytes, imm {imm:?}",
+                    m.len
+                ));
             }
         }
         for (i, m) in self.theirs.iter().enumerate() {
             let at = self.half + m.off;
-            let what = format!(
-                "{}: target side of {:?} #{i} ({} bytes)",
-                self.ep.ctx.name(),
-                m.op,
-                m.len
-            );
+            let what = format!("{}: target side of {:?} #{i} ({} bytes)", self.ep.ctx.name(), m.op, m.len);
             match m.op {
-                Op::FetchAdd | Op::CmpSwap => compare(
-                    &what,
-                    &mr.to_vec(at, 8).unwrap(),
-                    &m.atomic_result().0.to_ne_bytes(),
-                )?,
-                _ => compare(
-                    &what,
-                    &mr.to_vec(at, m.len).unwrap(),
-                    &pattern(m.len, m.seed),
-                )?,
+                Op::FetchAdd | Op::CmpSwap => {
+                    compare(&what, &mr.to_vec(at, 8).unwrap(), &m.atomic_result().0.to_ne_bytes())?
+                }
+                _ => compare(&what, &mr.to_vec(at, m.len).unwrap(), &pattern(m.len, m.seed))?,
             }
             if !matches!(m.op, Op::FetchAdd | Op::CmpSwap | Op::Read) {
-                compare(
-                    &format!("{what}, guard"),
-                    &mr.to_vec(at + m.len, GUARD).unwrap(),
-                    &[CANARY; GUARD],
-                )?;
+                compare(&format!("{what}, guard"), &mr.to_vec(at + m.len, GUARD).unwrap(), &[CANARY; GUARD])?;
             }
         }
         Ok(())
@@ -822,43 +634,25 @@ impl Side<'_> {
 }
 
 fn run(net: &Net) {
-    let seed = std::env::var("SOFTRDMA_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
-    println!(
-        "namespaces {} and {}, relay seed {seed} (SOFTRDMA_TEST_SEED to repeat)",
-        net.ns_a, net.ns_b
-    );
+    let seed = std::env::var("SOFTRDMA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+    });
+    println!("namespaces {} and {}, relay seed {seed} (SOFTRDMA_TEST_SEED to repeat)", net.ns_a, net.ns_b);
     let mut rng = Rng(seed ^ 0x5eed);
     let (work_a, len_a) = workload(1, &mut rng);
     let (work_b, len_b) = workload(2, &mut rng);
     let half = len_a.max(len_b).next_multiple_of(4096);
 
     let sa = |ip| SocketAddr::new(IpAddr::V4(ip), ROCE_PORT);
-    let relay = Relay::start(
-        &net.ns_b,
-        sa(net.a),
-        sa(net.b),
-        sa(net.relay_a),
-        sa(net.relay_b),
-        seed,
-    );
+    let relay = Relay::start(&net.ns_b, sa(net.a), sa(net.b), sa(net.relay_a), sa(net.relay_b), seed);
     let dev_a = open_in(&net.ns_a, "nsa", "vA", net.a);
     let dev_b = open_in(&net.ns_b, "nsb", "vB", net.b);
     let ea = Endpoint::new(dev_a, 2 * half, 512);
     let eb = Endpoint::new(dev_b, 2 * half, 512);
     // Each believes the relay's address is its peer's.
-    for (me, peer, peer_gid, mine, theirs) in [
-        (&ea, &eb, net.relay_b, 0x10_0000, 0x20_0000),
-        (&eb, &ea, net.relay_a, 0x20_0000, 0x10_0000),
-    ] {
+    for (me, peer, peer_gid, mine, theirs) in
+        [(&ea, &eb, net.relay_b, 0x10_0000, 0x20_0000), (&eb, &ea, net.relay_a, 0x20_0000, 0x10_0000)]
+    {
         let gid = Gid::from_ip(IpAddr::V4(peer_gid));
         let mut p = ConnectParams::new(peer.qp.qpn(), Psn::new(theirs), gid, Psn::new(mine));
         p.mtu = Mtu::M1024;
@@ -917,37 +711,17 @@ fn run(net: &Net) {
     let (drop_a, drop_b) = (net.dropped(&net.ns_a), net.dropped(&net.ns_b));
     let (ca, cb) = (ea.ctx.counters(), eb.ctx.counters());
     println!("traffic done in {elapsed:.2?}; relay {stats:?}; nft drops: into A {drop_a}, into B {drop_b}");
-    println!(
-        "A: {ca:?}\nB: {cb:?}\nICRC A {:?} B {:?}",
-        ea.ctx.icrc_stats(),
-        eb.ctx.icrc_stats()
-    );
+    println!("A: {ca:?}\nB: {cb:?}\nICRC A {:?} B {:?}", ea.ctx.icrc_stats(), eb.ctx.icrc_stats());
     a.check().unwrap_or_else(|e| panic!("{e}"));
     b.check().unwrap_or_else(|e| panic!("{e}"));
     // The impairments really happened, and the transport really worked around them.
-    assert!(
-        drop_a > 0 && drop_b > 0,
-        "the loss rules dropped nothing ({drop_a}, {drop_b})"
-    );
+    assert!(drop_a > 0 && drop_b > 0, "the loss rules dropped nothing ({drop_a}, {drop_b})");
     assert!(stats.duplicated > 0 && stats.delayed > 0, "relay {stats:?}");
-    assert_eq!(
-        (stats.foreign, stats.send_errors),
-        (0, 0),
-        "relay {stats:?}"
-    );
-    assert!(
-        ca.retransmits + cb.retransmits > 0,
-        "no retransmission despite loss"
-    );
-    assert!(
-        ca.duplicate_request + cb.duplicate_request > 0,
-        "no duplicate reached a responder"
-    );
+    assert_eq!((stats.foreign, stats.send_errors), (0, 0), "relay {stats:?}");
+    assert!(ca.retransmits + cb.retransmits > 0, "no retransmission despite loss");
+    assert!(ca.duplicate_request + cb.duplicate_request > 0, "no duplicate reached a responder");
     for (name, ctx) in [("A", &ea.ctx), ("B", &eb.ctx)] {
         let v = ctx.icrc_stats();
-        assert!(
-            v.bad == 0 && v.recovered == 0 && v.verified > 0,
-            "{name}: ICRC verdicts {v:?}"
-        );
+        assert!(v.bad == 0 && v.recovered == 0 && v.verified > 0, "{name}: ICRC verdicts {v:?}");
     }
 }

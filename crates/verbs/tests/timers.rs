@@ -26,12 +26,7 @@ fn retransmission_timer_armed_by_post_send_fires_without_polling() {
         .open()
         .unwrap();
     let ep = Endpoint::new(ctx, 4096, 16);
-    let mut p = ConnectParams::new(
-        Qpn::new(0x99),
-        Psn::new(0),
-        Gid::from_ip(IpAddr::V4(peer_ip)),
-        Psn::new(0),
-    );
+    let mut p = ConnectParams::new(Qpn::new(0x99), Psn::new(0), Gid::from_ip(IpAddr::V4(peer_ip)), Psn::new(0));
     p.timeout = 10;
     ep.qp.connect(&ep.pd, &p).unwrap();
     let mut buf = [0u8; 2048];
@@ -42,8 +37,5 @@ fn retransmission_timer_armed_by_post_send_fires_without_polling() {
     let first = Instant::now();
     peer.recv_from(&mut buf).expect("its retransmission");
     let gap = first.elapsed();
-    assert!(
-        gap < Duration::from_millis(60),
-        "a 4.2 ms retransmission timer fired after {gap:?}"
-    );
+    assert!(gap < Duration::from_millis(60), "a 4.2 ms retransmission timer fired after {gap:?}");
 }

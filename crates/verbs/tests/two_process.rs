@@ -19,9 +19,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::{compare, compare_fill, pattern, wait_one, Endpoint};
-use softrdma_verbs::{
-    ConnectParams, DeviceBuilder, Gid, Mtu, Psn, Qpn, RecvWr, SendOp, WcFlags, WcOpcode, WcStatus,
-};
+use softrdma_verbs::{ConnectParams, DeviceBuilder, Gid, Mtu, Psn, Qpn, RecvWr, SendOp, WcFlags, WcOpcode, WcStatus};
 
 /// This test's name, for `--exact` in the child.
 const TEST_NAME: &str = "two_processes_every_operation_every_size";
@@ -70,10 +68,7 @@ fn two_processes_every_operation_every_size() {
     match std::env::var(ROLE_ENV) {
         Ok(ports) => {
             let (tcp, udp) = ports.split_once(':').expect("TCP:UDP");
-            child(
-                tcp.parse().expect("control port"),
-                udp.parse().expect("UDP port"),
-            )
+            child(tcp.parse().expect("control port"), udp.parse().expect("UDP port"))
         }
         Err(_) => parent(),
     }
@@ -89,10 +84,7 @@ impl Ctl {
     fn new(s: TcpStream) -> Ctl {
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         s.set_nodelay(true).unwrap();
-        Ctl {
-            r: BufReader::new(s.try_clone().unwrap()),
-            w: s,
-        }
+        Ctl { r: BufReader::new(s.try_clone().unwrap()), w: s }
     }
 
     fn send(&mut self, line: &str) {
@@ -101,10 +93,7 @@ impl Ctl {
 
     fn recv(&mut self) -> String {
         let mut line = String::new();
-        let n = self
-            .r
-            .read_line(&mut line)
-            .expect("control channel: receive");
+        let n = self.r.read_line(&mut line).expect("control channel: receive");
         assert!(n > 0, "control channel: the peer closed it");
         let line = line.trim_end().to_string();
         if let Some(msg) = line.strip_prefix("FAIL ") {
@@ -142,10 +131,7 @@ struct Hello {
 
 impl Hello {
     fn line(&self) -> String {
-        format!(
-            "HELLO {:06x} {:06x} {} {:x} {:x}",
-            self.qpn, self.psn, self.gid, self.addr, self.rkey
-        )
+        format!("HELLO {:06x} {:06x} {} {:x} {:x}", self.qpn, self.psn, self.gid, self.addr, self.rkey)
     }
 
     fn parse(line: &str) -> Hello {
@@ -198,12 +184,7 @@ fn handshake(ep: &Endpoint, ctl: &mut Ctl, psn: u32, first: bool) -> Hello {
         ctl.send(&me.line());
         p
     };
-    let mut p = ConnectParams::new(
-        Qpn::new(peer.qpn),
-        Psn::new(peer.psn),
-        peer.gid,
-        Psn::new(me.psn),
-    );
+    let mut p = ConnectParams::new(Qpn::new(peer.qpn), Psn::new(peer.psn), peer.gid, Psn::new(me.psn));
     p.mtu = Mtu::M1024;
     ep.qp.connect(&ep.pd, &p).expect("connect");
     // Both QPs are in RTS before anyone sends.
@@ -240,15 +221,8 @@ fn parent() {
         ctl.send("BYE");
         ctl.expect("BYE");
         let icrc = ep.ctx.icrc_stats();
-        assert!(
-            icrc.verified > 0 && icrc.bad == 0 && icrc.recovered == 0,
-            "ICRC verdicts {icrc:?}"
-        );
-        eprintln!(
-            "parent: both directions done in {:.2?}; counters {:?}",
-            t.elapsed(),
-            ep.ctx.counters()
-        );
+        assert!(icrc.verified > 0 && icrc.bad == 0 && icrc.recovered == 0, "ICRC verdicts {icrc:?}");
+        eprintln!("parent: both directions done in {:.2?}; counters {:?}", t.elapsed(), ep.ctx.counters());
     }));
     let status = guard.wait(Duration::from_secs(30));
     let out = out.join().unwrap();
@@ -257,10 +231,7 @@ fn parent() {
         eprintln!("--- peer process stdout ---\n{out}\n--- peer process stderr ---\n{err}\n--- peer status {status:?}");
         resume_unwind(p);
     }
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "peer process failed ({status:?}):\n{out}\n{err}"
-    );
+    assert!(status.is_some_and(|s| s.success()), "peer process failed ({status:?}):\n{out}\n{err}");
 }
 
 fn child(port: u16, udp: u16) {
@@ -273,10 +244,7 @@ fn child(port: u16, udp: u16) {
     ctl.expect("BYE");
     ctl.send("BYE");
     let icrc = ep.ctx.icrc_stats();
-    assert!(
-        icrc.verified > 0 && icrc.bad == 0 && icrc.recovered == 0,
-        "ICRC verdicts {icrc:?}"
-    );
+    assert!(icrc.verified > 0 && icrc.bad == 0 && icrc.recovered == 0, "ICRC verdicts {icrc:?}");
     println!("child: done; counters {:?}", ep.ctx.counters());
 }
 
@@ -295,11 +263,7 @@ fn requester(ep: &Endpoint, peer: &Hello, ctl: &mut Ctl, dir: u32) {
             assert_eq!(wc.opcode, WcOpcode::Send, "send completion {wc:?}");
             ctl.send("SENT");
             ctl.expect("OK");
-            assert_eq!(
-                ep.mr.to_vec(SRC, len).unwrap(),
-                data,
-                "a SEND changed its own source"
-            );
+            assert_eq!(ep.mr.to_vec(SRC, len).unwrap(), data, "a SEND changed its own source");
         }
         // RDMA WRITE and WRITE with immediate into the peer's target area.
         for (i, imm) in [None, Some(0x1111_0000 | k as u32)].into_iter().enumerate() {
@@ -307,15 +271,8 @@ fn requester(ep: &Endpoint, peer: &Hello, ctl: &mut Ctl, dir: u32) {
             ep.mr.write(SRC, &data).unwrap();
             ctl.expect("READY");
             let op = match imm {
-                None => SendOp::Write {
-                    remote_addr: peer.addr,
-                    rkey: peer.rkey,
-                },
-                Some(imm) => SendOp::WriteWithImm {
-                    remote_addr: peer.addr,
-                    rkey: peer.rkey,
-                    imm,
-                },
+                None => SendOp::Write { remote_addr: peer.addr, rkey: peer.rkey },
+                Some(imm) => SendOp::WriteWithImm { remote_addr: peer.addr, rkey: peer.rkey, imm },
             };
             ep.post(20 + i as u64, op, SRC, len);
             let wc = wait_one(&ep.cq, 20 + i as u64);
@@ -326,31 +283,11 @@ fn requester(ep: &Endpoint, peer: &Hello, ctl: &mut Ctl, dir: u32) {
         // RDMA READ of the peer's target area into our own, canary-filled, target area.
         ctl.expect("READY");
         ep.mr.write(0, &vec![CANARY; len + GUARD]).unwrap();
-        ep.post(
-            30,
-            SendOp::Read {
-                remote_addr: peer.addr,
-                rkey: peer.rkey,
-            },
-            0,
-            len,
-        );
+        ep.post(30, SendOp::Read { remote_addr: peer.addr, rkey: peer.rkey }, 0, len);
         let wc = wait_one(&ep.cq, 30);
         assert_eq!(wc.opcode, WcOpcode::RdmaRead, "read completion {wc:?}");
-        let r = compare(
-            &format!("READ of {len} bytes"),
-            &ep.mr.to_vec(0, len).unwrap(),
-            &pattern(len, seed + 4),
-        )
-        .and_then(|_| {
-            compare_fill(
-                &format!("guard after a READ of {len} bytes"),
-                &ep.mr,
-                len,
-                GUARD,
-                CANARY,
-            )
-        });
+        let r = compare(&format!("READ of {len} bytes"), &ep.mr.to_vec(0, len).unwrap(), &pattern(len, seed + 4))
+            .and_then(|_| compare_fill(&format!("guard after a READ of {len} bytes"), &ep.mr, len, GUARD, CANARY));
         ctl.send("DONE");
         ctl.expect("OK");
         if let Err(e) = r {
@@ -368,12 +305,7 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
         for (i, imm) in [None, Some(0x5eed_0000 | k as u32)].into_iter().enumerate() {
             ep.mr.write(0, &vec![CANARY; len + GUARD]).unwrap();
             let id = ids.next().unwrap();
-            ep.qp
-                .post_recv(RecvWr {
-                    wr_id: id,
-                    sgl: vec![ep.sge(0, BIG + GUARD)],
-                })
-                .unwrap();
+            ep.qp.post_recv(RecvWr { wr_id: id, sgl: vec![ep.sge(0, BIG + GUARD)] }).unwrap();
             ctl.send("RECV_POSTED");
             ctl.expect("SENT");
             let wc = wait_one(&ep.cq, id);
@@ -385,15 +317,7 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
                         &pattern(len, seed + i as u32),
                     )
                 })
-                .and_then(|_| {
-                    compare_fill(
-                        &format!("guard after a SEND of {len} bytes"),
-                        &ep.mr,
-                        len,
-                        GUARD,
-                        CANARY,
-                    )
-                });
+                .and_then(|_| compare_fill(&format!("guard after a SEND of {len} bytes"), &ep.mr, len, GUARD, CANARY));
             ctl.verdict(r);
         }
         for (i, imm) in [None, Some(0x1111_0000 | k as u32)].into_iter().enumerate() {
@@ -401,12 +325,7 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
             let id = ids.next().unwrap();
             if imm.is_some() {
                 // A WRITE with immediate consumes a receive; its (empty) buffer is not touched.
-                ep.qp
-                    .post_recv(RecvWr {
-                        wr_id: id,
-                        sgl: vec![],
-                    })
-                    .unwrap();
+                ep.qp.post_recv(RecvWr { wr_id: id, sgl: vec![] }).unwrap();
             }
             ctl.send("READY");
             ctl.expect("DONE");
@@ -418,16 +337,10 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
                 let mut none = Vec::new();
                 ep.cq.poll(4, &mut none).unwrap();
                 if !none.is_empty() {
-                    r = Err(format!(
-                        "a plain WRITE made completions at the target: {none:?}"
-                    ));
+                    r = Err(format!("a plain WRITE made completions at the target: {none:?}"));
                 }
             }
-            let what = if imm.is_some() {
-                "WRITE with immediate"
-            } else {
-                "WRITE"
-            };
+            let what = if imm.is_some() { "WRITE with immediate" } else { "WRITE" };
             let r = r
                 .and_then(|_| {
                     compare(
@@ -437,13 +350,7 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
                     )
                 })
                 .and_then(|_| {
-                    compare_fill(
-                        &format!("guard after a {what} of {len} bytes"),
-                        &ep.mr,
-                        len,
-                        GUARD,
-                        CANARY,
-                    )
+                    compare_fill(&format!("guard after a {what} of {len} bytes"), &ep.mr, len, GUARD, CANARY)
                 });
             ctl.verdict(r);
         }
@@ -451,11 +358,7 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
         ep.mr.write(0, &data).unwrap();
         ctl.send("READY");
         ctl.expect("DONE");
-        let r = compare(
-            &format!("source of a READ of {len} bytes"),
-            &ep.mr.to_vec(0, len).unwrap(),
-            &data,
-        );
+        let r = compare(&format!("source of a READ of {len} bytes"), &ep.mr.to_vec(0, len).unwrap(), &data);
         ctl.verdict(r);
     }
     atomics_responder(ep, ctl);
@@ -468,14 +371,8 @@ fn check_recv(
     imm: Option<u32>,
 ) -> Result<(), String> {
     let got_imm = wc.flags.contains(WcFlags::WITH_IMM).then_some(wc.imm);
-    if wc.status != WcStatus::Success
-        || wc.opcode != opcode
-        || wc.byte_len as usize != len
-        || got_imm != imm
-    {
-        return Err(format!(
-            "receive completion {wc:?}, expected {opcode:?} of {len} bytes with immediate {imm:?}"
-        ));
+    if wc.status != WcStatus::Success || wc.opcode != opcode || wc.byte_len as usize != len || got_imm != imm {
+        return Err(format!("receive completion {wc:?}, expected {opcode:?} of {len} bytes with immediate {imm:?}"));
     }
     Ok(())
 }
@@ -495,73 +392,26 @@ fn atomics_requester(ep: &Endpoint, peer: &Hello, ctl: &mut Ctl) {
     let rkey = peer.rkey;
     // FETCH_ADD, then a CMP_SWAP that matches the sum, then one that does not match, then a
     // FETCH_ADD that wraps around 2^64.
-    ep.post(
-        40,
-        SendOp::FetchAdd {
-            remote_addr: word(WORD_A),
-            rkey,
-            add: ADD,
-        },
-        SRC,
-        8,
-    );
+    ep.post(40, SendOp::FetchAdd { remote_addr: word(WORD_A), rkey, add: ADD }, SRC, 8);
     ep.post(
         41,
-        SendOp::CompareSwap {
-            remote_addr: word(WORD_A),
-            rkey,
-            compare: A0.wrapping_add(ADD),
-            swap: SWAP,
-        },
+        SendOp::CompareSwap { remote_addr: word(WORD_A), rkey, compare: A0.wrapping_add(ADD), swap: SWAP },
         SRC + 8,
         8,
     );
-    ep.post(
-        42,
-        SendOp::CompareSwap {
-            remote_addr: word(WORD_A),
-            rkey,
-            compare: A0,
-            swap: 1,
-        },
-        SRC + 16,
-        8,
-    );
-    ep.post(
-        43,
-        SendOp::FetchAdd {
-            remote_addr: word(WORD_B),
-            rkey,
-            add: 3,
-        },
-        SRC + 24,
-        8,
-    );
+    ep.post(42, SendOp::CompareSwap { remote_addr: word(WORD_A), rkey, compare: A0, swap: 1 }, SRC + 16, 8);
+    ep.post(43, SendOp::FetchAdd { remote_addr: word(WORD_B), rkey, add: 3 }, SRC + 24, 8);
     for id in 40..44 {
         let wc = wait_one(&ep.cq, id);
-        let want = if id == 40 || id == 43 {
-            WcOpcode::FetchAdd
-        } else {
-            WcOpcode::CompSwap
-        };
+        let want = if id == 40 || id == 43 { WcOpcode::FetchAdd } else { WcOpcode::CompSwap };
         assert_eq!(wc.opcode, want, "atomic completion {wc:?}");
     }
-    let got: Vec<u64> = (0..4)
-        .map(|i| u64::from_ne_bytes(ep.mr.to_vec(SRC + 8 * i, 8).unwrap().try_into().unwrap()))
-        .collect();
+    let got: Vec<u64> =
+        (0..4).map(|i| u64::from_ne_bytes(ep.mr.to_vec(SRC + 8 * i, 8).unwrap().try_into().unwrap())).collect();
     let r = if got == [A0, A0.wrapping_add(ADD), SWAP, B0] {
-        compare_fill(
-            "bytes after the atomics' results",
-            &ep.mr,
-            SRC + 32,
-            32,
-            CANARY,
-        )
+        compare_fill("bytes after the atomics' results", &ep.mr, SRC + 32, 32, CANARY)
     } else {
-        Err(format!(
-            "atomics returned {got:#x?}, expected {:#x?}",
-            [A0, A0.wrapping_add(ADD), SWAP, B0]
-        ))
+        Err(format!("atomics returned {got:#x?}, expected {:#x?}", [A0, A0.wrapping_add(ADD), SWAP, B0]))
     };
     ctl.send("DONE");
     ctl.expect("OK");
@@ -579,11 +429,7 @@ fn atomics_responder(ep: &Endpoint, ctl: &mut Ctl) {
     let mut want = vec![CANARY; 256];
     want[WORD_A..WORD_A + 8].copy_from_slice(&SWAP.to_ne_bytes());
     want[WORD_B..WORD_B + 8].copy_from_slice(&B0.wrapping_add(3).to_ne_bytes());
-    let r = compare(
-        "target words after the atomics",
-        &ep.mr.to_vec(0, 256).unwrap(),
-        &want,
-    );
+    let r = compare("target words after the atomics", &ep.mr.to_vec(0, 256).unwrap(), &want);
     ctl.verdict(r);
 }
 
@@ -603,10 +449,7 @@ fn accept(listener: &TcpListener, child: &mut ChildGuard) -> TcpStream {
         if let Some(st) = child.0.as_mut().and_then(|c| c.try_wait().unwrap()) {
             panic!("the peer process exited ({st}) before connecting");
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the peer process did not connect"
-        );
+        assert!(start.elapsed() < Duration::from_secs(30), "the peer process did not connect");
         std::thread::sleep(Duration::from_millis(5));
     }
 }

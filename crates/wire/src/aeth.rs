@@ -99,9 +99,8 @@ impl Syndrome {
 
 /// The RNR NAK timer encodings of IBA table 45, in microseconds (code 0 is the longest, 655.36 ms).
 pub const RNR_TIMER_MICROS: [u32; 32] = [
-    655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840,
-    5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
-    245_760, 327_680, 491_520,
+    655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840, 5_120, 7_680,
+    10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840, 245_760, 327_680, 491_520,
 ];
 
 /// The delay an encoded RNR timer asks for, in microseconds.
@@ -172,10 +171,7 @@ impl AethRepr {
     /// Parse.
     pub fn parse<T: AsRef<[u8]>>(p: &AethPacket<T>) -> Result<AethRepr> {
         p.check_len()?;
-        Ok(AethRepr {
-            syndrome: p.syndrome(),
-            msn: p.msn(),
-        })
+        Ok(AethRepr { syndrome: p.syndrome(), msn: p.msn() })
     }
     /// Bytes needed to emit.
     pub const fn buffer_len(&self) -> usize {
@@ -201,20 +197,9 @@ mod tests {
                 assert_eq!(s.byte(), b);
             }
         }
-        assert_eq!(
-            Syndrome::from_byte(0x1f),
-            Syndrome::Ack {
-                credits: CREDITS_INVALID
-            }
-        );
-        assert_eq!(
-            Syndrome::from_byte(0x60),
-            Syndrome::Nak(NakCode::PsnSequenceError)
-        );
-        assert_eq!(
-            Syndrome::from_byte(0x62),
-            Syndrome::Nak(NakCode::RemoteAccessError)
-        );
+        assert_eq!(Syndrome::from_byte(0x1f), Syndrome::Ack { credits: CREDITS_INVALID });
+        assert_eq!(Syndrome::from_byte(0x60), Syndrome::Nak(NakCode::PsnSequenceError));
+        assert_eq!(Syndrome::from_byte(0x62), Syndrome::Nak(NakCode::RemoteAccessError));
         assert_eq!(Syndrome::from_byte(0x2e), Syndrome::RnrNak { timer: 14 });
     }
 
@@ -223,20 +208,11 @@ mod tests {
         let bytes = [0x1fu8, 0x00, 0x00, 0x05];
         let p = AethPacket::new_checked(&bytes[..]).unwrap();
         let r = AethRepr::parse(&p).unwrap();
-        assert_eq!(
-            r,
-            AethRepr {
-                syndrome: Syndrome::Ack { credits: 0x1f },
-                msn: 5
-            }
-        );
+        assert_eq!(r, AethRepr { syndrome: Syndrome::Ack { credits: 0x1f }, msn: 5 });
         let mut out = [0xa5u8; 4];
         r.emit(&mut AethPacket::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(
-            AethPacket::new_checked(&bytes[..3]).unwrap_err(),
-            Error::Truncated
-        );
+        assert_eq!(AethPacket::new_checked(&bytes[..3]).unwrap_err(), Error::Truncated);
     }
 
     #[test]

@@ -224,9 +224,7 @@ mod tests {
     use super::*;
 
     // RC SEND_ONLY, pad 0, pkey ffff, QP 0x11, AckReq, PSN 0xfb7b33 (rxe_rc_pingpong).
-    const BYTES: [u8; 12] = [
-        0x04, 0x00, 0xff, 0xff, 0x00, 0x00, 0x00, 0x11, 0x80, 0xfb, 0x7b, 0x33,
-    ];
+    const BYTES: [u8; 12] = [0x04, 0x00, 0xff, 0xff, 0x00, 0x00, 0x00, 0x11, 0x80, 0xfb, 0x7b, 0x33];
 
     fn repr() -> BthRepr {
         BthRepr {
@@ -259,15 +257,9 @@ mod tests {
 
     #[test]
     fn truncated_and_bad_version() {
-        assert_eq!(
-            BthPacket::new_checked(&BYTES[..11]).unwrap_err(),
-            Error::Truncated
-        );
+        assert_eq!(BthPacket::new_checked(&BYTES[..11]).unwrap_err(), Error::Truncated);
         let mut b = BYTES;
         b[1] = 0x01;
-        assert_eq!(
-            BthRepr::parse(&BthPacket::new_unchecked(&b[..])),
-            Err(Error::BadVersion(1))
-        );
+        assert_eq!(BthRepr::parse(&BthPacket::new_unchecked(&b[..])), Err(Error::BadVersion(1)));
     }
 }

@@ -366,10 +366,7 @@ mod tests {
                 assert_eq!((r.is_big_endian(), r.is_nanosecond(), r.link_type()), (be, ns, LinkType::Raw));
                 assert_eq!(r.snaplen(), 65535);
                 let a = r.next().unwrap().unwrap();
-                assert_eq!(
-                    a,
-                    Frame { ts_sec: 7, ts_nsec: if ns { 5 } else { 5000 }, orig_len: 4, data: b"abc" }
-                );
+                assert_eq!(a, Frame { ts_sec: 7, ts_nsec: if ns { 5 } else { 5000 }, orig_len: 4, data: b"abc" });
                 assert_eq!(r.next().unwrap().unwrap().data, b"");
                 assert!(r.next().is_none());
             }
@@ -387,10 +384,7 @@ mod tests {
         assert_eq!(r.next(), Some(Err(CaptureError::TruncatedRecordHeader { offset: 24 })));
         assert_eq!(r.next(), None);
         let mut r = PcapReader::new(&f[..f.len() - 1]).unwrap();
-        assert_eq!(
-            r.next(),
-            Some(Err(CaptureError::TruncatedRecord { offset: 24, incl_len: 6, available: 5 }))
-        );
+        assert_eq!(r.next(), Some(Err(CaptureError::TruncatedRecord { offset: 24, incl_len: 6, available: 5 })));
         assert_eq!(r.next(), None);
     }
 

@@ -330,7 +330,9 @@ impl RepRepr {
         set_u24(d, 20, self.starting_psn.value());
         d[24] = self.responder_resources;
         d[25] = self.initiator_depth;
-        d[26] = ((self.target_ack_delay & 0x1f) << 3) | ((self.failover_accepted & 3) << 1) | u8::from(self.e2e_flow_control);
+        d[26] = ((self.target_ack_delay & 0x1f) << 3)
+            | ((self.failover_accepted & 3) << 1)
+            | u8::from(self.e2e_flow_control);
         d[27] = ((self.rnr_retry_count & 7) << 5) | (u8::from(self.srq) << 4);
         set_u64(d, 28, self.local_ca_guid);
         put_private(&mut d[36..232], &self.private_data)
@@ -486,7 +488,12 @@ pub struct SidrReqRepr {
 
 impl SidrReqRepr {
     fn parse(d: &[u8]) -> SidrReqRepr {
-        SidrReqRepr { request_id: u32_at(d, 0), pkey: u16_at(d, 4), service_id: u64_at(d, 8), private_data: d[16..232].to_vec() }
+        SidrReqRepr {
+            request_id: u32_at(d, 0),
+            pkey: u16_at(d, 4),
+            service_id: u64_at(d, 8),
+            private_data: d[16..232].to_vec(),
+        }
     }
 
     fn emit(&self, d: &mut [u8]) -> Result<()> {
@@ -752,7 +759,7 @@ mod tests {
     fn req_matches_the_kernel_bytes() {
         // The first 96 data bytes of the REQ in rxe_rdmacm.pcap, and its private data header.
         let want: [&str; 6] = [
-            "a51e6e7a00000000000000000106" ,
+            "a51e6e7a00000000000000000106",
             "1c06505400fffe77001200000000000000000000",
             "1901000000010000 00a0ed7333a7",
             "ffff37f0ffffffff0000000000000000",
@@ -760,7 +767,8 @@ mod tests {
             "0000ffff0a4d000b4256f00000400098",
         ];
         let hex: String = want.concat().replace(' ', "");
-        let bytes: Vec<u8> = (0..hex.len() / 2).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+        let bytes: Vec<u8> =
+            (0..hex.len() / 2).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
         let mut mad = [0xa5u8; MAD_LEN];
         CmMessage::Req(req()).emit(0x2_7a6e_1ea5, &mut mad).unwrap();
         assert_eq!(&mad[24..24 + 96], &bytes[..]);
@@ -794,11 +802,41 @@ mod tests {
             }),
             CmMessage::Rtu(IdsRepr { local_comm_id: 1, remote_comm_id: 2, private_data: vec![0; private_len::RTU] }),
             CmMessage::Drep(IdsRepr { local_comm_id: 1, remote_comm_id: 2, private_data: vec![7; private_len::RTU] }),
-            CmMessage::Dreq(DreqRepr { local_comm_id: 3, remote_comm_id: 4, remote_qpn: Qpn::new(0x19), private_data: vec![0; private_len::DREQ] }),
-            CmMessage::Rej(RejRepr { local_comm_id: 5, remote_comm_id: 6, msg_rejected: 0, reason: reason::CONSUMER_REJECT, ari: vec![1, 2], private_data: vec![9; private_len::REJ] }),
-            CmMessage::Mra(MraRepr { local_comm_id: 7, remote_comm_id: 8, msg_mraed: 1, service_timeout: 20, private_data: vec![0; private_len::MRA] }),
-            CmMessage::SidrReq(SidrReqRepr { request_id: 9, pkey: 0xffff, service_id: service_id(port_space::UDP, 7), private_data: vec![0; private_len::SIDR_REQ] }),
-            CmMessage::SidrRep(SidrRepRepr { request_id: 9, status: 0, qpn: Qpn::new(0x33), service_id: 7, qkey: 0x0123_4567, private_data: vec![0; private_len::SIDR_REP] }),
+            CmMessage::Dreq(DreqRepr {
+                local_comm_id: 3,
+                remote_comm_id: 4,
+                remote_qpn: Qpn::new(0x19),
+                private_data: vec![0; private_len::DREQ],
+            }),
+            CmMessage::Rej(RejRepr {
+                local_comm_id: 5,
+                remote_comm_id: 6,
+                msg_rejected: 0,
+                reason: reason::CONSUMER_REJECT,
+                ari: vec![1, 2],
+                private_data: vec![9; private_len::REJ],
+            }),
+            CmMessage::Mra(MraRepr {
+                local_comm_id: 7,
+                remote_comm_id: 8,
+                msg_mraed: 1,
+                service_timeout: 20,
+                private_data: vec![0; private_len::MRA],
+            }),
+            CmMessage::SidrReq(SidrReqRepr {
+                request_id: 9,
+                pkey: 0xffff,
+                service_id: service_id(port_space::UDP, 7),
+                private_data: vec![0; private_len::SIDR_REQ],
+            }),
+            CmMessage::SidrRep(SidrRepRepr {
+                request_id: 9,
+                status: 0,
+                qpn: Qpn::new(0x33),
+                service_id: 7,
+                qkey: 0x0123_4567,
+                private_data: vec![0; private_len::SIDR_REP],
+            }),
         ];
         for m in msgs {
             let mut mad = [0xa5u8; MAD_LEN];

@@ -188,10 +188,7 @@ impl DethRepr {
     /// Parse.
     pub fn parse<T: AsRef<[u8]>>(p: &DethPacket<T>) -> Result<Self> {
         p.check_len()?;
-        Ok(DethRepr {
-            qkey: p.qkey(),
-            src_qp: p.src_qp(),
-        })
+        Ok(DethRepr { qkey: p.qkey(), src_qp: p.src_qp() })
     }
     /// Emit.
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut DethPacket<T>) {
@@ -215,11 +212,7 @@ impl RethRepr {
     /// Parse.
     pub fn parse<T: AsRef<[u8]>>(p: &RethPacket<T>) -> Result<Self> {
         p.check_len()?;
-        Ok(RethRepr {
-            va: p.va(),
-            rkey: p.rkey(),
-            dma_len: p.dma_len(),
-        })
+        Ok(RethRepr { va: p.va(), rkey: p.rkey(), dma_len: p.dma_len() })
     }
     /// Emit.
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut RethPacket<T>) {
@@ -246,12 +239,7 @@ impl AtomicEthRepr {
     /// Parse.
     pub fn parse<T: AsRef<[u8]>>(p: &AtomicEthPacket<T>) -> Result<Self> {
         p.check_len()?;
-        Ok(AtomicEthRepr {
-            va: p.va(),
-            rkey: p.rkey(),
-            swap_add: p.swap_add(),
-            compare: p.compare(),
-        })
+        Ok(AtomicEthRepr { va: p.va(), rkey: p.rkey(), swap_add: p.swap_add(), compare: p.compare() })
     }
     /// Emit.
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut AtomicEthPacket<T>) {
@@ -287,66 +275,37 @@ mod tests {
 
     #[test]
     fn reth_bytes() {
-        let bytes: [u8; 16] = [
-            0x00, 0x00, 0x55, 0x55, 0x66, 0x77, 0x80, 0x00, 0x00, 0x00, 0x12, 0x34, 0x00, 0x00,
-            0x20, 0x00,
-        ];
+        let bytes: [u8; 16] =
+            [0x00, 0x00, 0x55, 0x55, 0x66, 0x77, 0x80, 0x00, 0x00, 0x00, 0x12, 0x34, 0x00, 0x00, 0x20, 0x00];
         let r = RethRepr::parse(&RethPacket::new_checked(&bytes[..]).unwrap()).unwrap();
-        assert_eq!(
-            r,
-            RethRepr {
-                va: 0x5555_6677_8000,
-                rkey: 0x1234,
-                dma_len: 0x2000
-            }
-        );
+        assert_eq!(r, RethRepr { va: 0x5555_6677_8000, rkey: 0x1234, dma_len: 0x2000 });
         let mut out = [0xa5u8; 16];
         r.emit(&mut RethPacket::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(
-            RethPacket::new_checked(&bytes[..15]).unwrap_err(),
-            Error::Truncated
-        );
+        assert_eq!(RethPacket::new_checked(&bytes[..15]).unwrap_err(), Error::Truncated);
     }
 
     #[test]
     fn deth_clears_reserved_byte() {
-        let r = DethRepr {
-            qkey: 0x1111_1111,
-            src_qp: Qpn::new(0x12),
-        };
+        let r = DethRepr { qkey: 0x1111_1111, src_qp: Qpn::new(0x12) };
         let mut out = [0xa5u8; 8];
         r.emit(&mut DethPacket::new_unchecked(&mut out[..]));
         assert_eq!(out, [0x11, 0x11, 0x11, 0x11, 0x00, 0x00, 0x00, 0x12]);
-        assert_eq!(
-            DethRepr::parse(&DethPacket::new_checked(&out[..]).unwrap()).unwrap(),
-            r
-        );
+        assert_eq!(DethRepr::parse(&DethPacket::new_checked(&out[..]).unwrap()).unwrap(), r);
     }
 
     #[test]
     fn atomic_eth_layout() {
-        let r = AtomicEthRepr {
-            va: 0x1122_3344_5566_7788,
-            rkey: 0xaabb_ccdd,
-            swap_add: 1,
-            compare: 2,
-        };
+        let r = AtomicEthRepr { va: 0x1122_3344_5566_7788, rkey: 0xaabb_ccdd, swap_add: 1, compare: 2 };
         let mut out = [0xa5u8; 28];
         r.emit(&mut AtomicEthPacket::new_unchecked(&mut out[..]));
         assert_eq!(&out[8..12], &[0xaa, 0xbb, 0xcc, 0xdd]);
         assert_eq!(out[19], 1);
         assert_eq!(out[27], 2);
-        assert_eq!(
-            AtomicEthRepr::parse(&AtomicEthPacket::new_checked(&out[..]).unwrap()).unwrap(),
-            r
-        );
+        assert_eq!(AtomicEthRepr::parse(&AtomicEthPacket::new_checked(&out[..]).unwrap()).unwrap(), r);
         let a = AtomicAckEthRepr { orig: 0xdead_beef };
         let mut o = [0u8; 8];
         a.emit(&mut AtomicAckEthPacket::new_unchecked(&mut o[..]));
-        assert_eq!(
-            AtomicAckEthRepr::parse(&AtomicAckEthPacket::new_checked(&o[..]).unwrap()).unwrap(),
-            a
-        );
+        assert_eq!(AtomicAckEthRepr::parse(&AtomicAckEthPacket::new_checked(&o[..]).unwrap()).unwrap(), a);
     }
 }

@@ -192,14 +192,7 @@ impl LrhRepr {
         if p.lver() != LVER {
             return Err(Error::BadVersion(p.lver()));
         }
-        Ok(LrhRepr {
-            vl: p.vl(),
-            sl: p.sl(),
-            lnh: p.lnh(),
-            dlid: p.dlid(),
-            pkt_len: p.pkt_len(),
-            slid: p.slid(),
-        })
+        Ok(LrhRepr { vl: p.vl(), sl: p.sl(), lnh: p.lnh(), dlid: p.dlid(), pkt_len: p.pkt_len(), slid: p.slid() })
     }
 
     /// Bytes needed to emit (8).

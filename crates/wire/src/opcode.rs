@@ -199,82 +199,26 @@ const fn base(op: u8) -> Option<(&'static str, HeaderSet, Flags)> {
         0x00 => ("SEND_FIRST", H::NONE, req_send.with(F::FIRST)),
         0x01 => ("SEND_MIDDLE", H::NONE, req_send.with(F::MIDDLE)),
         0x02 => ("SEND_LAST", H::NONE, req_send.with(F::LAST)),
-        0x03 => (
-            "SEND_LAST_WITH_IMMEDIATE",
-            H::IMMDT,
-            req_send.with(F::LAST).with(F::IMM),
-        ),
+        0x03 => ("SEND_LAST_WITH_IMMEDIATE", H::IMMDT, req_send.with(F::LAST).with(F::IMM)),
         0x04 => ("SEND_ONLY", H::NONE, req_send.with(F::ONLY)),
-        0x05 => (
-            "SEND_ONLY_WITH_IMMEDIATE",
-            H::IMMDT,
-            req_send.with(F::ONLY).with(F::IMM),
-        ),
+        0x05 => ("SEND_ONLY_WITH_IMMEDIATE", H::IMMDT, req_send.with(F::ONLY).with(F::IMM)),
         0x06 => ("RDMA_WRITE_FIRST", H::RETH, req_write.with(F::FIRST)),
         0x07 => ("RDMA_WRITE_MIDDLE", H::NONE, req_write.with(F::MIDDLE)),
         0x08 => ("RDMA_WRITE_LAST", H::NONE, req_write.with(F::LAST)),
-        0x09 => (
-            "RDMA_WRITE_LAST_WITH_IMMEDIATE",
-            H::IMMDT,
-            req_write.with(F::LAST).with(F::IMM),
-        ),
+        0x09 => ("RDMA_WRITE_LAST_WITH_IMMEDIATE", H::IMMDT, req_write.with(F::LAST).with(F::IMM)),
         0x0a => ("RDMA_WRITE_ONLY", H::RETH, req_write.with(F::ONLY)),
-        0x0b => (
-            "RDMA_WRITE_ONLY_WITH_IMMEDIATE",
-            H::RETH.with(H::IMMDT),
-            req_write.with(F::ONLY).with(F::IMM),
-        ),
-        0x0c => (
-            "RDMA_READ_REQUEST",
-            H::RETH,
-            F::REQ.with(F::READ).with(F::ONLY),
-        ),
-        0x0d => (
-            "RDMA_READ_RESPONSE_FIRST",
-            H::AETH,
-            F::RESP.with(F::READ).with(F::PAYLOAD).with(F::FIRST),
-        ),
-        0x0e => (
-            "RDMA_READ_RESPONSE_MIDDLE",
-            H::NONE,
-            F::RESP.with(F::READ).with(F::PAYLOAD).with(F::MIDDLE),
-        ),
-        0x0f => (
-            "RDMA_READ_RESPONSE_LAST",
-            H::AETH,
-            F::RESP.with(F::READ).with(F::PAYLOAD).with(F::LAST),
-        ),
-        0x10 => (
-            "RDMA_READ_RESPONSE_ONLY",
-            H::AETH,
-            F::RESP.with(F::READ).with(F::PAYLOAD).with(F::ONLY),
-        ),
+        0x0b => ("RDMA_WRITE_ONLY_WITH_IMMEDIATE", H::RETH.with(H::IMMDT), req_write.with(F::ONLY).with(F::IMM)),
+        0x0c => ("RDMA_READ_REQUEST", H::RETH, F::REQ.with(F::READ).with(F::ONLY)),
+        0x0d => ("RDMA_READ_RESPONSE_FIRST", H::AETH, F::RESP.with(F::READ).with(F::PAYLOAD).with(F::FIRST)),
+        0x0e => ("RDMA_READ_RESPONSE_MIDDLE", H::NONE, F::RESP.with(F::READ).with(F::PAYLOAD).with(F::MIDDLE)),
+        0x0f => ("RDMA_READ_RESPONSE_LAST", H::AETH, F::RESP.with(F::READ).with(F::PAYLOAD).with(F::LAST)),
+        0x10 => ("RDMA_READ_RESPONSE_ONLY", H::AETH, F::RESP.with(F::READ).with(F::PAYLOAD).with(F::ONLY)),
         0x11 => ("ACKNOWLEDGE", H::AETH, F::RESP.with(F::ACK).with(F::ONLY)),
-        0x12 => (
-            "ATOMIC_ACKNOWLEDGE",
-            H::AETH.with(H::ATOMIC_ACK_ETH),
-            F::RESP.with(F::ATOMIC).with(F::ONLY),
-        ),
-        0x13 => (
-            "COMPARE_SWAP",
-            H::ATOMIC_ETH,
-            F::REQ.with(F::ATOMIC).with(F::ONLY),
-        ),
-        0x14 => (
-            "FETCH_ADD",
-            H::ATOMIC_ETH,
-            F::REQ.with(F::ATOMIC).with(F::ONLY),
-        ),
-        0x16 => (
-            "SEND_LAST_WITH_INVALIDATE",
-            H::IETH,
-            req_send.with(F::LAST).with(F::INV),
-        ),
-        0x17 => (
-            "SEND_ONLY_WITH_INVALIDATE",
-            H::IETH,
-            req_send.with(F::ONLY).with(F::INV),
-        ),
+        0x12 => ("ATOMIC_ACKNOWLEDGE", H::AETH.with(H::ATOMIC_ACK_ETH), F::RESP.with(F::ATOMIC).with(F::ONLY)),
+        0x13 => ("COMPARE_SWAP", H::ATOMIC_ETH, F::REQ.with(F::ATOMIC).with(F::ONLY)),
+        0x14 => ("FETCH_ADD", H::ATOMIC_ETH, F::REQ.with(F::ATOMIC).with(F::ONLY)),
+        0x16 => ("SEND_LAST_WITH_INVALIDATE", H::IETH, req_send.with(F::LAST).with(F::INV)),
+        0x17 => ("SEND_ONLY_WITH_INVALIDATE", H::IETH, req_send.with(F::ONLY).with(F::INV)),
         _ => return None,
     })
 }
@@ -284,41 +228,25 @@ const fn build(op: u8) -> Option<OpcodeInfo> {
     match op >> 5 {
         // RC
         0 => match base(low) {
-            Some((name, headers, flags)) => Some(OpcodeInfo {
-                name,
-                qp_type: QpType::Rc,
-                headers,
-                flags,
-            }),
+            Some((name, headers, flags)) => Some(OpcodeInfo { name, qp_type: QpType::Rc, headers, flags }),
             None => None,
         },
         // UC: sends and writes only, no responses, no invalidate.
         1 if low <= 0x0b => match base(low) {
-            Some((name, headers, flags)) => Some(OpcodeInfo {
-                name,
-                qp_type: QpType::Uc,
-                headers,
-                flags,
-            }),
+            Some((name, headers, flags)) => Some(OpcodeInfo { name, qp_type: QpType::Uc, headers, flags }),
             None => None,
         },
         // UD: SEND_ONLY and SEND_ONLY_WITH_IMMEDIATE, each with a DETH.
         3 if low == 0x04 || low == 0x05 => match base(low) {
-            Some((name, headers, flags)) => Some(OpcodeInfo {
-                name,
-                qp_type: QpType::Ud,
-                headers: HeaderSet::DETH.with(headers),
-                flags,
-            }),
+            Some((name, headers, flags)) => {
+                Some(OpcodeInfo { name, qp_type: QpType::Ud, headers: HeaderSet::DETH.with(headers), flags })
+            }
             None => None,
         },
         // 0x81: RoCEv2 congestion notification packet.
-        4 if low == 0x01 => Some(OpcodeInfo {
-            name: "CNP",
-            qp_type: QpType::Cnp,
-            headers: HeaderSet::CNP_RSVD,
-            flags: Flags::CNP,
-        }),
+        4 if low == 0x01 => {
+            Some(OpcodeInfo { name: "CNP", qp_type: QpType::Cnp, headers: HeaderSet::CNP_RSVD, flags: Flags::CNP })
+        }
         _ => None,
     }
 }
@@ -360,10 +288,7 @@ impl Opcode {
 
     /// Every opcode the table knows, in numeric order.
     pub fn all() -> impl Iterator<Item = (Opcode, &'static OpcodeInfo)> {
-        TABLE
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| e.as_ref().map(|info| (Opcode(i as u8), info)))
+        TABLE.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|info| (Opcode(i as u8), info)))
     }
 }
 
@@ -467,43 +392,20 @@ mod tests {
     fn every_entry_is_consistent() {
         for (op, info) in Opcode::all() {
             // Exactly one direction (CNP is neither).
-            assert!(
-                info.is(Flags::CNP) || (info.is(Flags::REQ) != info.is(Flags::RESP)),
-                "{op}"
-            );
+            assert!(info.is(Flags::CNP) || (info.is(Flags::REQ) != info.is(Flags::RESP)), "{op}");
             // Immediate and invalidate flags match their headers.
-            assert_eq!(
-                info.is(Flags::IMM),
-                info.headers.contains(HeaderSet::IMMDT),
-                "{op}"
-            );
-            assert_eq!(
-                info.is(Flags::INV),
-                info.headers.contains(HeaderSet::IETH),
-                "{op}"
-            );
+            assert_eq!(info.is(Flags::IMM), info.headers.contains(HeaderSet::IMMDT), "{op}");
+            assert_eq!(info.is(Flags::INV), info.headers.contains(HeaderSet::IETH), "{op}");
             // Writes carry a RETH exactly on their first packet.
             if info.is(Flags::WRITE) {
-                assert_eq!(
-                    info.starts_message(),
-                    info.headers.contains(HeaderSet::RETH),
-                    "{op}"
-                );
+                assert_eq!(info.starts_message(), info.headers.contains(HeaderSet::RETH), "{op}");
             }
             // Read responses carry an AETH except in the middle.
             if info.is(Flags::READ) && info.is(Flags::RESP) {
-                assert_eq!(
-                    !info.is(Flags::MIDDLE),
-                    info.headers.contains(HeaderSet::AETH),
-                    "{op}"
-                );
+                assert_eq!(!info.is(Flags::MIDDLE), info.headers.contains(HeaderSet::AETH), "{op}");
             }
             // UD requests always carry a DETH, nobody else does.
-            assert_eq!(
-                info.qp_type == QpType::Ud,
-                info.headers.contains(HeaderSet::DETH),
-                "{op}"
-            );
+            assert_eq!(info.qp_type == QpType::Ud, info.headers.contains(HeaderSet::DETH), "{op}");
             // Offsets strictly increase and end at header_len.
             let mut last = 0;
             for (h, len) in HeaderSet::ORDER {
@@ -520,8 +422,7 @@ mod tests {
 
     #[test]
     fn every_rc_request_has_a_response_opcode() {
-        for (op, info) in Opcode::all().filter(|(_, i)| i.qp_type == QpType::Rc && i.is(Flags::REQ))
-        {
+        for (op, info) in Opcode::all().filter(|(_, i)| i.qp_type == QpType::Rc && i.is(Flags::REQ)) {
             let resp = if info.is(Flags::READ) {
                 base::READ_RESPONSE_ONLY
             } else if info.is(Flags::ATOMIC) {
@@ -529,22 +430,13 @@ mod tests {
             } else {
                 base::ACKNOWLEDGE
             };
-            assert!(
-                Opcode::of(QpType::Rc, resp)
-                    .unwrap()
-                    .info()
-                    .unwrap()
-                    .is(Flags::RESP),
-                "{op}"
-            );
+            assert!(Opcode::of(QpType::Rc, resp).unwrap().info().unwrap().is(Flags::RESP), "{op}");
         }
     }
 
     #[test]
     fn reserved_codes_are_unknown() {
-        for op in [
-            0x15u8, 0x18, 0x1f, 0x2c, 0x31, 0x40, 0x60, 0x66, 0x80, 0x82, 0xc0, 0xff,
-        ] {
+        for op in [0x15u8, 0x18, 0x1f, 0x2c, 0x31, 0x40, 0x60, 0x66, 0x80, 0x82, 0xc0, 0xff] {
             assert!(Opcode(op).info().is_none(), "{op:#x}");
         }
     }

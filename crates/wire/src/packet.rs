@@ -9,8 +9,7 @@
 use crate::aeth::{AethPacket, AethRepr};
 use crate::bth::{BthPacket, BthRepr, BTH_LEN};
 use crate::ext::{
-    AtomicAckEthPacket, AtomicAckEthRepr, AtomicEthPacket, AtomicEthRepr, DethPacket, DethRepr,
-    RethPacket, RethRepr,
+    AtomicAckEthPacket, AtomicAckEthRepr, AtomicEthPacket, AtomicEthRepr, DethPacket, DethRepr, RethPacket, RethRepr,
 };
 use crate::field::{set_u32, u32_at};
 use crate::opcode::{Flags, HeaderSet, OpcodeInfo};
@@ -34,10 +33,7 @@ impl<T: AsRef<[u8]>> IbPacket<T> {
     pub fn new_checked(buffer: T) -> Result<Self> {
         let b = buffer.as_ref();
         let bth = BthPacket::new_checked(b)?;
-        let info = bth
-            .opcode()
-            .info()
-            .ok_or(Error::UnknownOpcode(bth.opcode().0))?;
+        let info = bth.opcode().info().ok_or(Error::UnknownOpcode(bth.opcode().0))?;
         if bth.tver() != 0 {
             return Err(Error::BadVersion(bth.tver()));
         }
@@ -94,8 +90,7 @@ impl<T: AsRef<[u8]>> IbPacket<T> {
     }
     /// The AtomicETH view, if the opcode carries one.
     pub fn atomic_eth(&self) -> Option<AtomicEthPacket<&[u8]>> {
-        self.header(HeaderSet::ATOMIC_ETH)
-            .map(AtomicEthPacket::new_unchecked)
+        self.header(HeaderSet::ATOMIC_ETH).map(AtomicEthPacket::new_unchecked)
     }
     /// The AETH view, if the opcode carries one.
     pub fn aeth(&self) -> Option<AethPacket<&[u8]>> {
@@ -103,8 +98,7 @@ impl<T: AsRef<[u8]>> IbPacket<T> {
     }
     /// The AtomicAckETH view, if the opcode carries one.
     pub fn atomic_ack_eth(&self) -> Option<AtomicAckEthPacket<&[u8]>> {
-        self.header(HeaderSet::ATOMIC_ACK_ETH)
-            .map(AtomicAckEthPacket::new_unchecked)
+        self.header(HeaderSet::ATOMIC_ACK_ETH).map(AtomicAckEthPacket::new_unchecked)
     }
     /// Immediate data, if the opcode carries it.
     pub fn imm(&self) -> Option<u32> {
@@ -131,12 +125,7 @@ impl<T: AsRef<[u8]>> IbPacket<T> {
     /// The ICRC as carried (the CRC-32 value, transmitted least significant byte first as rxe does).
     pub fn icrc(&self) -> u32 {
         let b = self.buffer.as_ref();
-        u32::from_le_bytes([
-            b[b.len() - 4],
-            b[b.len() - 3],
-            b[b.len() - 2],
-            b[b.len() - 1],
-        ])
+        u32::from_le_bytes([b[b.len() - 4], b[b.len() - 3], b[b.len() - 2], b[b.len() - 1]])
     }
 }
 
@@ -188,15 +177,9 @@ impl IbRepr {
             bth: BthRepr::parse(&p.bth())?,
             deth: p.deth().map(|h| DethRepr::parse(&h)).transpose()?,
             reth: p.reth().map(|h| RethRepr::parse(&h)).transpose()?,
-            atomic_eth: p
-                .atomic_eth()
-                .map(|h| AtomicEthRepr::parse(&h))
-                .transpose()?,
+            atomic_eth: p.atomic_eth().map(|h| AtomicEthRepr::parse(&h)).transpose()?,
             aeth: p.aeth().map(|h| AethRepr::parse(&h)).transpose()?,
-            atomic_ack_eth: p
-                .atomic_ack_eth()
-                .map(|h| AtomicAckEthRepr::parse(&h))
-                .transpose()?,
+            atomic_ack_eth: p.atomic_ack_eth().map(|h| AtomicAckEthRepr::parse(&h)).transpose()?,
             imm: p.imm(),
             ieth: p.ieth(),
             payload_len: p.payload().len(),
@@ -237,15 +220,9 @@ impl IbRepr {
 
     /// Check that the headers present are exactly those the opcode carries.
     fn check(&self) -> Result<&'static OpcodeInfo> {
-        let info = self
-            .bth
-            .opcode
-            .info()
-            .ok_or(Error::UnknownOpcode(self.bth.opcode.0))?;
-        let want = HeaderSet::ORDER
-            .iter()
-            .filter(|(h, _)| *h != HeaderSet::CNP_RSVD)
-            .fold(HeaderSet::NONE, |s, (h, _)| {
+        let info = self.bth.opcode.info().ok_or(Error::UnknownOpcode(self.bth.opcode.0))?;
+        let want =
+            HeaderSet::ORDER.iter().filter(|(h, _)| *h != HeaderSet::CNP_RSVD).fold(HeaderSet::NONE, |s, (h, _)| {
                 if info.headers.contains(*h) {
                     s.with(*h)
                 } else {
@@ -292,29 +269,19 @@ impl IbRepr {
         bth.pad = pad_for(self.payload_len);
         bth.emit(&mut BthPacket::new_unchecked(&mut buf[..BTH_LEN]));
         if let Some(h) = &self.deth {
-            h.emit(&mut DethPacket::new_unchecked(
-                &mut buf[at(HeaderSet::DETH)..],
-            ));
+            h.emit(&mut DethPacket::new_unchecked(&mut buf[at(HeaderSet::DETH)..]));
         }
         if let Some(h) = &self.reth {
-            h.emit(&mut RethPacket::new_unchecked(
-                &mut buf[at(HeaderSet::RETH)..],
-            ));
+            h.emit(&mut RethPacket::new_unchecked(&mut buf[at(HeaderSet::RETH)..]));
         }
         if let Some(h) = &self.atomic_eth {
-            h.emit(&mut AtomicEthPacket::new_unchecked(
-                &mut buf[at(HeaderSet::ATOMIC_ETH)..],
-            ));
+            h.emit(&mut AtomicEthPacket::new_unchecked(&mut buf[at(HeaderSet::ATOMIC_ETH)..]));
         }
         if let Some(h) = &self.aeth {
-            h.emit(&mut AethPacket::new_unchecked(
-                &mut buf[at(HeaderSet::AETH)..],
-            ));
+            h.emit(&mut AethPacket::new_unchecked(&mut buf[at(HeaderSet::AETH)..]));
         }
         if let Some(h) = &self.atomic_ack_eth {
-            h.emit(&mut AtomicAckEthPacket::new_unchecked(
-                &mut buf[at(HeaderSet::ATOMIC_ACK_ETH)..],
-            ));
+            h.emit(&mut AtomicAckEthPacket::new_unchecked(&mut buf[at(HeaderSet::ATOMIC_ACK_ETH)..]));
         }
         if let Some(v) = self.imm {
             set_u32(buf, at(HeaderSet::IMMDT), v);
@@ -357,11 +324,7 @@ mod tests {
     #[test]
     fn emit_then_view_write_only_with_imm_and_odd_payload() {
         let mut r = IbRepr::new(bth(0x0b));
-        r.reth = Some(RethRepr {
-            va: 0x1000,
-            rkey: 0x42,
-            dma_len: 5,
-        });
+        r.reth = Some(RethRepr { va: 0x1000, rkey: 0x42, dma_len: 5 });
         r.imm = Some(0x5566_7788);
         r.payload_len = 5;
         let mut buf = [0xa5u8; 64];
@@ -382,16 +345,10 @@ mod tests {
         let r = IbRepr::new(bth(0x0a)); // WRITE_ONLY without RETH
         assert_eq!(r.emit(&mut [0u8; 64]), Err(Error::Reserved));
         let mut r = IbRepr::new(bth(0x04));
-        r.aeth = Some(AethRepr {
-            syndrome: Syndrome::Ack { credits: 0 },
-            msn: 0,
-        });
+        r.aeth = Some(AethRepr { syndrome: Syndrome::Ack { credits: 0 }, msn: 0 });
         assert_eq!(r.emit(&mut [0u8; 64]), Err(Error::Reserved));
         let mut r = IbRepr::new(bth(0x11));
-        r.aeth = Some(AethRepr {
-            syndrome: Syndrome::Ack { credits: 0 },
-            msn: 0,
-        });
+        r.aeth = Some(AethRepr { syndrome: Syndrome::Ack { credits: 0 }, msn: 0 });
         r.payload_len = 4;
         assert_eq!(r.emit(&mut [0u8; 64]), Err(Error::BadLength));
         let mut r = IbRepr::new(bth(0x04));
@@ -402,31 +359,19 @@ mod tests {
     #[test]
     fn checked_view_rejects_bad_shapes() {
         let mut ack = IbRepr::new(bth(0x11));
-        ack.aeth = Some(AethRepr {
-            syndrome: Syndrome::Ack { credits: 0x1f },
-            msn: 1,
-        });
+        ack.aeth = Some(AethRepr { syndrome: Syndrome::Ack { credits: 0x1f }, msn: 1 });
         let mut buf = [0u8; 20];
         assert_eq!(ack.emit(&mut buf), Ok(20));
         assert!(IbPacket::new_checked(&buf[..]).is_ok());
-        assert_eq!(
-            IbPacket::new_checked(&buf[..19]).unwrap_err(),
-            Error::Truncated
-        );
+        assert_eq!(IbPacket::new_checked(&buf[..19]).unwrap_err(), Error::Truncated);
         let mut long = [0u8; 24];
         long[..20].copy_from_slice(&buf);
-        assert_eq!(
-            IbPacket::new_checked(&long[..]).unwrap_err(),
-            Error::BadLength
-        );
+        assert_eq!(IbPacket::new_checked(&long[..]).unwrap_err(), Error::BadLength);
         buf[1] = 0x10; // pad on an ACK
         assert_eq!(IbPacket::new_checked(&buf[..]).unwrap_err(), Error::BadPad);
         buf[1] = 0;
         buf[0] = 0x15;
-        assert_eq!(
-            IbPacket::new_checked(&buf[..]).unwrap_err(),
-            Error::UnknownOpcode(0x15)
-        );
+        assert_eq!(IbPacket::new_checked(&buf[..]).unwrap_err(), Error::UnknownOpcode(0x15));
         // SEND_ONLY claiming 3 pad bytes with only 2 bytes after the BTH.
         let mut send = [0u8; 18];
         send[0] = 0x04;

@@ -187,8 +187,7 @@ impl RoceV2Repr {
             }
             .emit(buf)?,
         };
-        UdpRepr { src_port: self.src_port, dst_port: self.dst_port, payload_len: ib_len }
-            .emit(&mut buf[ip_len..])?;
+        UdpRepr { src_port: self.src_port, dst_port: self.dst_port, payload_len: ib_len }.emit(&mut buf[ip_len..])?;
         let (hdrs, ib) = buf.split_at_mut(hl);
         let (ip_h, udp_h) = hdrs.split_at(ip_len);
         let covered = ib.len() - crate::ICRC_LEN;
@@ -344,13 +343,7 @@ impl<'a> RoceV2Packet<'a> {
 /// The IPv4 or IPv6 + UDP header that a UDP socket send of `ib_len` payload bytes from `src` to `dst`
 /// produces with the given identification and DF (no options; variant fields zero, as they are
 /// masked anyway). Returns the header bytes and the IP header length.
-fn socket_headers(
-    src: SocketAddr,
-    dst: SocketAddr,
-    ib_len: usize,
-    ident: u16,
-    df: bool,
-) -> Result<([u8; 48], usize)> {
+fn socket_headers(src: SocketAddr, dst: SocketAddr, ib_len: usize, ident: u16, df: bool) -> Result<([u8; 48], usize)> {
     let mut h = [0u8; 48];
     let ip_len = match family(src.ip(), dst.ip())? {
         IpFamily::V4(s, d) => {
@@ -470,11 +463,7 @@ const IDENT_AT: usize = MASKED_LRH.len() + ipv4::offsets::IDENT;
 /// count as IPv4). The payload must parse as an IB packet (errors are structural, as for
 /// [`IbPacket::new_checked`]). See the module documentation for the IPv4 identification recovery and
 /// its weaker guarantee.
-pub fn verify_udp_payload(
-    src: SocketAddr,
-    dst: SocketAddr,
-    payload: &[u8],
-) -> Result<(IbPacket<&[u8]>, UdpVerdict)> {
+pub fn verify_udp_payload(src: SocketAddr, dst: SocketAddr, payload: &[u8]) -> Result<(IbPacket<&[u8]>, UdpVerdict)> {
     let ib = IbPacket::new_checked(payload)?;
     let carried = ib.icrc();
     let covered = ib.covered();
@@ -655,9 +644,9 @@ mod tests {
 
     // An rxe ACK of rxe_rc_pingpong (IPv4, id 0x7810, DF).
     const V4: [u8; 48] = [
-        0x45, 0x00, 0x00, 0x30, 0x78, 0x10, 0x40, 0x00, 0x40, 0x11, 0xad, 0xfc, 0x0a, 0x4d, 0x00, 0x0b, 0x0a,
-        0x4d, 0x00, 0x0c, 0xc1, 0x21, 0x12, 0xb7, 0x00, 0x1c, 0x00, 0x00, 0x11, 0x00, 0xff, 0xff, 0x00, 0x00,
-        0x00, 0x11, 0x00, 0xfb, 0x7b, 0x33, 0x1f, 0x00, 0x00, 0x01, 0xe4, 0x41, 0xa3, 0x2e,
+        0x45, 0x00, 0x00, 0x30, 0x78, 0x10, 0x40, 0x00, 0x40, 0x11, 0xad, 0xfc, 0x0a, 0x4d, 0x00, 0x0b, 0x0a, 0x4d,
+        0x00, 0x0c, 0xc1, 0x21, 0x12, 0xb7, 0x00, 0x1c, 0x00, 0x00, 0x11, 0x00, 0xff, 0xff, 0x00, 0x00, 0x00, 0x11,
+        0x00, 0xfb, 0x7b, 0x33, 0x1f, 0x00, 0x00, 0x01, 0xe4, 0x41, 0xa3, 0x2e,
     ];
 
     fn sa(ip: &str, port: u16) -> SocketAddr {

@@ -168,11 +168,7 @@ impl UdpRepr {
     /// Parse (the checksum is not verified here; see [`UdpPacket::verify_checksum`]).
     pub fn parse<T: AsRef<[u8]>>(p: &UdpPacket<T>) -> Result<UdpRepr> {
         p.check_len()?;
-        Ok(UdpRepr {
-            src_port: p.src_port(),
-            dst_port: p.dst_port(),
-            payload_len: usize::from(p.len()) - HEADER_LEN,
-        })
+        Ok(UdpRepr { src_port: p.src_port(), dst_port: p.dst_port(), payload_len: usize::from(p.len()) - HEADER_LEN })
     }
 
     /// Header length (8).

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use softrdma_wire::capture::{classify, Classified, PcapReader};
 use softrdma_wire::cm::{attr, CmMessage};
-use softrdma_wire::mad::{MAD_LEN, GSI_QKEY};
+use softrdma_wire::mad::{GSI_QKEY, MAD_LEN};
 use softrdma_wire::roce::{verify_udp_payload, IpRepr, RoceV2Packet, UdpVerdict, VerifyStats};
 use softrdma_wire::IbRepr;
 
@@ -104,12 +104,7 @@ fn ipv4_identification_is_recovered_from_the_icrc_for_every_packet() {
         // alias to another identification, with probability about 2^-15; in this corpus none does.)
         let mut bad = p.ib().as_bytes().to_vec();
         bad[12] ^= 0x01;
-        assert_eq!(
-            verify_udp_payload(src, dst, &bad).unwrap().1,
-            UdpVerdict::Bad,
-            "{} frame {i}",
-            path.display()
-        );
+        assert_eq!(verify_udp_payload(src, dst, &bad).unwrap().1, UdpVerdict::Bad, "{} frame {i}", path.display());
     });
     assert_eq!(stats.bad, 0);
     assert_eq!(stats.verified + stats.recovered, 6725);

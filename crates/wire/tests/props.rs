@@ -14,8 +14,8 @@ use softrdma_wire::opcode::Flags;
 use softrdma_wire::packet::pad_for;
 use softrdma_wire::roce::{verify_udp_payload, RoceV1Packet, RoceV2Packet, RoceV2Repr, ROCE_V2_PORT};
 use softrdma_wire::{
-    EthernetFrame, EthernetRepr, GrhPacket, GrhRepr, HeaderSet, IbPacket, IbRepr, Ipv4Packet, Ipv4Repr,
-    Ipv6Packet, Ipv6Repr, LrhPacket, LrhRepr, Opcode, Psn, Qpn, UdpPacket, UdpRepr,
+    EthernetFrame, EthernetRepr, GrhPacket, GrhRepr, HeaderSet, IbPacket, IbRepr, Ipv4Packet, Ipv4Repr, Ipv6Packet,
+    Ipv6Repr, LrhPacket, LrhRepr, Opcode, Psn, Qpn, UdpPacket, UdpRepr,
 };
 
 /// Random values from which an IbRepr of a given opcode is built.
@@ -81,10 +81,7 @@ fn build(s: &Seed) -> (IbRepr, Vec<u8>) {
         r.atomic_eth = Some(AtomicEthRepr { va: w[1], rkey: w[2] as u32, swap_add: w[3], compare: w[4] });
     }
     if h.contains(HeaderSet::AETH) {
-        r.aeth = Some(AethRepr {
-            syndrome: Syndrome::from_byte(s.syndrome & 0x7f),
-            msn: (w[5] as u32) & 0xff_ffff,
-        });
+        r.aeth = Some(AethRepr { syndrome: Syndrome::from_byte(s.syndrome & 0x7f), msn: (w[5] as u32) & 0xff_ffff });
     }
     if h.contains(HeaderSet::ATOMIC_ACK_ETH) {
         r.atomic_ack_eth = Some(AtomicAckEthRepr { orig: w[3] });
@@ -129,11 +126,8 @@ fn encapsulation() -> impl Strategy<Value = RoceV2Repr> {
 
 /// Whether byte `i`, bit `bit`, of a RoCEv2 IP packet with an `ip_len`-byte IP header is variant.
 fn is_variant(v6: bool, ip_len: usize, i: usize, bit: u8) -> bool {
-    let ip_variant = if v6 {
-        i == 1 || i == 2 || i == 3 || i == 7 || (i == 0 && bit < 4)
-    } else {
-        [1, 8, 10, 11].contains(&i)
-    };
+    let ip_variant =
+        if v6 { i == 1 || i == 2 || i == 3 || i == 7 || (i == 0 && bit < 4) } else { [1, 8, 10, 11].contains(&i) };
     ip_variant || i == ip_len + 6 || i == ip_len + 7 || i == ip_len + 8 + 4
 }
 
@@ -209,8 +203,7 @@ fn exercise(b: &[u8]) {
         let _ = (Ipv6Repr::parse(&p), p.payload());
     }
     if let Ok(p) = UdpPacket::new_checked(b) {
-        let _ =
-            (UdpRepr::parse(&p), p.payload(), p.verify_checksum([1, 2, 3, 4].into(), [5, 6, 7, 8].into()));
+        let _ = (UdpRepr::parse(&p), p.payload(), p.verify_checksum([1, 2, 3, 4].into(), [5, 6, 7, 8].into()));
     }
     if let Ok(p) = GrhPacket::new_checked(b) {
         let _ = GrhRepr::parse(&p);

@@ -16,20 +16,13 @@ pub fn lib_dir() -> &'static Path {
     DIR.get_or_init(|| {
         let exe = std::env::current_exe().expect("test exe");
         // target/<profile>/deps/<test> -> target/<profile>
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target dir")
-            .to_path_buf();
+        let profile_dir = exe.parent().and_then(Path::parent).expect("target dir").to_path_buf();
         // Cargo builds the cdylib into deps/ for the tests (and copies it up a level only when it
         // links it anew), so deps/ has the current one.
-        let built = [
-            profile_dir.join("deps/libibverbs.so"),
-            profile_dir.join("libibverbs.so"),
-        ]
-        .into_iter()
-        .find(|p| p.exists())
-        .expect("libibverbs.so is missing: build the softrdma-ffi crate first");
+        let built = [profile_dir.join("deps/libibverbs.so"), profile_dir.join("libibverbs.so")]
+            .into_iter()
+            .find(|p| p.exists())
+            .expect("libibverbs.so is missing: build the softrdma-ffi crate first");
         let dir = profile_dir.join("softrdma-lib");
         std::fs::create_dir_all(&dir).expect("create softrdma-lib");
         let stubs = Path::new(env!("OUT_DIR")).join("softrdma-lib");
@@ -51,10 +44,7 @@ pub fn lib_dir() -> &'static Path {
 
 /// Where a Debian program is installed, if it is.
 pub fn program(name: &str) -> Option<PathBuf> {
-    ["/usr/bin", "/usr/local/bin", "/bin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.exists())
+    ["/usr/bin", "/usr/local/bin", "/bin"].iter().map(|d| Path::new(d).join(name)).find(|p| p.exists())
 }
 
 /// The devices of these tests: `sr0` on 127.0.0.2 (servers) and `sr1` on 127.0.0.3 (clients).
@@ -64,31 +54,20 @@ pub fn devices_conf() -> &'static Path {
         let dir = std::env::temp_dir().join(format!("softrdma-ffi-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let conf = dir.join("devices.conf");
-        std::fs::write(
-            &conf,
-            "# softrdma-ffi tests\nsr0 netdev lo addr 127.0.0.2\nsr1 netdev lo addr 127.0.0.3\n",
-        )
-        .expect("write devices.conf");
+        std::fs::write(&conf, "# softrdma-ffi tests\nsr0 netdev lo addr 127.0.0.2\nsr1 netdev lo addr 127.0.0.3\n")
+            .expect("write devices.conf");
         conf
     })
 }
 
 /// A UDP port free on every address (both devices bind it on their own address).
 pub fn free_udp_port() -> u16 {
-    UdpSocket::bind("0.0.0.0:0")
-        .expect("bind UDP")
-        .local_addr()
-        .expect("addr")
-        .port()
+    UdpSocket::bind("0.0.0.0:0").expect("bind UDP").local_addr().expect("addr").port()
 }
 
 /// A TCP port free on every address, for the programs' out-of-band exchange.
 pub fn free_tcp_port() -> u16 {
-    TcpListener::bind("0.0.0.0:0")
-        .expect("bind TCP")
-        .local_addr()
-        .expect("addr")
-        .port()
+    TcpListener::bind("0.0.0.0:0").expect("bind TCP").local_addr().expect("addr").port()
 }
 
 /// Programs run one pair at a time: two busy-polling processes per pair already fill a
@@ -119,9 +98,7 @@ fn listening(port: u16) -> bool {
         std::fs::read_to_string(f).is_ok_and(|t| {
             t.lines().skip(1).any(|l| {
                 let cols: Vec<&str> = l.split_whitespace().collect();
-                cols.len() > 3
-                    && format!("{} ", &cols[1][cols[1].len() - 5..]) == hex
-                    && cols[3] == "0A"
+                cols.len() > 3 && format!("{} ", &cols[1][cols[1].len() - 5..]) == hex && cols[3] == "0A"
             })
         })
     })
@@ -167,12 +144,8 @@ impl PairRun {
 pub fn run_pair(prog: &Path, args: &[&str], port_flag: &str, limit: Duration) -> PairRun {
     let udp = free_udp_port();
     let tcp = free_tcp_port().to_string();
-    let server = command(prog, udp)
-        .args(["-d", "sr0"])
-        .args(args)
-        .args([port_flag, &tcp])
-        .spawn()
-        .expect("spawn server");
+    let server =
+        command(prog, udp).args(["-d", "sr0"]).args(args).args([port_flag, &tcp]).spawn().expect("spawn server");
     let start = Instant::now();
     while !listening(tcp.parse().unwrap()) && start.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(20));
@@ -184,21 +157,8 @@ pub fn run_pair(prog: &Path, args: &[&str], port_flag: &str, limit: Duration) ->
         .spawn()
         .expect("spawn client");
     let (c, ckilled) = wait_limit(client, limit);
-    let (s, skilled) = wait_limit(
-        server,
-        if ckilled {
-            Duration::from_secs(1)
-        } else {
-            limit
-        },
-    );
-    let text = |o: &Output| {
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    };
+    let (s, skilled) = wait_limit(server, if ckilled { Duration::from_secs(1) } else { limit });
+    let text = |o: &Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     PairRun {
         server: text(&s),
         client: text(&c),

@@ -33,15 +33,7 @@ fn cases() -> Vec<Case> {
             name: "bad_rkey",
             mr_access: all,
             qp_access: all,
-            op: |m| {
-                (
-                    SendOp::Write {
-                        remote_addr: m.at(0),
-                        rkey: m.key ^ 0x5500,
-                    },
-                    64,
-                )
-            },
+            op: |m| (SendOp::Write { remote_addr: m.at(0), rkey: m.key ^ 0x5500 }, 64),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -49,15 +41,7 @@ fn cases() -> Vec<Case> {
             name: "write_to_read_only_mr",
             mr_access: Access::LOCAL_WRITE.with(Access::REMOTE_READ),
             qp_access: all,
-            op: |m| {
-                (
-                    SendOp::Write {
-                        remote_addr: m.at(0),
-                        rkey: m.key,
-                    },
-                    2500,
-                )
-            },
+            op: |m| (SendOp::Write { remote_addr: m.at(0), rkey: m.key }, 2500),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -65,15 +49,7 @@ fn cases() -> Vec<Case> {
             name: "read_from_write_only_mr",
             mr_access: Access::LOCAL_WRITE.with(Access::REMOTE_WRITE),
             qp_access: all,
-            op: |m| {
-                (
-                    SendOp::Read {
-                        remote_addr: m.at(0),
-                        rkey: m.key,
-                    },
-                    100,
-                )
-            },
+            op: |m| (SendOp::Read { remote_addr: m.at(0), rkey: m.key }, 100),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -81,15 +57,7 @@ fn cases() -> Vec<Case> {
             name: "write_one_byte_past_the_end",
             mr_access: all,
             qp_access: all,
-            op: |m| {
-                (
-                    SendOp::Write {
-                        remote_addr: m.at(MR_LEN - 99),
-                        rkey: m.key,
-                    },
-                    100,
-                )
-            },
+            op: |m| (SendOp::Write { remote_addr: m.at(MR_LEN - 99), rkey: m.key }, 100),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -97,15 +65,7 @@ fn cases() -> Vec<Case> {
             name: "read_one_byte_past_the_end",
             mr_access: all,
             qp_access: all,
-            op: |m| {
-                (
-                    SendOp::Read {
-                        remote_addr: m.at(1),
-                        rkey: m.key,
-                    },
-                    MR_LEN,
-                )
-            },
+            op: |m| (SendOp::Read { remote_addr: m.at(1), rkey: m.key }, MR_LEN),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -113,16 +73,7 @@ fn cases() -> Vec<Case> {
             name: "atomic_on_mr_without_remote_atomic",
             mr_access: Access::LOCAL_WRITE.with(rw),
             qp_access: all,
-            op: |m| {
-                (
-                    SendOp::FetchAdd {
-                        remote_addr: m.at(8),
-                        rkey: m.key,
-                        add: 1,
-                    },
-                    8,
-                )
-            },
+            op: |m| (SendOp::FetchAdd { remote_addr: m.at(8), rkey: m.key, add: 1 }, 8),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -148,15 +99,7 @@ fn cases() -> Vec<Case> {
             name: "write_to_qp_without_remote_write",
             mr_access: all,
             qp_access: Access::REMOTE_READ.with(Access::REMOTE_ATOMIC),
-            op: |m| {
-                (
-                    SendOp::Write {
-                        remote_addr: m.at(0),
-                        rkey: m.key,
-                    },
-                    10,
-                )
-            },
+            op: |m| (SendOp::Write { remote_addr: m.at(0), rkey: m.key }, 10),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -164,15 +107,7 @@ fn cases() -> Vec<Case> {
             name: "read_from_qp_without_remote_access",
             mr_access: all,
             qp_access: Access::NONE,
-            op: |m| {
-                (
-                    SendOp::Read {
-                        remote_addr: m.at(0),
-                        rkey: m.key,
-                    },
-                    10,
-                )
-            },
+            op: |m| (SendOp::Read { remote_addr: m.at(0), rkey: m.key }, 10),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -180,16 +115,7 @@ fn cases() -> Vec<Case> {
             name: "atomic_on_qp_without_remote_atomic",
             mr_access: all,
             qp_access: Access::REMOTE_READ.with(Access::REMOTE_WRITE),
-            op: |m| {
-                (
-                    SendOp::FetchAdd {
-                        remote_addr: m.at(0),
-                        rkey: m.key,
-                        add: 5,
-                    },
-                    8,
-                )
-            },
+            op: |m| (SendOp::FetchAdd { remote_addr: m.at(0), rkey: m.key, add: 5 }, 8),
             status: WcStatus::RemAccessErr,
             event: AsyncEvent::QpAccessError,
         },
@@ -210,10 +136,7 @@ fn opcode_of(op: &SendOp) -> WcOpcode {
 fn remote_access_errors() {
     for c in cases() {
         let mut net = net(c.name, Impairments::NONE, 10);
-        let o = ConnOpts {
-            access: c.qp_access,
-            ..ConnOpts::default()
-        };
+        let o = ConnOpts { access: c.qp_access, ..ConnOpts::default() };
         let (a, b) = pair(&mut net, &o);
         let ma = net.reg(&a, 8192, ALL_ACCESS, GA);
         let target = net.reg(&b, MR_LEN, c.mr_access, GB);
@@ -225,14 +148,9 @@ fn remote_access_errors() {
         let (op, len) = (c.op)(&target);
         // The bad request's local buffer sits at A's offset 4096 (guarded).
         net.post_send(&a, wr(1, op, &[ma.sge(4096, len)])).unwrap();
-        net.post_send(&a, wr(2, SendOp::Send, &[ma.sge(0, 10)]))
-            .unwrap();
-        let w = SendOp::Write {
-            remote_addr: rbuf.at(0),
-            rkey: rbuf.key,
-        };
-        net.post_send(&a, unsignaled(wr(3, w, &[ma.sge(0, 10)])))
-            .unwrap();
+        net.post_send(&a, wr(2, SendOp::Send, &[ma.sge(0, 10)])).unwrap();
+        let w = SendOp::Write { remote_addr: rbuf.at(0), rkey: rbuf.key };
+        net.post_send(&a, unsignaled(wr(3, w, &[ma.sge(0, 10)]))).unwrap();
         net.settle();
 
         let ctx = c.name;
@@ -250,10 +168,7 @@ fn remote_access_errors() {
         assert_eq!(net.events(0), vec![], "{ctx}");
         assert_wcs(
             &net.recv_wcs(&b),
-            &[
-                (50, WcStatus::WrFlushErr, WcOpcode::Recv, 0),
-                (51, WcStatus::WrFlushErr, WcOpcode::Recv, 0),
-            ],
+            &[(50, WcStatus::WrFlushErr, WcOpcode::Recv, 0), (51, WcStatus::WrFlushErr, WcOpcode::Recv, 0)],
         );
         assert_wcs(&net.recv_wcs(&a), &[]);
         // Nothing outside what was allowed changed: B's regions are all guard bytes, and A's
@@ -276,14 +191,8 @@ fn good_work_before_a_remote_error_completes() {
     let mb = net.reg(&b, 4096, ALL_ACCESS, GB);
     let data = pattern(2, 3000);
     net.fill(&ma, 0, &data);
-    let good = SendOp::Write {
-        remote_addr: mb.at(0),
-        rkey: mb.key,
-    };
-    let bad = SendOp::Write {
-        remote_addr: mb.at(4000),
-        rkey: mb.key,
-    };
+    let good = SendOp::Write { remote_addr: mb.at(0), rkey: mb.key };
+    let bad = SendOp::Write { remote_addr: mb.at(4000), rkey: mb.key };
     net.post_send(&a, wr(1, good, &[ma.sge(0, 3000)])).unwrap();
     net.post_send(&a, wr(2, bad, &[ma.sge(0, 97)])).unwrap();
     net.post_send(&a, wr(3, good, &[ma.sge(0, 5)])).unwrap();
@@ -311,12 +220,9 @@ fn bad_lkey_is_a_local_protection_error() {
     net.post_recv(&b, recv(51, &[mb.sge(0, 4096)])).unwrap();
     let mut bad = ma.sge(0, 100);
     bad.lkey ^= 0x4400;
-    net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 100)]))
-        .unwrap();
-    net.post_send(&a, unsignaled(wr(2, SendOp::Send, &[bad])))
-        .unwrap();
-    net.post_send(&a, wr(3, SendOp::Send, &[ma.sge(0, 100)]))
-        .unwrap();
+    net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 100)])).unwrap();
+    net.post_send(&a, unsignaled(wr(2, SendOp::Send, &[bad]))).unwrap();
+    net.post_send(&a, wr(3, SendOp::Send, &[ma.sge(0, 100)])).unwrap();
     // A read into a region without LOCAL_WRITE is a local protection error too.
     let ro = net.reg(&a, 64, Access::NONE, GA);
     net.settle();
@@ -330,22 +236,13 @@ fn bad_lkey_is_a_local_protection_error() {
     );
     assert_eq!(net.state(&a), QpState::Err);
     assert_eq!(net.state(&b), QpState::Rts);
-    assert_wcs(
-        &net.recv_wcs(&b),
-        &[(50, WcStatus::Success, WcOpcode::Recv, 100)],
-    );
+    assert_wcs(&net.recv_wcs(&b), &[(50, WcStatus::Success, WcOpcode::Recv, 100)]);
 
     let (a, b) = pair(&mut net, &ConnOpts::default());
-    let read = SendOp::Read {
-        remote_addr: mb.at(0),
-        rkey: mb.key,
-    };
+    let read = SendOp::Read { remote_addr: mb.at(0), rkey: mb.key };
     net.post_send(&a, wr(7, read, &[ro.sge(0, 64)])).unwrap();
     net.settle();
-    assert_wcs(
-        &net.send_wcs(&a),
-        &[(7, WcStatus::LocProtErr, WcOpcode::RdmaRead, 0)],
-    );
+    assert_wcs(&net.send_wcs(&a), &[(7, WcStatus::LocProtErr, WcOpcode::RdmaRead, 0)]);
     assert!(net.bytes(&ro).iter().all(|&x| x == GA));
     assert_eq!(net.state(&b), QpState::Rts);
 }
@@ -362,24 +259,16 @@ fn receive_buffer_too_small() {
         // The receive buffer is mb[1000..1000+len]; everything else in mb is guard.
         net.post_recv(&b, recv(50, &[mb.sge(1000, len)])).unwrap();
         net.post_recv(&b, recv(51, &[mb.sge(5000, 3000)])).unwrap();
-        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)]))
-            .unwrap();
-        net.post_send(&a, wr(2, SendOp::Send, &[ma.sge(0, 10)]))
-            .unwrap();
+        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)])).unwrap();
+        net.post_send(&a, wr(2, SendOp::Send, &[ma.sge(0, 10)])).unwrap();
         net.settle();
         assert_wcs(
             &net.send_wcs(&a),
-            &[
-                (1, WcStatus::RemInvReqErr, WcOpcode::Send, 0),
-                (2, WcStatus::WrFlushErr, WcOpcode::Send, 0),
-            ],
+            &[(1, WcStatus::RemInvReqErr, WcOpcode::Send, 0), (2, WcStatus::WrFlushErr, WcOpcode::Send, 0)],
         );
         assert_wcs(
             &net.recv_wcs(&b),
-            &[
-                (50, WcStatus::LocLenErr, WcOpcode::Recv, 0),
-                (51, WcStatus::WrFlushErr, WcOpcode::Recv, 0),
-            ],
+            &[(50, WcStatus::LocLenErr, WcOpcode::Recv, 0), (51, WcStatus::WrFlushErr, WcOpcode::Recv, 0)],
         );
         assert_eq!(net.state(&b), QpState::Err);
         assert_eq!(net.state(&a), QpState::Err);

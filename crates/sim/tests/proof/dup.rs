@@ -15,11 +15,7 @@ use softrdma_wire::{IbPacket, Syndrome};
 use crate::{net, pair};
 
 /// Drop the first frame from `node` that `pred` picks.
-fn drop_once(
-    net: &mut Net,
-    node: usize,
-    pred: impl Fn(&IbPacket<&[u8]>) -> bool + 'static,
-) -> Rc<Cell<bool>> {
+fn drop_once(net: &mut Net, node: usize, pred: impl Fn(&IbPacket<&[u8]>) -> bool + 'static) -> Rc<Cell<bool>> {
     let done = Rc::new(Cell::new(false));
     let d = done.clone();
     net.filter = Some(Box::new(move |from, _, f| {
@@ -43,42 +39,19 @@ fn lost_read_response_restarts_the_read_at_its_psn() {
     net.fill(&mb, 0, &data);
     let psn0 = net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_psn;
     let dropped = drop_once(&mut net, 1, move |p| p.bth().psn() == psn0.add(1));
-    let read = SendOp::Read {
-        remote_addr: mb.at(0),
-        rkey: mb.key,
-    };
-    net.post_send(&a, wr(1, read, &[ma.sge(100, 4096)]))
-        .unwrap();
+    let read = SendOp::Read { remote_addr: mb.at(0), rkey: mb.key };
+    net.post_send(&a, wr(1, read, &[ma.sge(100, 4096)])).unwrap();
     net.settle();
     assert!(dropped.get());
-    assert_wcs(
-        &net.send_wcs(&a),
-        &[(1, WcStatus::Success, WcOpcode::RdmaRead, 4096)],
-    );
+    assert_wcs(&net.send_wcs(&a), &[(1, WcStatus::Success, WcOpcode::RdmaRead, 4096)]);
     let m = net.bytes(&ma);
     assert_eq!(&m[100..4196], &data[..]);
     assert!(m[..100].iter().chain(&m[4196..]).all(|&x| x == 0x11));
     // The requests on the wire: the read, then the read again from the lost PSN for the rest.
-    let reqs: Vec<_> = net
-        .frames()
-        .into_iter()
-        .filter(|f| f.from == 0)
-        .map(|f| (f.psn, f.reth))
-        .collect();
-    assert_eq!(
-        reqs,
-        vec![
-            (psn0, Some((mb.at(0), mb.key, 4096))),
-            (psn0.add(1), Some((mb.at(1024), mb.key, 3072))),
-        ]
-    );
+    let reqs: Vec<_> = net.frames().into_iter().filter(|f| f.from == 0).map(|f| (f.psn, f.reth)).collect();
+    assert_eq!(reqs, vec![(psn0, Some((mb.at(0), mb.key, 4096))), (psn0.add(1), Some((mb.at(1024), mb.key, 3072))),]);
     // The responder answered the second request as FIRST..LAST from that PSN.
-    let resps: Vec<_> = net
-        .frames()
-        .into_iter()
-        .filter(|f| f.from == 1)
-        .map(|f| (f.psn, f.base))
-        .collect();
+    let resps: Vec<_> = net.frames().into_iter().filter(|f| f.from == 1).map(|f| (f.psn, f.base)).collect();
     assert_eq!(
         resps,
         vec![
@@ -102,16 +75,10 @@ fn duplicate_read_reads_memory_again() {
     let ma = net.reg(&a, 8192, ALL_ACCESS, 0);
     let mb = net.reg(&b, 8192, ALL_ACCESS, 0);
     net.fill(&mb, 0, &pattern(1, 2000));
-    let read = SendOp::Read {
-        remote_addr: mb.at(0),
-        rkey: mb.key,
-    };
+    let read = SendOp::Read { remote_addr: mb.at(0), rkey: mb.key };
     net.post_send(&a, wr(1, read, &[ma.sge(0, 2000)])).unwrap();
     net.settle();
-    assert_wcs(
-        &net.send_wcs(&a),
-        &[(1, WcStatus::Success, WcOpcode::RdmaRead, 2000)],
-    );
+    assert_wcs(&net.send_wcs(&a), &[(1, WcStatus::Success, WcOpcode::RdmaRead, 2000)]);
     let req = net.frames().into_iter().find(|f| f.from == 0).unwrap();
     let fresh = pattern(99, 2000);
     net.fill(&mb, 0, &fresh);
@@ -123,12 +90,7 @@ fn duplicate_read_reads_memory_again() {
         .iter()
         .skip(before)
         .filter(|c| c.from == 1)
-        .flat_map(|c| {
-            IbPacket::new_checked(&c.frame[..])
-                .unwrap()
-                .payload()
-                .to_vec()
-        })
+        .flat_map(|c| IbPacket::new_checked(&c.frame[..]).unwrap().payload().to_vec())
         .collect();
     assert_eq!(payload, fresh);
     // The requester ignores the stray responses; its buffer keeps the first read's data.
@@ -145,10 +107,7 @@ fn duplicate_read_reads_memory_again() {
 fn duplicate_send_and_write_are_acked_not_redelivered() {
     for write in [false, true] {
         let mut net = net(&format!("dup_sendwrite_{write}"), Impairments::NONE, 52);
-        let o = ConnOpts {
-            timeout: 8,
-            ..ConnOpts::default()
-        };
+        let o = ConnOpts { timeout: 8, ..ConnOpts::default() };
         let (a, b) = pair(&mut net, &o);
         let ma = net.reg(&a, 8192, ALL_ACCESS, 0);
         let mb = net.reg(&b, 8192, ALL_ACCESS, 0x33);
@@ -158,10 +117,7 @@ fn duplicate_send_and_write_are_acked_not_redelivered() {
         net.post_recv(&b, recv(2, &[mb.sge(4096, 4096)])).unwrap();
         let dropped = drop_once(&mut net, 1, |p| p.info().is(Flags::ACK));
         let (op, opc) = if write {
-            let op = SendOp::Write {
-                remote_addr: mb.at(0),
-                rkey: mb.key,
-            };
+            let op = SendOp::Write { remote_addr: mb.at(0), rkey: mb.key };
             (op, WcOpcode::RdmaWrite)
         } else {
             (SendOp::Send, WcOpcode::Send)
@@ -177,26 +133,15 @@ fn duplicate_send_and_write_are_acked_not_redelivered() {
         if write {
             assert_wcs(&net.recv_wcs(&b), &[]);
         } else {
-            assert_wcs(
-                &net.recv_wcs(&b),
-                &[(1, WcStatus::Success, WcOpcode::Recv, 3000)],
-            );
+            assert_wcs(&net.recv_wcs(&b), &[(1, WcStatus::Success, WcOpcode::Recv, 3000)]);
         }
         let m = net.bytes(&mb);
         assert_eq!(&m[..3000], &changed[..], "rewritten by a duplicate");
         assert!(m[3000..].iter().all(|&x| x == 0x33));
-        assert_eq!(
-            net.nodes[1].hca.query_qp(b.qpn).unwrap().rq_posted,
-            if write { 2 } else { 1 }
-        );
+        assert_eq!(net.nodes[1].hca.query_qp(b.qpn).unwrap().rq_posted, if write { 2 } else { 1 });
         assert_eq!(net.nodes[1].hca.counters().duplicate_request, 3);
         // Three packets went twice; each duplicate last packet was ACKed.
-        let acks: Vec<_> = net
-            .frames()
-            .into_iter()
-            .filter(|f| f.from == 1)
-            .map(|f| (f.psn, f.syndrome))
-            .collect();
+        let acks: Vec<_> = net.frames().into_iter().filter(|f| f.from == 1).map(|f| (f.psn, f.syndrome)).collect();
         let psn0 = net.frames()[0].psn;
         let ack = Some(Syndrome::Ack { credits: 0x1f });
         assert_eq!(acks, vec![(psn0.add(2), ack), (psn0.add(2), ack)]);
@@ -204,11 +149,7 @@ fn duplicate_send_and_write_are_acked_not_redelivered() {
 }
 
 /// Flip one bit of a chosen frame: the receiver's ICRC check drops it and the transfer recovers.
-fn corrupt_once(
-    net: &mut Net,
-    node: usize,
-    pred: impl Fn(&IbPacket<&[u8]>) -> bool + 'static,
-) -> Rc<Cell<bool>> {
+fn corrupt_once(net: &mut Net, node: usize, pred: impl Fn(&IbPacket<&[u8]>) -> bool + 'static) -> Rc<Cell<bool>> {
     let done = Rc::new(Cell::new(false));
     let d = done.clone();
     net.filter = Some(Box::new(move |from, _, f| {
@@ -230,16 +171,10 @@ fn corrupt_once(
 fn corrupted_packets_are_dropped_and_recovered() {
     type Pick = fn(&IbPacket<&[u8]>) -> bool;
     let cases: [(&str, usize, Pick); 4] = [
-        ("first_of_message", 0, |p| {
-            p.bth().opcode().base() == base::SEND_FIRST
-        }),
+        ("first_of_message", 0, |p| p.bth().opcode().base() == base::SEND_FIRST),
         ("ack", 1, |p| p.bth().opcode().base() == base::ACKNOWLEDGE),
-        ("read_response", 1, |p| {
-            p.bth().opcode().base() == base::READ_RESPONSE_MIDDLE
-        }),
-        ("atomic_ack", 1, |p| {
-            p.bth().opcode().base() == base::ATOMIC_ACKNOWLEDGE
-        }),
+        ("read_response", 1, |p| p.bth().opcode().base() == base::READ_RESPONSE_MIDDLE),
+        ("atomic_ack", 1, |p| p.bth().opcode().base() == base::ATOMIC_ACKNOWLEDGE),
     ];
     for (name, node, pick) in cases {
         let mut net = net(&format!("corrupt_{name}"), Impairments::NONE, 53);
@@ -253,19 +188,10 @@ fn corrupted_packets_are_dropped_and_recovered() {
         net.fill(&mb, 12288, &77u64.to_ne_bytes());
         let hit = corrupt_once(&mut net, node, pick);
         net.post_recv(&b, recv(1, &[mb.sge(0, 4096)])).unwrap();
-        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)]))
-            .unwrap();
-        let read = SendOp::Read {
-            remote_addr: mb.at(8192),
-            rkey: mb.key,
-        };
-        net.post_send(&a, wr(2, read, &[ma.sge(4096, 3000)]))
-            .unwrap();
-        let fa = SendOp::FetchAdd {
-            remote_addr: mb.at(12288),
-            rkey: mb.key,
-            add: 3,
-        };
+        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)])).unwrap();
+        let read = SendOp::Read { remote_addr: mb.at(8192), rkey: mb.key };
+        net.post_send(&a, wr(2, read, &[ma.sge(4096, 3000)])).unwrap();
+        let fa = SendOp::FetchAdd { remote_addr: mb.at(12288), rkey: mb.key, add: 3 };
         net.post_send(&a, wr(3, fa, &[ma.sge(8192, 8)])).unwrap();
         net.settle();
         assert!(hit.get(), "{name}");
@@ -278,10 +204,7 @@ fn corrupted_packets_are_dropped_and_recovered() {
                 (3, WcStatus::Success, WcOpcode::FetchAdd, 8),
             ],
         );
-        assert_wcs(
-            &net.recv_wcs(&b),
-            &[(1, WcStatus::Success, WcOpcode::Recv, 3000)],
-        );
+        assert_wcs(&net.recv_wcs(&b), &[(1, WcStatus::Success, WcOpcode::Recv, 3000)]);
         assert_eq!(&net.bytes(&mb)[..3000], &sdata[..], "{name}");
         assert_eq!(&net.bytes(&ma)[4096..7096], &rdata[..], "{name}");
         assert_eq!(net.word(&ma, 8192), 77, "{name}");

@@ -44,8 +44,7 @@ fn failing_run_writes_a_pcap() {
         let ma = n.reg(&a, 4096, ALL_ACCESS, 0);
         let mb = n.reg(&b, 4096, ALL_ACCESS, 0);
         n.post_recv(&b, recv(1, &[mb.sge(0, 4096)])).unwrap();
-        n.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)]))
-            .unwrap();
+        n.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)])).unwrap();
         n.settle();
         panic!("deliberate");
     });
@@ -64,13 +63,5 @@ fn failing_run_writes_a_pcap() {
         softrdma_wire::RoceV2Packet::parse_verified(ip).unwrap();
         lens.push(ip.len());
     }
-    assert_eq!(
-        lens,
-        vec![
-            28 + 12 + 1024 + 4,
-            28 + 12 + 1024 + 4,
-            28 + 12 + 952 + 4,
-            28 + 16 + 4
-        ]
-    );
+    assert_eq!(lens, vec![28 + 12 + 1024 + 4, 28 + 12 + 1024 + 4, 28 + 12 + 952 + 4, 28 + 16 + 4]);
 }

@@ -15,10 +15,7 @@ use crate::{net, pair};
 const DELAY: Duration = Impairments::NONE.delay;
 
 fn dead() -> Impairments {
-    Impairments {
-        loss: 1.0,
-        ..Impairments::NONE
-    }
+    Impairments { loss: 1.0, ..Impairments::NONE }
 }
 
 /// The local ACK timeout for an encoded `timeout`: 4.096 µs × 2^timeout.
@@ -31,31 +28,18 @@ fn dead_peer_retry_exceeded_then_flush() {
     for retry_cnt in [0u8, 1, 3, 6] {
         let timeout = 10;
         let mut net = net(&format!("dead_peer_retry{retry_cnt}"), dead(), 1);
-        let o = ConnOpts {
-            retry_cnt,
-            timeout,
-            ..ConnOpts::default()
-        };
+        let o = ConnOpts { retry_cnt, timeout, ..ConnOpts::default() };
         let (a, b) = pair(&mut net, &o);
         let ma = net.reg(&a, 8192, ALL_ACCESS, 0xaa);
         let mb = net.reg(&b, 8192, ALL_ACCESS, 0xbb);
         net.post_recv(&a, recv(100, &[ma.sge(4096, 1024)])).unwrap();
         net.post_recv(&a, recv(101, &[ma.sge(5120, 1024)])).unwrap();
-        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)]))
-            .unwrap();
-        let write = SendOp::Write {
-            remote_addr: mb.at(0),
-            rkey: mb.key,
-        };
-        net.post_send(&a, unsignaled(wr(2, write, &[ma.sge(0, 100)])))
-            .unwrap();
-        let read = SendOp::Read {
-            remote_addr: mb.at(0),
-            rkey: mb.key,
-        };
+        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 3000)])).unwrap();
+        let write = SendOp::Write { remote_addr: mb.at(0), rkey: mb.key };
+        net.post_send(&a, unsignaled(wr(2, write, &[ma.sge(0, 100)]))).unwrap();
+        let read = SendOp::Read { remote_addr: mb.at(0), rkey: mb.key };
         net.post_send(&a, wr(3, read, &[ma.sge(0, 64)])).unwrap();
-        net.post_send(&a, unsignaled(wr(4, SendOp::Send, &[ma.sge(0, 10)])))
-            .unwrap();
+        net.post_send(&a, unsignaled(wr(4, SendOp::Send, &[ma.sge(0, 10)]))).unwrap();
         let first_psn = net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_psn;
         let t0 = net.now;
         let t = ack_timeout(timeout);
@@ -77,47 +61,30 @@ fn dead_peer_retry_exceeded_then_flush() {
         );
         assert_wcs(
             &net.recv_wcs(&a),
-            &[
-                (100, WcStatus::WrFlushErr, WcOpcode::Recv, 0),
-                (101, WcStatus::WrFlushErr, WcOpcode::Recv, 0),
-            ],
+            &[(100, WcStatus::WrFlushErr, WcOpcode::Recv, 0), (101, WcStatus::WrFlushErr, WcOpcode::Recv, 0)],
         );
         assert_eq!(net.state(&a), QpState::Err);
         assert_eq!(net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_outstanding, 0);
 
         // The first packet went out once and then once per retry, one ACK timeout apart.
-        let sends: Vec<_> = net
-            .frames()
-            .into_iter()
-            .filter(|f| f.from == 0 && f.psn == first_psn)
-            .collect();
+        let sends: Vec<_> = net.frames().into_iter().filter(|f| f.from == 0 && f.psn == first_psn).collect();
         assert_eq!(sends.len(), usize::from(retry_cnt) + 1);
         for (k, f) in sends.iter().enumerate() {
             assert_eq!(f.at, t0 + t * k as u32, "attempt {k}");
             assert_eq!(f.fate, Fate::Lost);
             assert!(f.is(Flags::SEND) && f.is(Flags::FIRST));
         }
-        assert_eq!(
-            net.nodes[0].hca.counters().ack_timeouts,
-            u64::from(retry_cnt) + 1
-        );
+        assert_eq!(net.nodes[0].hca.counters().ack_timeouts, u64::from(retry_cnt) + 1);
 
         // Posting to a QP in ERR completes at once, flushed, signaled or not.
-        net.post_send(&a, unsignaled(wr(5, SendOp::Send, &[ma.sge(0, 10)])))
-            .unwrap();
+        net.post_send(&a, unsignaled(wr(5, SendOp::Send, &[ma.sge(0, 10)]))).unwrap();
         net.post_send(&a, wr(6, read, &[ma.sge(0, 8)])).unwrap();
         net.post_recv(&a, recv(102, &[ma.sge(0, 8)])).unwrap();
         assert_wcs(
             &net.send_wcs(&a),
-            &[
-                (5, WcStatus::WrFlushErr, WcOpcode::Send, 0),
-                (6, WcStatus::WrFlushErr, WcOpcode::RdmaRead, 0),
-            ],
+            &[(5, WcStatus::WrFlushErr, WcOpcode::Send, 0), (6, WcStatus::WrFlushErr, WcOpcode::RdmaRead, 0)],
         );
-        assert_wcs(
-            &net.recv_wcs(&a),
-            &[(102, WcStatus::WrFlushErr, WcOpcode::Recv, 0)],
-        );
+        assert_wcs(&net.recv_wcs(&a), &[(102, WcStatus::WrFlushErr, WcOpcode::Recv, 0)]);
         // Nothing more is sent and nothing more happens.
         let frames = net.capture.len();
         net.settle();
@@ -134,31 +101,21 @@ fn dead_peer_retry_exceeded_then_flush() {
 #[test]
 fn retry_cnt_7_outlasts_an_outage() {
     let mut net = net("retry7", dead(), 2);
-    let o = ConnOpts {
-        timeout: 4,
-        ..ConnOpts::default()
-    };
+    let o = ConnOpts { timeout: 4, ..ConnOpts::default() };
     let (a, b) = pair(&mut net, &o);
     let ma = net.reg(&a, 4096, ALL_ACCESS, 0);
     let mb = net.reg(&b, 4096, ALL_ACCESS, 0xbb);
     let data = pattern(3, 2500);
     net.fill(&ma, 0, &data);
     net.post_recv(&b, recv(7, &[mb.sge(0, 4096)])).unwrap();
-    net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 2500)]))
-        .unwrap();
+    net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 2500)])).unwrap();
     net.run_for(ack_timeout(4) * 20);
     assert_wcs(&net.send_wcs(&a), &[]);
     assert!(net.nodes[0].hca.counters().ack_timeouts >= 19);
     net.imp.loss = 0.0;
     net.settle();
-    assert_wcs(
-        &net.send_wcs(&a),
-        &[(1, WcStatus::Success, WcOpcode::Send, 2500)],
-    );
-    assert_wcs(
-        &net.recv_wcs(&b),
-        &[(7, WcStatus::Success, WcOpcode::Recv, 2500)],
-    );
+    assert_wcs(&net.send_wcs(&a), &[(1, WcStatus::Success, WcOpcode::Send, 2500)]);
+    assert_wcs(&net.recv_wcs(&b), &[(7, WcStatus::Success, WcOpcode::Recv, 2500)]);
     assert_eq!(&net.bytes(&mb)[..2500], &data[..]);
     assert!(net.bytes(&mb)[2500..].iter().all(|&x| x == 0xbb));
 }
@@ -181,24 +138,14 @@ fn rnr_retry_exceeded_with_the_encoded_timer() {
         let mut net = net(&format!("rnr_exc_{rnr_retry}_{code}"), Impairments::NONE, 3);
         // retry_cnt 0: the sequence-error NAK the responder sends for the packets that followed
         // the RNR'd one must not cost a transport retry.
-        let o = ConnOpts {
-            rnr_retry,
-            retry_cnt: 0,
-            min_rnr_timer: code,
-            ..ConnOpts::default()
-        };
+        let o = ConnOpts { rnr_retry, retry_cnt: 0, min_rnr_timer: code, ..ConnOpts::default() };
         let (a, b) = pair(&mut net, &o);
         let ma = net.reg(&a, 4096, ALL_ACCESS, 0x11);
         let mb = net.reg(&b, 4096, ALL_ACCESS, 0x22);
-        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 100)]))
-            .unwrap();
-        let write = SendOp::Write {
-            remote_addr: mb.at(0),
-            rkey: mb.key,
-        };
+        net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 100)])).unwrap();
+        let write = SendOp::Write { remote_addr: mb.at(0), rkey: mb.key };
         net.post_send(&a, wr(2, write, &[ma.sge(0, 100)])).unwrap();
-        net.post_send(&a, unsignaled(wr(3, SendOp::Send, &[ma.sge(0, 1)])))
-            .unwrap();
+        net.post_send(&a, unsignaled(wr(3, SendOp::Send, &[ma.sge(0, 1)]))).unwrap();
         let first_psn = net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_psn;
         let t0 = net.now;
         let wait = Duration::from_micros(u64::from(rnr_timer_micros(code)));
@@ -222,12 +169,8 @@ fn rnr_retry_exceeded_with_the_encoded_timer() {
         assert_wcs(&net.recv_wcs(&b), &[]);
         let naks = rnr_naks(&net, 1);
         assert_eq!(naks.len(), usize::from(rnr_retry) + 1);
-        let sends: Vec<_> = net
-            .frames()
-            .into_iter()
-            .filter(|f| f.from == 0 && f.psn == first_psn)
-            .map(|f| f.at)
-            .collect();
+        let sends: Vec<_> =
+            net.frames().into_iter().filter(|f| f.from == 0 && f.psn == first_psn).map(|f| f.at).collect();
         let want: Vec<_> = (0..=u32::from(rnr_retry)).map(|k| t0 + round * k).collect();
         assert_eq!(sends, want, "SEND attempts one RNR wait apart");
         for (k, (at, timer)) in naks.iter().enumerate() {
@@ -235,10 +178,7 @@ fn rnr_retry_exceeded_with_the_encoded_timer() {
             assert_eq!(*at, t0 + round * k as u32 + DELAY);
         }
         assert!(net.bytes(&mb).iter().all(|&x| x == 0x22));
-        assert_eq!(
-            net.nodes[1].hca.counters().send_rnr_nak,
-            u64::from(rnr_retry) + 1
-        );
+        assert_eq!(net.nodes[1].hca.counters().send_rnr_nak, u64::from(rnr_retry) + 1);
     }
 }
 
@@ -255,8 +195,7 @@ fn rnr_infinite_until_a_receive_is_posted() {
     let mb = net.reg(&b, 8192, ALL_ACCESS, 0x5a);
     let data = pattern(9, 3000);
     net.fill(&ma, 0, &data);
-    net.post_send(&a, wr(1, SendOp::SendWithImm(0xfeed), &[ma.sge(0, 3000)]))
-        .unwrap();
+    net.post_send(&a, wr(1, SendOp::SendWithImm(0xfeed), &[ma.sge(0, 3000)])).unwrap();
     net.run_for(Duration::from_millis(5));
     let naks = net.nodes[1].hca.counters().send_rnr_nak;
     // 5 ms / (60 µs + 2 × 2 µs) ≈ 78 rounds.
@@ -265,10 +204,7 @@ fn rnr_infinite_until_a_receive_is_posted() {
     assert!(net.bytes(&mb).iter().all(|&x| x == 0x5a));
     net.post_recv(&b, recv(9, &[mb.sge(100, 4000)])).unwrap();
     net.settle();
-    assert_wcs(
-        &net.send_wcs(&a),
-        &[(1, WcStatus::Success, WcOpcode::Send, 3000)],
-    );
+    assert_wcs(&net.send_wcs(&a), &[(1, WcStatus::Success, WcOpcode::Send, 3000)]);
     let r = net.recv_wcs(&b);
     assert_wcs(&r, &[(9, WcStatus::Success, WcOpcode::Recv, 3000)]);
     assert_eq!(r[0].imm, 0xfeed);
@@ -284,20 +220,13 @@ fn write_with_immediate_without_a_receive_is_rnr() {
     // One packet and three packets (MTU 1024): memory is untouched until a receive exists.
     for len in [500usize, 2500] {
         let mut net = net(&format!("rnr_write_imm_{len}"), Impairments::NONE, 5);
-        let o = ConnOpts {
-            min_rnr_timer: 3,
-            ..ConnOpts::default()
-        };
+        let o = ConnOpts { min_rnr_timer: 3, ..ConnOpts::default() };
         let (a, b) = pair(&mut net, &o);
         let ma = net.reg(&a, 4096, ALL_ACCESS, 0);
         let mb = net.reg(&b, 4096, ALL_ACCESS, 0x77);
         let data = pattern(1, len);
         net.fill(&ma, 0, &data);
-        let op = SendOp::WriteWithImm {
-            remote_addr: mb.at(16),
-            rkey: mb.key,
-            imm: 0x1234_5678,
-        };
+        let op = SendOp::WriteWithImm { remote_addr: mb.at(16), rkey: mb.key, imm: 0x1234_5678 };
         net.post_send(&a, wr(1, op, &[ma.sge(0, len)])).unwrap();
         net.run_for(Duration::from_millis(1));
         assert!(net.nodes[1].hca.counters().send_rnr_nak >= 10);
@@ -307,15 +236,9 @@ fn write_with_immediate_without_a_receive_is_rnr() {
         }
         net.post_recv(&b, recv(3, &[])).unwrap();
         net.settle();
-        assert_wcs(
-            &net.send_wcs(&a),
-            &[(1, WcStatus::Success, WcOpcode::RdmaWrite, len as u32)],
-        );
+        assert_wcs(&net.send_wcs(&a), &[(1, WcStatus::Success, WcOpcode::RdmaWrite, len as u32)]);
         let r = net.recv_wcs(&b);
-        assert_wcs(
-            &r,
-            &[(3, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len as u32)],
-        );
+        assert_wcs(&r, &[(3, WcStatus::Success, WcOpcode::RecvRdmaWithImm, len as u32)]);
         assert_eq!(r[0].imm, 0x1234_5678);
         let m = net.bytes(&mb);
         assert_eq!(&m[16..16 + len], &data[..]);
@@ -343,11 +266,7 @@ fn rnr_under_loss_with_late_receives() {
 fn rnr_under_loss(seed: u64) {
     use softrdma_sim::Rng;
     let loss = [0.0, 0.02, 0.1][(seed % 3) as usize];
-    let mut net = net(
-        &format!("rnr_loss_{seed}"),
-        Impairments::hostile(loss),
-        100 + seed,
-    );
+    let mut net = net(&format!("rnr_loss_{seed}"), Impairments::hostile(loss), 100 + seed);
     let o = ConnOpts {
         mtu: softrdma_transport::Mtu::M256,
         min_rnr_timer: 1 + (seed % 4) as u8,
@@ -371,43 +290,21 @@ fn rnr_under_loss(seed: u64) {
         let off = i * 2048;
         let (op, opc) = match i % 4 {
             0 | 1 => (SendOp::Send, WcOpcode::Send),
-            2 => (
-                SendOp::WriteWithImm {
-                    remote_addr: mb.at(off),
-                    rkey: mb.key,
-                    imm: i as u32,
-                },
-                WcOpcode::RdmaWrite,
-            ),
-            _ => (
-                SendOp::Read {
-                    remote_addr: mb.at(off),
-                    rkey: mb.key,
-                },
-                WcOpcode::RdmaRead,
-            ),
+            2 => (SendOp::WriteWithImm { remote_addr: mb.at(off), rkey: mb.key, imm: i as u32 }, WcOpcode::RdmaWrite),
+            _ => (SendOp::Read { remote_addr: mb.at(off), rkey: mb.key }, WcOpcode::RdmaRead),
         };
         if i % 4 != 3 {
-            let ropc = if i % 4 == 2 {
-                WcOpcode::RecvRdmaWithImm
-            } else {
-                WcOpcode::Recv
-            };
+            let ropc = if i % 4 == 2 { WcOpcode::RecvRdmaWithImm } else { WcOpcode::Recv };
             want_r.push((i as u64, WcStatus::Success, ropc, len as u32));
         }
         want_s.push((i as u64, WcStatus::Success, opc, len as u32));
-        net.post_send(&a, wr(i as u64, op, &[ma.sge(off, len)]))
-            .unwrap();
+        net.post_send(&a, wr(i as u64, op, &[ma.sge(off, len)])).unwrap();
     }
     let mut got_s = Vec::new();
     let mut got_r = Vec::new();
     for i in (0..n).filter(|i| i % 4 != 3) {
         net.run_for(Duration::from_micros(rng.below(300)));
-        let sgl = if i % 4 == 2 {
-            vec![]
-        } else {
-            vec![mb.sge(i * 2048, 2048)]
-        };
+        let sgl = if i % 4 == 2 { vec![] } else { vec![mb.sge(i * 2048, 2048)] };
         net.post_recv(&b, recv(i as u64, &sgl)).unwrap();
         got_s.extend(net.send_wcs(&a));
         got_r.extend(net.recv_wcs(&b));
@@ -420,10 +317,7 @@ fn rnr_under_loss(seed: u64) {
     got_r.extend(net.recv_wcs(&b));
     assert_wcs(&got_s, &want_s);
     assert_wcs(&got_r, &want_r);
-    assert!(
-        net.nodes[1].hca.counters().send_rnr_nak > 0,
-        "seed {seed}: no RNR"
-    );
+    assert!(net.nodes[1].hca.counters().send_rnr_nak > 0, "seed {seed}: no RNR");
     for (i, w) in want_s.iter().enumerate() {
         let r = i * 2048..i * 2048 + w.3 as usize;
         if i % 4 == 3 {

@@ -14,10 +14,7 @@ use softrdma_wire::{IbPacket, Psn};
 use crate::{net, pair};
 
 fn uc() -> ConnOpts {
-    ConnOpts {
-        qp_type: QpType::Uc,
-        ..ConnOpts::default()
-    }
+    ConnOpts { qp_type: QpType::Uc, ..ConnOpts::default() }
 }
 
 /// Drop the frame from node 0 whose PSN is `psn` (once).
@@ -39,11 +36,7 @@ fn drop_psn(net: &mut Net, psn: Psn) -> Rc<Cell<u32>> {
 fn uc_broken_message_is_dropped_and_its_receive_reused() {
     // Drop packet `k` (0 = FIRST, 1 = MIDDLE, 2 = LAST) of the second of three 3-packet SENDs.
     for k in 0..3u32 {
-        let mut net = net(
-            &format!("uc_drop_{k}"),
-            Impairments::NONE,
-            20 + u64::from(k),
-        );
+        let mut net = net(&format!("uc_drop_{k}"), Impairments::NONE, 20 + u64::from(k));
         let (a, b) = pair(&mut net, &uc());
         let ma = net.reg(&a, 16384, ALL_ACCESS, 0);
         let mb = net.reg(&b, 16384, ALL_ACCESS, 0xcc);
@@ -52,14 +45,12 @@ fn uc_broken_message_is_dropped_and_its_receive_reused() {
             net.fill(&ma, i * 4096, m);
         }
         for i in 0..3 {
-            net.post_recv(&b, recv(50 + i as u64, &[mb.sge(i * 4096, 4096)]))
-                .unwrap();
+            net.post_recv(&b, recv(50 + i as u64, &[mb.sge(i * 4096, 4096)])).unwrap();
         }
         let psn0 = net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_psn;
         let hits = drop_psn(&mut net, psn0.add(3 + k));
         for i in 0..3 {
-            net.post_send(&a, wr(i as u64, SendOp::Send, &[ma.sge(i * 4096, 3000)]))
-                .unwrap();
+            net.post_send(&a, wr(i as u64, SendOp::Send, &[ma.sge(i * 4096, 3000)])).unwrap();
         }
         net.settle();
         assert_eq!(hits.get(), 1);
@@ -75,10 +66,7 @@ fn uc_broken_message_is_dropped_and_its_receive_reused() {
         // The broken message consumed nothing: its WQE (51) took the third message.
         assert_wcs(
             &net.recv_wcs(&b),
-            &[
-                (50, WcStatus::Success, WcOpcode::Recv, 3000),
-                (51, WcStatus::Success, WcOpcode::Recv, 3000),
-            ],
+            &[(50, WcStatus::Success, WcOpcode::Recv, 3000), (51, WcStatus::Success, WcOpcode::Recv, 3000)],
         );
         let m = net.bytes(&mb);
         assert_eq!(&m[..3000], &msgs[0][..]);
@@ -109,37 +97,23 @@ fn uc_lost_write_with_immediate_consumes_no_receive() {
     // The LAST packet (with the immediate) of the first write is lost.
     drop_psn(&mut net, psn0.add(1));
     for (i, off) in [(1u64, 0usize), (2, 4096)] {
-        let op = SendOp::WriteWithImm {
-            remote_addr: mb.at(off),
-            rkey: mb.key,
-            imm: i as u32,
-        };
+        let op = SendOp::WriteWithImm { remote_addr: mb.at(off), rkey: mb.key, imm: i as u32 };
         net.post_send(&a, wr(i, op, &[ma.sge(0, 2048)])).unwrap();
     }
     net.settle();
     let r = net.recv_wcs(&b);
-    assert_wcs(
-        &r,
-        &[(60, WcStatus::Success, WcOpcode::RecvRdmaWithImm, 2048)],
-    );
+    assert_wcs(&r, &[(60, WcStatus::Success, WcOpcode::RecvRdmaWithImm, 2048)]);
     assert_eq!(r[0].imm, 2);
     assert_eq!(&net.bytes(&mb)[4096..4096 + 2048], &data[..]);
     assert_wcs(
         &net.send_wcs(&a),
-        &[
-            (1, WcStatus::Success, WcOpcode::RdmaWrite, 2048),
-            (2, WcStatus::Success, WcOpcode::RdmaWrite, 2048),
-        ],
+        &[(1, WcStatus::Success, WcOpcode::RdmaWrite, 2048), (2, WcStatus::Success, WcOpcode::RdmaWrite, 2048)],
     );
 }
 
 fn ud_dest(net: &Net, node: usize, qpn: softrdma_wire::Qpn, qkey: u32) -> UdDest {
     UdDest {
-        av: AddressVector {
-            dgid: net.nodes[node].gid,
-            hop_limit: 64,
-            ..Default::default()
-        },
+        av: AddressVector { dgid: net.nodes[node].gid, hop_limit: 64, ..Default::default() },
         remote_qpn: qpn,
         remote_qkey: qkey,
     }
@@ -150,18 +124,14 @@ const QKEY: u32 = 0x1111_1111; // what Net::bring_up gives UD QPs
 #[test]
 fn ud_grh_qkey_src_qp_and_immediate() {
     let mut net = net("ud", Impairments::NONE, 24);
-    let o = ConnOpts {
-        qp_type: QpType::Ud,
-        ..ConnOpts::default()
-    };
+    let o = ConnOpts { qp_type: QpType::Ud, ..ConnOpts::default() };
     let (a, b) = pair(&mut net, &o);
     let ma = net.reg(&a, 16384, ALL_ACCESS, 0);
     let mb = net.reg(&b, 16384, ALL_ACCESS, 0xdd);
     let data = pattern(11, 4096);
     net.fill(&ma, 0, &data);
     for i in 0..3 {
-        net.post_recv(&b, recv(70 + i as u64, &[mb.sge(i * 4200, 4200)]))
-            .unwrap();
+        net.post_recv(&b, recv(70 + i as u64, &[mb.sge(i * 4200, 4200)])).unwrap();
     }
     let send = |id, op, len, qkey, net: &mut Net| {
         let mut w = wr(id, op, &[ma.sge(0, len)]);
@@ -214,10 +184,7 @@ fn ud_grh_qkey_src_qp_and_immediate() {
     assert!(sent.iter().all(|f| f.is(Flags::ONLY) && f.is(Flags::SEND)));
     assert_eq!(sent[2].base, base::SEND_ONLY_IMM);
     let m = net.bytes(&mb);
-    for (i, (len, frame)) in [(100usize, sent[0]), (4096, sent[2]), (7, sent[3])]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, (len, frame)) in [(100usize, sent[0]), (4096, sent[2]), (7, sent[3])].into_iter().enumerate() {
         let buf = &m[i * 4200..];
         assert_eq!(&buf[..20], &[0u8; 20]);
         let mut ip = [0u8; 20];
@@ -244,20 +211,14 @@ fn ud_grh_qkey_src_qp_and_immediate() {
     net.post_recv(&a, recv(80, &[ma.sge(8192, 100)])).unwrap();
     net.post_send(&b, w).unwrap();
     net.settle();
-    assert_wcs(
-        &net.recv_wcs(&a),
-        &[(80, WcStatus::Success, WcOpcode::Recv, 43)],
-    );
+    assert_wcs(&net.recv_wcs(&a), &[(80, WcStatus::Success, WcOpcode::Recv, 43)]);
     assert_eq!(net.recv_wcs(&a), vec![]);
 }
 
 #[test]
 fn ud_receive_too_small_and_no_receive() {
     let mut net = net("ud_small", Impairments::NONE, 25);
-    let o = ConnOpts {
-        qp_type: QpType::Ud,
-        ..ConnOpts::default()
-    };
+    let o = ConnOpts { qp_type: QpType::Ud, ..ConnOpts::default() };
     let (a, b) = pair(&mut net, &o);
     let ma = net.reg(&a, 4096, ALL_ACCESS, 0);
     let mb = net.reg(&b, 4096, ALL_ACCESS, 0xdd);
@@ -269,10 +230,7 @@ fn ud_receive_too_small_and_no_receive() {
         net.post_send(&a, w).unwrap();
     }
     net.settle();
-    assert_wcs(
-        &net.recv_wcs(&b),
-        &[(1, WcStatus::LocLenErr, WcOpcode::Recv, 0)],
-    );
+    assert_wcs(&net.recv_wcs(&b), &[(1, WcStatus::LocLenErr, WcOpcode::Recv, 0)]);
     assert!(net.bytes(&mb)[99..].iter().all(|&x| x == 0xdd));
     assert_eq!(net.nodes[1].hca.counters().drop_no_recv, 1);
     assert_eq!(net.state(&b), QpState::Rts);

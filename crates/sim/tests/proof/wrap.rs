@@ -11,16 +11,9 @@ use softrdma_wire::Psn;
 use crate::{net_with, pair};
 
 fn run(name: &str, mtu: Mtu, psn: u32, loss: f64, seed: u64, n: usize, big: u32) {
-    let config = Config {
-        max_inflight_packets: 64,
-        ..Config::default()
-    };
+    let config = Config { max_inflight_packets: 64, ..Config::default() };
     let mut net = net_with(name, config, Impairments::hostile(loss), seed);
-    let o = ConnOpts {
-        mtu,
-        psn,
-        ..ConnOpts::default()
-    };
+    let o = ConnOpts { mtu, psn, ..ConnOpts::default() };
     let (a, b) = pair(&mut net, &o);
     let w = Workload::plan(&mut net, &a, &b, QpType::Rc, n, big, 256 << 10);
     let before_a = w.region(&net, true).to_vec();
@@ -40,24 +33,8 @@ fn run(name: &str, mtu: Mtu, psn: u32, loss: f64, seed: u64, n: usize, big: u32)
 #[test]
 fn psn_wrap_with_loss() {
     // ~6 MB at MTU 256 is ~25k PSNs: wraps from 0xFFFF00 within the first 64 KB.
-    run(
-        "wrap_256_loss",
-        Mtu::M256,
-        0xff_ff00,
-        0.02,
-        60,
-        200,
-        4 << 20,
-    );
-    run(
-        "wrap_4096_loss",
-        Mtu::M4096,
-        0xff_fff0,
-        0.05,
-        61,
-        300,
-        2 << 20,
-    );
+    run("wrap_256_loss", Mtu::M256, 0xff_ff00, 0.02, 60, 200, 4 << 20);
+    run("wrap_4096_loss", Mtu::M4096, 0xff_fff0, 0.05, 61, 300, 2 << 20);
 }
 
 #[test]
@@ -69,10 +46,7 @@ fn psn_wrap_lossless_from_the_last_psn() {
 #[test]
 fn read_response_across_the_wrap() {
     let mut net = crate::net("wrap_read", Impairments::NONE, 63);
-    let o = ConnOpts {
-        psn: 0xff_fffe,
-        ..ConnOpts::default()
-    };
+    let o = ConnOpts { psn: 0xff_fffe, ..ConnOpts::default() };
     let (a, b) = pair(&mut net, &o);
     let ma = net.reg(&a, 8192, ALL_ACCESS, 0);
     let mb = net.reg(&b, 8192, ALL_ACCESS, 0);
@@ -87,55 +61,31 @@ fn read_response_across_the_wrap() {
         }
         true
     }));
-    let read = SendOp::Read {
-        remote_addr: mb.at(0),
-        rkey: mb.key,
-    };
+    let read = SendOp::Read { remote_addr: mb.at(0), rkey: mb.key };
     net.post_send(&a, wr(1, read, &[ma.sge(0, 5000)])).unwrap();
     net.settle();
-    assert_wcs(
-        &net.send_wcs(&a),
-        &[(1, WcStatus::Success, WcOpcode::RdmaRead, 5000)],
-    );
+    assert_wcs(&net.send_wcs(&a), &[(1, WcStatus::Success, WcOpcode::RdmaRead, 5000)]);
     assert_eq!(&net.bytes(&ma)[..5000], &data[..]);
-    assert_eq!(
-        net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_psn,
-        Psn::new(3)
-    );
-    assert_eq!(
-        net.nodes[1].hca.query_qp(b.qpn).unwrap().rq_psn,
-        Psn::new(3)
-    );
+    assert_eq!(net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_psn, Psn::new(3));
+    assert_eq!(net.nodes[1].hca.query_qp(b.qpn).unwrap().rq_psn, Psn::new(3));
 }
 
 /// Both sides run a mixed workload towards each other at once: every QP is requester and
 /// responder, responses and requests interleave on the same QP, under loss.
 #[test]
 fn bidirectional_workloads_under_loss() {
-    for (seed, loss, mtu) in [
-        (70u64, 0.0, Mtu::M1024),
-        (71, 0.05, Mtu::M256),
-        (72, 0.2, Mtu::M4096),
-    ] {
-        let config = Config {
-            max_inflight_packets: 32,
-            ..Config::default()
-        };
+    for (seed, loss, mtu) in [(70u64, 0.0, Mtu::M1024), (71, 0.05, Mtu::M256), (72, 0.2, Mtu::M4096)] {
+        let config = Config { max_inflight_packets: 32, ..Config::default() };
         let name = format!("bidir_{seed}");
         let mut net = net_with(&name, config, Impairments::hostile(loss), seed);
-        let o = ConnOpts {
-            mtu,
-            rd_atomic: 4,
-            ..ConnOpts::default()
-        };
+        let o = ConnOpts { mtu, rd_atomic: 4, ..ConnOpts::default() };
         let (a, b) = pair(&mut net, &o);
         let w1 = Workload::plan(&mut net, &a, &b, QpType::Rc, 300, 0, 64 << 10);
         let w2 = Workload::plan(&mut net, &b, &a, QpType::Rc, 300, 0, 64 << 10);
         w1.prepare(&mut net);
         w2.prepare(&mut net);
-        let snap = |net: &softrdma_sim::Net, w: &Workload| {
-            (w.region(net, true).to_vec(), w.region(net, false).to_vec())
-        };
+        let snap =
+            |net: &softrdma_sim::Net, w: &Workload| (w.region(net, true).to_vec(), w.region(net, false).to_vec());
         let (b1a, b1b) = snap(&net, &w1);
         let (b2a, b2b) = snap(&net, &w2);
         let (mut n1, mut n2) = (0, 0);
@@ -158,9 +108,7 @@ fn bidirectional_workloads_under_loss() {
         net.settle();
         r1.extend(net.recv_wcs(&b));
         r2.extend(net.recv_wcs(&a));
-        w1.check(&net, &s1, &r1, &b1a, &b1b)
-            .unwrap_or_else(|e| panic!("{name} A->B: {e}"));
-        w2.check(&net, &s2, &r2, &b2a, &b2b)
-            .unwrap_or_else(|e| panic!("{name} B->A: {e}"));
+        w1.check(&net, &s1, &r1, &b1a, &b1b).unwrap_or_else(|e| panic!("{name} A->B: {e}"));
+        w2.check(&net, &s2, &r2, &b2a, &b2b).unwrap_or_else(|e| panic!("{name} B->A: {e}"));
     }
 }

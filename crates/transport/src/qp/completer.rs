@@ -62,12 +62,7 @@ impl Qp {
                 return self.retry(ctx);
             }
             // An ACK inside a read's response range acknowledges data we never got.
-            if self
-                .sq
-                .wqes
-                .front()
-                .is_some_and(|w| w.wr.op.is_read_or_atomic() && w.contains(psn))
-            {
+            if self.sq.wqes.front().is_some_and(|w| w.wr.op.is_read_or_atomic() && w.contains(psn)) {
                 return self.retry(ctx);
             }
             if psn.next().after(self.sq.una) {
@@ -104,11 +99,7 @@ impl Qp {
             self.sq.retrying_from = None;
         }
         self.sq.reset_retries(&self.attr);
-        let at = if self.sq.unacked() {
-            self.ack_timeout().map(|d| ctx.now + d)
-        } else {
-            None
-        };
+        let at = if self.sq.unacked() { self.ack_timeout().map(|d| ctx.now + d) } else { None };
         self.set_timer(Timer::Retransmit, at);
         ctx.mark_ready(self.qpn);
     }

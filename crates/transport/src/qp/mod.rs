@@ -299,19 +299,13 @@ impl Qp {
         let cap = &self.init.cap;
         match &wr.payload {
             Payload::Sgl(sgl) if sgl.len() > cap.max_send_sge as usize => {
-                return Err(VerbsError::InvalidWorkRequest(
-                    "more SGEs than max_send_sge",
-                ));
+                return Err(VerbsError::InvalidWorkRequest("more SGEs than max_send_sge"));
             }
             Payload::Inline(d) if d.len() > cap.max_inline_data as usize => {
-                return Err(VerbsError::InvalidWorkRequest(
-                    "inline data longer than max_inline_data",
-                ));
+                return Err(VerbsError::InvalidWorkRequest("inline data longer than max_inline_data"));
             }
             Payload::Inline(_) if wr.op.is_read_or_atomic() => {
-                return Err(VerbsError::InvalidWorkRequest(
-                    "inline data on a read or atomic",
-                ));
+                return Err(VerbsError::InvalidWorkRequest("inline data on a read or atomic"));
             }
             _ => {}
         }
@@ -321,31 +315,23 @@ impl Qp {
             QpType::Ud => matches!(wr.op, SendOp::Send | SendOp::SendWithImm(_)),
         };
         if !allowed {
-            return Err(VerbsError::InvalidWorkRequest(
-                "operation not supported on this QP type",
-            ));
+            return Err(VerbsError::InvalidWorkRequest("operation not supported on this QP type"));
         }
         if self.qp_type() == QpType::Ud && wr.ud.is_none() {
-            return Err(VerbsError::InvalidWorkRequest(
-                "UD send without an address handle",
-            ));
+            return Err(VerbsError::InvalidWorkRequest("UD send without an address handle"));
         }
         Ok(())
     }
 
     pub fn post_recv(&mut self, wr: RecvWr, ctx: &mut Ctx<'_>) -> Result<(), VerbsError> {
         if self.init.srq.is_some() {
-            return Err(VerbsError::InvalidWorkRequest(
-                "QP uses an SRQ: post to the SRQ",
-            ));
+            return Err(VerbsError::InvalidWorkRequest("QP uses an SRQ: post to the SRQ"));
         }
         if self.state == QpState::Reset {
             return Err(VerbsError::InvalidState(self.state));
         }
         if wr.sgl.len() > self.init.cap.max_recv_sge as usize {
-            return Err(VerbsError::InvalidWorkRequest(
-                "more SGEs than max_recv_sge",
-            ));
+            return Err(VerbsError::InvalidWorkRequest("more SGEs than max_recv_sge"));
         }
         if self.rq.len() >= self.init.cap.max_recv_wr as usize {
             return Err(VerbsError::QueueFull);
@@ -395,13 +381,7 @@ impl Qp {
 
     // ---- errors and completions --------------------------------------------------------------
 
-    pub fn wc(
-        &self,
-        wr_id: u64,
-        status: WcStatus,
-        opcode: WcOpcode,
-        byte_len: u32,
-    ) -> WorkCompletion {
+    pub fn wc(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, byte_len: u32) -> WorkCompletion {
         WorkCompletion {
             wr_id,
             status,

@@ -152,11 +152,7 @@ impl SendQueue {
             first_psn: Psn::new(0),
             npkts: 0,
             started: false,
-            error: if len > u64::from(u32::MAX) {
-                Some(WcStatus::LocLenErr)
-            } else {
-                None
-            },
+            error: if len > u64::from(u32::MAX) { Some(WcStatus::LocLenErr) } else { None },
             read_expect_first: false,
         });
     }
@@ -169,9 +165,7 @@ impl SendQueue {
         self.cur_pkt = 0;
         self.rd_atomic_inflight = 0;
         self.una = self.send_psn;
-        self.wqes
-            .drain(..)
-            .map(|w| (w.wr.wr_id, send_wc_opcode(&w.wr.op)))
+        self.wqes.drain(..).map(|w| (w.wr.wr_id, send_wc_opcode(&w.wr.op)))
     }
 
     /// Remove the head WQE after its completion.
@@ -199,11 +193,7 @@ impl SendQueue {
 
     /// Go back to `psn`: the requester will regenerate from there.
     pub fn rewind(&mut self, psn: Psn) {
-        let Some(i) = self
-            .wqes
-            .iter()
-            .position(|w| w.started && w.last_psn().diff(psn) >= 0)
-        else {
+        let Some(i) = self.wqes.iter().position(|w| w.started && w.last_psn().diff(psn) >= 0) else {
             return;
         };
         let w = &mut self.wqes[i];
@@ -249,9 +239,7 @@ impl Qp {
             if self.state == QpState::Sqd || w.error.is_some() {
                 return None;
             }
-            if w.wr.op.is_read_or_atomic()
-                && self.sq.rd_atomic_inflight >= u32::from(self.attr.max_rd_atomic)
-            {
+            if w.wr.op.is_read_or_atomic() && self.sq.rd_atomic_inflight >= u32::from(self.attr.max_rd_atomic) {
                 if self.attr.max_rd_atomic == 0 {
                     self.sq.wqes[idx].error = Some(WcStatus::LocQpOpErr);
                     self.complete_send_head(ctx);
@@ -309,11 +297,7 @@ impl Qp {
             return Some(WcStatus::LocLenErr);
         }
         if let Payload::Sgl(sgl) = &w.wr.payload {
-            let need = if w.wr.op.is_read_or_atomic() {
-                Access::LOCAL_WRITE
-            } else {
-                Access::NONE
-            };
+            let need = if w.wr.op.is_read_or_atomic() { Access::LOCAL_WRITE } else { Access::NONE };
             if memory::check_sgl(ctx.mem, self.init.pd, sgl, need).is_err() {
                 return Some(WcStatus::LocProtErr);
             }
@@ -343,91 +327,42 @@ impl Qp {
             (false, false) => mid,
         };
         let (code, payload_len, is_read_req) = match w.wr.op {
-            SendOp::Send => (
-                pick(
-                    base::SEND_ONLY,
-                    base::SEND_FIRST,
-                    base::SEND_MIDDLE,
-                    base::SEND_LAST,
-                ),
-                true,
-                false,
-            ),
-            SendOp::SendWithImm(_) => (
-                pick(
-                    base::SEND_ONLY_IMM,
-                    base::SEND_FIRST,
-                    base::SEND_MIDDLE,
-                    base::SEND_LAST_IMM,
-                ),
-                true,
-                false,
-            ),
-            SendOp::SendWithInv(_) => (
-                pick(
-                    base::SEND_ONLY_INV,
-                    base::SEND_FIRST,
-                    base::SEND_MIDDLE,
-                    base::SEND_LAST_INV,
-                ),
-                true,
-                false,
-            ),
-            SendOp::Write { .. } => (
-                pick(
-                    base::WRITE_ONLY,
-                    base::WRITE_FIRST,
-                    base::WRITE_MIDDLE,
-                    base::WRITE_LAST,
-                ),
-                true,
-                false,
-            ),
-            SendOp::WriteWithImm { .. } => (
-                pick(
-                    base::WRITE_ONLY_IMM,
-                    base::WRITE_FIRST,
-                    base::WRITE_MIDDLE,
-                    base::WRITE_LAST_IMM,
-                ),
-                true,
-                false,
-            ),
+            SendOp::Send => (pick(base::SEND_ONLY, base::SEND_FIRST, base::SEND_MIDDLE, base::SEND_LAST), true, false),
+            SendOp::SendWithImm(_) => {
+                (pick(base::SEND_ONLY_IMM, base::SEND_FIRST, base::SEND_MIDDLE, base::SEND_LAST_IMM), true, false)
+            }
+            SendOp::SendWithInv(_) => {
+                (pick(base::SEND_ONLY_INV, base::SEND_FIRST, base::SEND_MIDDLE, base::SEND_LAST_INV), true, false)
+            }
+            SendOp::Write { .. } => {
+                (pick(base::WRITE_ONLY, base::WRITE_FIRST, base::WRITE_MIDDLE, base::WRITE_LAST), true, false)
+            }
+            SendOp::WriteWithImm { .. } => {
+                (pick(base::WRITE_ONLY_IMM, base::WRITE_FIRST, base::WRITE_MIDDLE, base::WRITE_LAST_IMM), true, false)
+            }
             SendOp::Read { .. } => (base::READ_REQUEST, false, true),
             SendOp::CompareSwap { .. } => (base::COMPARE_SWAP, false, false),
             SendOp::FetchAdd { .. } => (base::FETCH_ADD, false, false),
         };
         let opcode = Opcode::of(wire_type, code)?;
-        let plen = if payload_len {
-            (w.len as usize - offset.min(w.len as usize)).min(mtu)
-        } else {
-            0
-        };
+        let plen = if payload_len { (w.len as usize - offset.min(w.len as usize)).min(mtu) } else { 0 };
         let message_end = last || is_read_req || w.wr.op.is_atomic();
         let solicited = message_end
             && w.wr.flags.contains(SendFlags::SOLICITED)
             && matches!(
                 w.wr.op,
-                SendOp::Send
-                    | SendOp::SendWithImm(_)
-                    | SendOp::SendWithInv(_)
-                    | SendOp::WriteWithImm { .. }
+                SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_) | SendOp::WriteWithImm { .. }
             );
-        let window_full =
-            self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32 >= self.sq.window(ctx.config);
+        let window_full = self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32 >= self.sq.window(ctx.config);
         // With an adaptive window, ask for an ACK at least twice per window: a lost last packet of a
         // full window then costs a NAK round trip (the ACK of the middle opens the window, the
         // packets that follow show the gap) instead of the local ACK timeout.
         let every = if ctx.config.adaptive_window {
-            ctx.config
-                .ack_req_every
-                .min(self.sq.window(ctx.config) / 2)
-                .max(1)
+            ctx.config.ack_req_every.min(self.sq.window(ctx.config) / 2).max(1)
         } else {
             ctx.config.ack_req_every
         };
-        let ack_req =
-            qp_type == QpType::Rc && (message_end || self.sq.noack > every || window_full);
+        let ack_req = qp_type == QpType::Rc && (message_end || self.sq.noack > every || window_full);
         let dest_qp = match (&w.wr.ud, qp_type) {
             (Some(ud), QpType::Ud) => ud.remote_qpn,
             _ => self.attr.dest_qpn,
@@ -452,15 +387,8 @@ impl Qp {
             _ => {}
         }
         match w.wr.op {
-            SendOp::Write { remote_addr, rkey }
-            | SendOp::WriteWithImm {
-                remote_addr, rkey, ..
-            } if first => {
-                repr.reth = Some(RethRepr {
-                    va: remote_addr,
-                    rkey,
-                    dma_len: w.len,
-                });
+            SendOp::Write { remote_addr, rkey } | SendOp::WriteWithImm { remote_addr, rkey, .. } if first => {
+                repr.reth = Some(RethRepr { va: remote_addr, rkey, dma_len: w.len });
             }
             SendOp::Read { remote_addr, rkey } => {
                 repr.reth = Some(RethRepr {
@@ -469,43 +397,17 @@ impl Qp {
                     dma_len: w.len.saturating_sub(offset as u32),
                 });
             }
-            SendOp::CompareSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            } => {
-                repr.atomic_eth = Some(AtomicEthRepr {
-                    va: remote_addr,
-                    rkey,
-                    swap_add: swap,
-                    compare,
-                });
+            SendOp::CompareSwap { remote_addr, rkey, compare, swap } => {
+                repr.atomic_eth = Some(AtomicEthRepr { va: remote_addr, rkey, swap_add: swap, compare });
             }
-            SendOp::FetchAdd {
-                remote_addr,
-                rkey,
-                add,
-            } => {
-                repr.atomic_eth = Some(AtomicEthRepr {
-                    va: remote_addr,
-                    rkey,
-                    swap_add: add,
-                    compare: 0,
-                });
+            SendOp::FetchAdd { remote_addr, rkey, add } => {
+                repr.atomic_eth = Some(AtomicEthRepr { va: remote_addr, rkey, swap_add: add, compare: 0 });
             }
             _ => {}
         }
         if let (Some(ud), QpType::Ud) = (&w.wr.ud, qp_type) {
-            let qkey = if ud.remote_qkey & 0x8000_0000 != 0 {
-                self.attr.qkey
-            } else {
-                ud.remote_qkey
-            };
-            repr.deth = Some(DethRepr {
-                qkey,
-                src_qp: self.qpn,
-            });
+            let qkey = if ud.remote_qkey & 0x8000_0000 != 0 { self.attr.qkey } else { ud.remote_qkey };
+            repr.deth = Some(DethRepr { qkey, src_qp: self.qpn });
         }
         let len = repr.emit(buf).ok()?;
         let range = repr.payload_range();
@@ -514,9 +416,7 @@ impl Qp {
                 buf[range].copy_from_slice(&d[offset..offset + plen]);
                 Ok(())
             }
-            Payload::Sgl(sgl) => {
-                memory::gather(ctx.mem, self.init.pd, sgl, offset as u64, &mut buf[range])
-            }
+            Payload::Sgl(sgl) => memory::gather(ctx.mem, self.init.pd, sgl, offset as u64, &mut buf[range]),
         };
         if gathered.is_err() {
             // The region went away after the start check: a local protection error.
@@ -565,12 +465,7 @@ impl Qp {
                 }
             }
         }
-        Some(Transmit {
-            len,
-            av,
-            src_qpn: self.qpn,
-            dest_qpn: dest_qp,
-        })
+        Some(Transmit { len, av, src_qpn: self.qpn, dest_qpn: dest_qp })
     }
 
     /// Complete WQEs at the head that are finished: a local error, or (UC/UD) fully sent.
@@ -598,11 +493,7 @@ impl Qp {
     /// Emit the completion of a finished send WQE (successful ones only when signaled).
     pub(super) fn finish_send(&mut self, w: SendWqe, status: WcStatus, ctx: &mut Ctx<'_>) {
         if status != WcStatus::Success || w.signaled {
-            let byte_len = if status == WcStatus::Success {
-                w.len
-            } else {
-                0
-            };
+            let byte_len = if status == WcStatus::Success { w.len } else { 0 };
             let wc = self.wc(w.wr.wr_id, status, send_wc_opcode(&w.wr.op), byte_len);
             ctx.push_send_wc(self.init.send_cq, wc);
         }

@@ -20,8 +20,7 @@ use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::opcode::{base, Flags};
 use softrdma_wire::{
-    AethRepr, AtomicAckEthRepr, BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn,
-    QpType as WireQpType, Syndrome,
+    AethRepr, AtomicAckEthRepr, BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn, QpType as WireQpType, Syndrome,
 };
 
 /// The message being received.
@@ -30,12 +29,7 @@ enum InMsg {
     /// A multi-packet SEND filling a receive WQE.
     Send { wr: RecvWr, offset: u32 },
     /// A multi-packet RDMA WRITE.
-    Write {
-        va: u64,
-        rkey: u32,
-        len: u32,
-        offset: u32,
-    },
+    Write { va: u64, rkey: u32, len: u32, offset: u32 },
 }
 
 /// A read or atomic remembered for duplicate handling.
@@ -48,26 +42,9 @@ enum Resource {
 /// A response waiting to be sent.
 #[derive(Debug, Clone, Copy)]
 enum Response {
-    Ack {
-        psn: Psn,
-        syndrome: Syndrome,
-        msn: u32,
-    },
-    AtomicAck {
-        psn: Psn,
-        orig: u64,
-        msn: u32,
-        dup: bool,
-    },
-    Read {
-        psn: Psn,
-        va: u64,
-        rkey: u32,
-        remaining: u32,
-        first: bool,
-        msn: u32,
-        dup: bool,
-    },
+    Ack { psn: Psn, syndrome: Syndrome, msn: u32 },
+    AtomicAck { psn: Psn, orig: u64, msn: u32, dup: bool },
+    Read { psn: Psn, va: u64, rkey: u32, remaining: u32, first: bool, msn: u32, dup: bool },
 }
 
 /// Responder state of a QP.
@@ -93,18 +70,9 @@ struct RespError {
     event: fn(softrdma_wire::Qpn) -> AsyncEvent,
 }
 
-const INVALID_REQUEST: RespError = RespError {
-    nak: NakCode::InvalidRequest,
-    event: AsyncEvent::QpRequestError,
-};
-const REMOTE_ACCESS: RespError = RespError {
-    nak: NakCode::RemoteAccessError,
-    event: AsyncEvent::QpAccessError,
-};
-const REMOTE_OP: RespError = RespError {
-    nak: NakCode::RemoteOperationalError,
-    event: AsyncEvent::QpFatal,
-};
+const INVALID_REQUEST: RespError = RespError { nak: NakCode::InvalidRequest, event: AsyncEvent::QpRequestError };
+const REMOTE_ACCESS: RespError = RespError { nak: NakCode::RemoteAccessError, event: AsyncEvent::QpAccessError };
+const REMOTE_OP: RespError = RespError { nak: NakCode::RemoteOperationalError, event: AsyncEvent::QpFatal };
 
 impl Responder {
     pub fn new() -> Responder {
@@ -133,30 +101,16 @@ impl Responder {
     }
 
     fn queue_ack(&mut self, psn: Psn) {
-        let r = Response::Ack {
-            psn,
-            syndrome: Syndrome::Ack {
-                credits: CREDITS_INVALID,
-            },
-            msn: self.msn,
-        };
+        let r = Response::Ack { psn, syndrome: Syndrome::Ack { credits: CREDITS_INVALID }, msn: self.msn };
         // Coalesce: a newer plain ACK covers an older one still waiting.
-        if let Some(Response::Ack {
-            syndrome: Syndrome::Ack { .. },
-            ..
-        }) = self.out.back()
-        {
+        if let Some(Response::Ack { syndrome: Syndrome::Ack { .. }, .. }) = self.out.back() {
             self.out.pop_back();
         }
         self.out.push_back(r);
     }
 
     fn queue_nak(&mut self, psn: Psn, syndrome: Syndrome) {
-        self.out.push_back(Response::Ack {
-            psn,
-            syndrome,
-            msn: self.msn,
-        });
+        self.out.push_back(Response::Ack { psn, syndrome, msn: self.msn });
     }
 
     fn remember(&mut self, r: Resource, max: u8) {
@@ -169,12 +123,8 @@ impl Responder {
     /// New (not duplicate) reads and atomics whose responses are still queued: at most
     /// `max_dest_rd_atomic` when the requester keeps to its limit.
     fn pending_rd_atomic(&self) -> usize {
-        let new = |r: &&Response| {
-            matches!(
-                r,
-                Response::AtomicAck { dup: false, .. } | Response::Read { dup: false, .. }
-            )
-        };
+        let new =
+            |r: &&Response| matches!(r, Response::AtomicAck { dup: false, .. } | Response::Read { dup: false, .. });
         self.out.iter().filter(new).count()
     }
 
@@ -185,12 +135,7 @@ impl Responder {
 }
 
 impl Qp {
-    pub(super) fn handle_request(
-        &mut self,
-        pkt: &IbPacket<&[u8]>,
-        grh: &[u8; 40],
-        ctx: &mut Ctx<'_>,
-    ) {
+    pub(super) fn handle_request(&mut self, pkt: &IbPacket<&[u8]>, grh: &[u8; 40], ctx: &mut Ctx<'_>) {
         if pkt.bth().pkey() & 0x7fff != DEFAULT_PKEY & 0x7fff {
             ctx.stats.drop_pkey += 1;
             return;
@@ -274,8 +219,7 @@ impl Qp {
                 if !self.resp.nak_sent {
                     self.resp.nak_sent = true;
                     let epsn = self.resp.epsn;
-                    self.resp
-                        .queue_nak(epsn, Syndrome::Nak(NakCode::PsnSequenceError));
+                    self.resp.queue_nak(epsn, Syndrome::Nak(NakCode::PsnSequenceError));
                 }
                 return;
             }
@@ -423,67 +367,35 @@ impl Qp {
         Ok(())
     }
 
-    fn remote_check(
-        &self,
-        ctx: &Ctx<'_>,
-        rkey: u32,
-        va: u64,
-        len: u64,
-        need: Access,
-    ) -> Result<(), Step> {
+    fn remote_check(&self, ctx: &Ctx<'_>, rkey: u32, va: u64, len: u64, need: Access) -> Result<(), Step> {
         if !self.attr.access.contains(need) {
             return Err(Step::Error(REMOTE_ACCESS));
         }
         if len == 0 {
             return Ok(());
         }
-        ctx.mem
-            .check(self.init.pd, rkey, KeyKind::Remote, va, len, need)
-            .map_err(|_| Step::Error(REMOTE_ACCESS))
+        ctx.mem.check(self.init.pd, rkey, KeyKind::Remote, va, len, need).map_err(|_| Step::Error(REMOTE_ACCESS))
     }
 
     fn execute_write(&mut self, pkt: &IbPacket<&[u8]>, ctx: &mut Ctx<'_>) -> Result<(), Step> {
         let info = pkt.info();
         let (va, rkey, len, offset) = match (self.resp.cur.take(), pkt.reth()) {
             (None, Some(reth)) => {
-                self.remote_check(
-                    ctx,
-                    reth.rkey(),
-                    reth.va(),
-                    u64::from(reth.dma_len()),
-                    Access::REMOTE_WRITE,
-                )?;
+                self.remote_check(ctx, reth.rkey(), reth.va(), u64::from(reth.dma_len()), Access::REMOTE_WRITE)?;
                 (reth.va(), reth.rkey(), reth.dma_len(), 0u32)
             }
-            (
-                Some(InMsg::Write {
-                    va,
-                    rkey,
-                    len,
-                    offset,
-                }),
-                None,
-            ) => (va, rkey, len, offset),
+            (Some(InMsg::Write { va, rkey, len, offset }), None) => (va, rkey, len, offset),
             _ => return Err(Step::Error(INVALID_REQUEST)),
         };
         let payload = pkt.payload();
         let end = u64::from(offset) + payload.len() as u64;
-        let len_ok = if info.ends_message() {
-            end == u64::from(len)
-        } else {
-            end < u64::from(len)
-        };
+        let len_ok = if info.ends_message() { end == u64::from(len) } else { end < u64::from(len) };
         if !len_ok {
             return Err(Step::Error(INVALID_REQUEST));
         }
         // A write with immediate needs a receive WQE; ask for it before touching memory.
         if info.ends_message() && info.is(Flags::IMM) && !self.recv_available(ctx) {
-            self.resp.cur = (!info.starts_message()).then_some(InMsg::Write {
-                va,
-                rkey,
-                len,
-                offset,
-            });
+            self.resp.cur = (!info.starts_message()).then_some(InMsg::Write { va, rkey, len, offset });
             return Err(Step::Rnr);
         }
         if !payload.is_empty() {
@@ -493,12 +405,7 @@ impl Qp {
                 .map_err(|_| Step::Error(REMOTE_ACCESS))?;
         }
         if !info.ends_message() {
-            self.resp.cur = Some(InMsg::Write {
-                va,
-                rkey,
-                len,
-                offset: end as u32,
-            });
+            self.resp.cur = Some(InMsg::Write { va, rkey, len, offset: end as u32 });
             return Ok(());
         }
         if let Some(imm) = pkt.imm() {
@@ -520,21 +427,13 @@ impl Qp {
             return self.request_error(psn, INVALID_REQUEST, ctx);
         }
         let len = reth.dma_len();
-        if let Err(Step::Error(e)) = self.remote_check(
-            ctx,
-            reth.rkey(),
-            reth.va(),
-            u64::from(len),
-            Access::REMOTE_READ,
-        ) {
+        if let Err(Step::Error(e)) = self.remote_check(ctx, reth.rkey(), reth.va(), u64::from(len), Access::REMOTE_READ)
+        {
             return self.request_error(psn, e, ctx);
         }
         let npkts = (len as usize).div_ceil(self.attr.mtu.bytes()).max(1) as u32;
         let last = psn.add(npkts - 1);
-        self.resp.remember(
-            Resource::Read { first: psn, last },
-            self.attr.max_dest_rd_atomic,
-        );
+        self.resp.remember(Resource::Read { first: psn, last }, self.attr.max_dest_rd_atomic);
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         let msn = self.resp.msn;
         self.resp.out.push_back(Response::Read {
@@ -563,10 +462,7 @@ impl Qp {
             return self.request_error(psn, INVALID_REQUEST, ctx);
         }
         let op = if pkt.bth().opcode().base() == base::COMPARE_SWAP {
-            AtomicOp::CompareSwap {
-                compare: a.compare(),
-                swap: a.swap_add(),
-            }
+            AtomicOp::CompareSwap { compare: a.compare(), swap: a.swap_add() }
         } else {
             AtomicOp::FetchAdd { add: a.swap_add() }
         };
@@ -575,16 +471,10 @@ impl Qp {
             Err(MemError::Misaligned) => return self.request_error(psn, INVALID_REQUEST, ctx),
             Err(_) => return self.request_error(psn, REMOTE_ACCESS, ctx),
         };
-        self.resp
-            .remember(Resource::Atomic { psn, orig }, self.attr.max_dest_rd_atomic);
+        self.resp.remember(Resource::Atomic { psn, orig }, self.attr.max_dest_rd_atomic);
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         let msn = self.resp.msn;
-        let ack = Response::AtomicAck {
-            psn,
-            orig,
-            msn,
-            dup: false,
-        };
+        let ack = Response::AtomicAck { psn, orig, msn, dup: false };
         self.resp.out.push_back(ack);
         self.resp.epsn = psn.next();
     }
@@ -607,28 +497,15 @@ impl Qp {
         match (found, pkt.reth()) {
             (Some(Resource::Read { first, last }), Some(reth)) if info.is(Flags::READ) => {
                 let len = reth.dma_len();
-                if self
-                    .remote_check(
-                        ctx,
-                        reth.rkey(),
-                        reth.va(),
-                        u64::from(len),
-                        Access::REMOTE_READ,
-                    )
-                    .is_err()
-                {
+                if self.remote_check(ctx, reth.rkey(), reth.va(), u64::from(len), Access::REMOTE_READ).is_err() {
                     return;
                 }
                 // A stream of the same read still queued restarts here instead; it keeps its
                 // place in the count of new requests.
                 let same = |p: Psn| p.diff(first) >= 0 && p.diff(last) <= 0;
                 let was_new =
-                    self.resp.out.iter().any(
-                        |r| matches!(*r, Response::Read { psn: p, dup: false, .. } if same(p)),
-                    );
-                self.resp
-                    .out
-                    .retain(|r| !matches!(*r, Response::Read { psn: p, .. } if same(p)));
+                    self.resp.out.iter().any(|r| matches!(*r, Response::Read { psn: p, dup: false, .. } if same(p)));
+                self.resp.out.retain(|r| !matches!(*r, Response::Read { psn: p, .. } if same(p)));
                 self.resp.out.push_back(Response::Read {
                     psn,
                     va: reth.va(),
@@ -640,18 +517,9 @@ impl Qp {
                 });
             }
             (Some(Resource::Atomic { psn, orig }), _) if info.is(Flags::ATOMIC) => {
-                let queued = self
-                    .resp
-                    .out
-                    .iter()
-                    .any(|r| matches!(*r, Response::AtomicAck { psn: p, .. } if p == psn));
+                let queued = self.resp.out.iter().any(|r| matches!(*r, Response::AtomicAck { psn: p, .. } if p == psn));
                 if !queued {
-                    let ack = Response::AtomicAck {
-                        psn,
-                        orig,
-                        msn,
-                        dup: true,
-                    };
+                    let ack = Response::AtomicAck { psn, orig, msn, dup: true };
                     self.resp.out.push_back(ack);
                 }
             }
@@ -674,12 +542,7 @@ impl Qp {
             ack_req: false,
             psn,
         };
-        let ack = |msn| AethRepr {
-            syndrome: Syndrome::Ack {
-                credits: CREDITS_INVALID,
-            },
-            msn,
-        };
+        let ack = |msn| AethRepr { syndrome: Syndrome::Ack { credits: CREDITS_INVALID }, msn };
         let mtu = self.attr.mtu.bytes();
         let len = match r {
             Response::Ack { psn, syndrome, msn } => {
@@ -695,15 +558,7 @@ impl Qp {
                 repr.atomic_ack_eth = Some(AtomicAckEthRepr { orig });
                 repr.emit(buf).ok()?
             }
-            Response::Read {
-                psn,
-                va,
-                rkey,
-                remaining,
-                first,
-                msn,
-                dup,
-            } => {
+            Response::Read { psn, va, rkey, remaining, first, msn, dup } => {
                 let plen = (remaining as usize).min(mtu);
                 let last = remaining as usize <= mtu;
                 let op = match (first, last) {
@@ -719,12 +574,7 @@ impl Qp {
                 repr.payload_len = plen;
                 let n = repr.emit(buf).ok()?;
                 let range = repr.payload_range();
-                if plen > 0
-                    && ctx
-                        .mem
-                        .read(self.init.pd, rkey, KeyKind::Remote, va, &mut buf[range])
-                        .is_err()
-                {
+                if plen > 0 && ctx.mem.read(self.init.pd, rkey, KeyKind::Remote, va, &mut buf[range]).is_err() {
                     // The region went away between the request and the response.
                     self.request_error(psn, REMOTE_ACCESS, ctx);
                     return self.poll_response(buf, ctx);
@@ -748,12 +598,7 @@ impl Qp {
             }
         };
         ctx.stats.sent_pkts += 1;
-        Some(Transmit {
-            len,
-            av: self.attr.av,
-            src_qpn: self.qpn,
-            dest_qpn: self.attr.dest_qpn,
-        })
+        Some(Transmit { len, av: self.attr.av, src_qpn: self.qpn, dest_qpn: self.attr.dest_qpn })
     }
 }
 

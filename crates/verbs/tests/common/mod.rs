@@ -7,16 +7,13 @@
 use std::time::{Duration, Instant};
 
 use softrdma_verbs::{
-    Access, CompletionQueue, Context, MemoryRegion, Payload, ProtectionDomain, QpCap, QpInitAttr,
-    QpType, QueuePair, SendFlags, SendOp, SendWr, Sge, WcStatus, WorkCompletion,
+    Access, CompletionQueue, Context, MemoryRegion, Payload, ProtectionDomain, QpCap, QpInitAttr, QpType, QueuePair,
+    SendFlags, SendOp, SendWr, Sge, WcStatus, WorkCompletion,
 };
 
 /// Every right a remote peer can be given.
 pub fn all_rights() -> Access {
-    Access::LOCAL_WRITE
-        .with(Access::REMOTE_WRITE)
-        .with(Access::REMOTE_READ)
-        .with(Access::REMOTE_ATOMIC)
+    Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC)
 }
 
 /// One RC endpoint on an opened device, with one registered region of `region_len` bytes.
@@ -32,13 +29,8 @@ impl Endpoint {
     pub fn new(ctx: Context, region_len: usize, depth: u32) -> Endpoint {
         let pd = ctx.alloc_pd();
         let cq = ctx.create_cq(4 * depth, None).expect("create CQ");
-        let cap = QpCap {
-            max_send_wr: depth,
-            max_recv_wr: depth,
-            max_send_sge: 2,
-            max_recv_sge: 2,
-            max_inline_data: 64,
-        };
+        let cap =
+            QpCap { max_send_wr: depth, max_recv_wr: depth, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 64 };
         let qp = pd
             .create_qp(&QpInitAttr {
                 qp_type: QpType::Rc,
@@ -49,16 +41,8 @@ impl Endpoint {
                 sq_sig_all: false,
             })
             .expect("create QP");
-        let mr = pd
-            .reg_mr(region_len, all_rights())
-            .expect("register memory (RLIMIT_MEMLOCK?)");
-        Endpoint {
-            ctx,
-            pd,
-            cq,
-            qp,
-            mr,
-        }
+        let mr = pd.reg_mr(region_len, all_rights()).expect("register memory (RLIMIT_MEMLOCK?)");
+        Endpoint { ctx, pd, cq, qp, mr }
     }
 
     /// An SGE over our own region.
@@ -85,10 +69,7 @@ pub fn wait_n(cq: &CompletionQueue, n: usize, limit: Duration) -> Vec<WorkComple
     let start = Instant::now();
     while out.len() < n {
         cq.poll(n - out.len(), &mut out).expect("poll CQ");
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {n} completions, got {out:?}"
-        );
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {n} completions, got {out:?}");
         if out.len() < n {
             std::thread::yield_now();
         }
@@ -99,11 +80,7 @@ pub fn wait_n(cq: &CompletionQueue, n: usize, limit: Duration) -> Vec<WorkComple
 /// Wait for exactly one completion and check its id and success.
 pub fn wait_one(cq: &CompletionQueue, wr_id: u64) -> WorkCompletion {
     let wc = wait_n(cq, 1, Duration::from_secs(30)).remove(0);
-    assert_eq!(
-        (wc.wr_id, wc.status),
-        (wr_id, WcStatus::Success),
-        "completion {wc:?}"
-    );
+    assert_eq!((wc.wr_id, wc.status), (wr_id, WcStatus::Success), "completion {wc:?}");
     wc
 }
 
@@ -123,11 +100,7 @@ pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
 /// Compare two byte strings; on a difference, say where and how many bytes differ.
 pub fn compare(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
     if got.len() != want.len() {
-        return Err(format!(
-            "{what}: {} bytes, expected {}",
-            got.len(),
-            want.len()
-        ));
+        return Err(format!("{what}: {} bytes, expected {}", got.len(), want.len()));
     }
     match got.iter().zip(want).position(|(a, b)| a != b) {
         None => Ok(()),
@@ -144,16 +117,6 @@ pub fn compare(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
 }
 
 /// Check that `len` bytes of `mr` at `offset` all equal `byte`.
-pub fn compare_fill(
-    what: &str,
-    mr: &MemoryRegion,
-    offset: usize,
-    len: usize,
-    byte: u8,
-) -> Result<(), String> {
-    compare(
-        what,
-        &mr.to_vec(offset, len).expect("read region"),
-        &vec![byte; len],
-    )
+pub fn compare_fill(what: &str, mr: &MemoryRegion, offset: usize, len: usize, byte: u8) -> Result<(), String> {
+    compare(what, &mr.to_vec(offset, len).expect("read region"), &vec![byte; len])
 }
