@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use softrdma_device::DeviceInfo;
+use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{
     seal_udp_payload, seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats,
@@ -165,15 +165,6 @@ const BUSY_WINDOW: Duration = Duration::from_micros(200);
 /// How long the I/O thread sleeps before checking again while an application thread busy-polls.
 const BUSY_SLEEP: Duration = Duration::from_micros(500);
 
-/// The IP address a GID stands for (IPv4-mapped GIDs are IPv4).
-pub(crate) fn gid_ip(gid: &[u8; 16]) -> IpAddr {
-    let v6 = Ipv6Addr::from(*gid);
-    match v6.to_ipv4_mapped() {
-        Some(v4) => IpAddr::V4(v4),
-        None => IpAddr::V6(v6),
-    }
-}
-
 /// The 40 bytes rxe puts in front of a UD receive: the IPv4 header in the last 20 bytes, or the
 /// IPv6 header. Variant fields we cannot see (TOS, TTL, identification) are written as rxe's
 /// defaults; the checksum is computed.
@@ -301,7 +292,7 @@ impl Device {
         {
             let st = &mut *st;
             st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
-                let dst = SocketAddr::new(gid_ip(&dgid), self.port.port());
+                let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
                 let sent = self
                     .port
                     .local_for(&dst)
@@ -329,7 +320,7 @@ impl Device {
                     q.pkts[0] += 1;
                     q.pkts[1] += t.len as u64;
                 }
-                let dst = SocketAddr::new(gid_ip(&t.av.dgid), self.port.port());
+                let dst = SocketAddr::new(Gid(t.av.dgid).to_ip(), self.port.port());
                 let Some(src) = self.port.local_for(&dst) else {
                     *tx_errors += 1;
                     continue;
