@@ -377,14 +377,26 @@ impl Device {
                 let _ = self.wake();
             }
         }
-        let mut any = false;
         while let Some(ev) = st.hca.poll_event() {
-            st.async_events.push_back(ev);
-            let _ = self.async_tx.send(&[1]);
-            any = true;
+            self.post_async(st, ev);
         }
-        if any {
-            self.async_cv.notify_all();
+    }
+
+    /// Queue an async event for the application and wake whoever waits for one.
+    fn post_async(&self, st: &mut State, ev: AsyncEvent) {
+        st.async_events.push_back(ev);
+        let _ = self.async_tx.send(&[1]);
+        self.async_cv.notify_all();
+    }
+
+    /// Follow the netdev's link: down raises `PortError(1)` (IBV_EVENT_PORT_ERR), up again
+    /// `PortActive(1)`, as rxe does when its netdev goes down or up.
+    fn watch_link(&self, port_up: &mut bool) {
+        let up = softrdma_device::netdev::by_name(&self.info.netdev.name).is_ok_and(|n| n.is_link_up());
+        if up != *port_up {
+            *port_up = up;
+            let ev = if up { AsyncEvent::PortActive(1) } else { AsyncEvent::PortError(1) };
+            self.post_async(&mut self.lock(), ev);
         }
     }
 
@@ -510,7 +522,13 @@ impl Device {
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
         let nsock = fds.len() - 1;
+        let mut port_up = self.info.netdev.is_link_up();
+        let mut link_checked = std::time::Instant::now();
         while !self.stop.load(Ordering::Acquire) {
+            if link_checked.elapsed() >= IDLE_WAIT {
+                link_checked = std::time::Instant::now();
+                self.watch_link(&mut port_up);
+            }
             // While an application thread busy-polls a CQ it drives the device itself; this thread
             // then sleeps (waking for its wake-up socket or every BUSY_SLEEP) instead of waking for
             // every datagram and competing for the cores and the lock. On a machine with as many
