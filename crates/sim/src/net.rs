@@ -16,8 +16,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use softrdma_transport::{Config, Hca, Instant, RxInfo};
 use softrdma_wire::capture::{LinkType, PcapWriter};
-use softrdma_wire::roce::{seal_udp_payload, verify_udp_payload, RoceV2Repr, UdpVerdict};
-use softrdma_wire::Ipv4Repr;
+use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, verify_udp_payload, RoceV2Repr, UdpVerdict};
 
 use crate::memory::SimMemory;
 use crate::rng::Rng;
@@ -336,18 +335,7 @@ impl Net {
         }
         self.stats.delivered += 1;
         // As rxe does for RoCEv2 over IPv4: the IPv4 header in the last 20 bytes of the GRH area.
-        let mut grh = [0u8; 40];
-        let ip = Ipv4Repr {
-            src_addr: ipv4_of(&self.nodes[f.from].gid),
-            dst_addr: ipv4_of(&self.nodes[f.to].gid),
-            protocol: 17,
-            payload_len: 8 + f.frame.len(),
-            ttl: 64,
-            tos: 0,
-            ident: 0,
-            dont_frag: true,
-        };
-        ip.emit(&mut grh[20..40]).expect("20 bytes");
+        let grh = ud_grh_area(src.ip(), dst.ip(), f.frame.len());
         let node = &mut self.nodes[f.to];
         node.hca.handle_packet(self.now, &f.frame, &RxInfo { grh }, &mut node.mem);
     }

@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,7 +22,7 @@ use std::time::Duration;
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{
-    seal_udp_payload, seal_udp_payload_ident, verify_udp_payload_ident, UdpVerdict, VerifyStats,
+    seal_udp_payload, seal_udp_payload_ident, ud_grh_area, verify_udp_payload_ident, UdpVerdict, VerifyStats,
 };
 
 use crate::cm::CmState;
@@ -164,42 +164,6 @@ pub(crate) struct Device {
 const BUSY_WINDOW: Duration = Duration::from_micros(200);
 /// How long the I/O thread sleeps before checking again while an application thread busy-polls.
 const BUSY_SLEEP: Duration = Duration::from_micros(500);
-
-/// The 40 bytes rxe puts in front of a UD receive: the IPv4 header in the last 20 bytes, or the
-/// IPv6 header. Variant fields we cannot see (TOS, TTL, identification) are written as rxe's
-/// defaults; the checksum is computed.
-fn grh_area(src: SocketAddr, dst: SocketAddr, udp_payload: usize) -> [u8; 40] {
-    let mut g = [0u8; 40];
-    match (src.ip(), dst.ip()) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let h = &mut g[20..];
-            h[0] = 0x45;
-            h[2..4].copy_from_slice(&((20 + 8 + udp_payload) as u16).to_be_bytes());
-            h[6] = 0x40;
-            h[8] = 64;
-            h[9] = 17;
-            h[12..16].copy_from_slice(&s.octets());
-            h[16..20].copy_from_slice(&d.octets());
-            let sum = (0..10).map(|i| u32::from(u16::from_be_bytes([h[2 * i], h[2 * i + 1]]))).sum::<u32>();
-            let sum = (sum & 0xffff) + (sum >> 16);
-            let sum = (sum & 0xffff) + (sum >> 16);
-            h[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-        }
-        (s, d) => {
-            let to6 = |a: IpAddr| match a {
-                IpAddr::V4(v4) => v4.to_ipv6_mapped(),
-                IpAddr::V6(v6) => v6,
-            };
-            g[0] = 0x60;
-            g[4..6].copy_from_slice(&((8 + udp_payload) as u16).to_be_bytes());
-            g[6] = 17;
-            g[7] = 64;
-            g[8..24].copy_from_slice(&to6(s).octets());
-            g[24..40].copy_from_slice(&to6(d).octets());
-        }
-    }
-    g
-}
 
 /// The CM agent of a device: its GUID, the addresses its sockets are bound to with their GID
 /// indices, its MTU, and a seed that differs per process and run.
@@ -435,7 +399,7 @@ impl Device {
                 if st.cm.handle_packet(now, src.ip(), &ib) {
                     return;
                 }
-                let rx = RxInfo { grh: grh_area(src, local, payload.len()) };
+                let rx = RxInfo { grh: ud_grh_area(src.ip(), local.ip(), payload.len()) };
                 let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
                 match (st.qp_traffic.is_some(), qpn) {
                     (true, Some(qpn)) => {

@@ -374,6 +374,48 @@ fn socket_headers(src: SocketAddr, dst: SocketAddr, ib_len: usize, ident: u16, d
     Ok((h, ip_len))
 }
 
+/// The 40 bytes rxe puts in front of the data of a UD receive over RoCEv2: for IPv4 the IPv4 header
+/// in the last 20 bytes (the first 20 zero), for IPv6 the IPv6 header. The variant fields a UDP
+/// socket does not show (TOS, TTL, identification) take our sender's values: 0, 64, 0 with DF.
+/// `udp_payload_len` is the IB packet's length.
+pub fn ud_grh_area(src: IpAddr, dst: IpAddr, udp_payload_len: usize) -> [u8; GRH_LEN] {
+    let mut g = [0u8; GRH_LEN];
+    let payload_len = udp::HEADER_LEN + udp_payload_len;
+    let emitted = match family(src, dst) {
+        Ok(IpFamily::V4(s, d)) => Ipv4Repr {
+            src_addr: s,
+            dst_addr: d,
+            protocol: PROTOCOL_UDP,
+            payload_len,
+            ttl: DEFAULT_HOP_LIMIT,
+            tos: 0,
+            ident: 0,
+            dont_frag: true,
+        }
+        .emit(&mut g[ipv4::HEADER_LEN..]),
+        // Mixed families cannot arrive on one socket; describe them as IPv6 all the same.
+        _ => {
+            let v6 = |a: IpAddr| match a {
+                IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                IpAddr::V6(v6) => v6,
+            };
+            Ipv6Repr {
+                src_addr: v6(src),
+                dst_addr: v6(dst),
+                next_header: PROTOCOL_UDP,
+                payload_len,
+                hop_limit: DEFAULT_HOP_LIMIT,
+                traffic_class: 0,
+                flow_label: 0,
+            }
+            .emit(&mut g)
+        }
+    };
+    // Both headers fit the 40-byte area by construction.
+    emitted.expect("an IP header fits the GRH area");
+    g
+}
+
 /// Sender rule for a UDP socket: fill the ICRC of `ib` (a whole IB packet, BTH through the ICRC slot,
 /// that is the UDP payload) for the header an unconnected Linux UDP socket with DF
 /// (`IP_PMTUDISC_DO`) bound to `src` produces when sending to `dst`: identification 0, DF, no IP
@@ -637,6 +679,40 @@ impl RoceV1Repr {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn ud_grh_area_holds_the_ip_header() {
+        // Only the header is there (no payload), so compare with headers emitted on their own.
+        let g = ud_grh_area("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), 100);
+        assert_eq!(&g[..20], &[0u8; 20]);
+        let mut want = [0xa5u8; 20];
+        let v4 = Ipv4Repr {
+            src_addr: Ipv4Addr::new(10, 0, 0, 1),
+            dst_addr: Ipv4Addr::new(10, 0, 0, 2),
+            protocol: PROTOCOL_UDP,
+            payload_len: 108,
+            ttl: 64,
+            tos: 0,
+            ident: 0,
+            dont_frag: true,
+        };
+        v4.emit(&mut want).unwrap();
+        assert_eq!(&g[20..], &want[..]);
+        assert!(Ipv4Packet::new_unchecked(&g[20..]).verify_checksum());
+        let g = ud_grh_area("::1".parse().unwrap(), "fe80::2".parse().unwrap(), 100);
+        let mut want = [0xa5u8; 40];
+        let v6 = Ipv6Repr {
+            src_addr: Ipv6Addr::LOCALHOST,
+            dst_addr: "fe80::2".parse().unwrap(),
+            next_header: PROTOCOL_UDP,
+            payload_len: 108,
+            hop_limit: 64,
+            traffic_class: 0,
+            flow_label: 0,
+        };
+        v6.emit(&mut want).unwrap();
+        assert_eq!(g, want);
+    }
     use super::*;
     use crate::bth::BthRepr;
     use crate::number::{Psn, Qpn};
