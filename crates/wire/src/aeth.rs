@@ -4,7 +4,7 @@
 //! NAK with an encoded timer, 11 a NAK with a code, 10 is reserved (IBA 9.7.5.1).
 
 use crate::field::{set_u24, u24_at};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Length of the AETH.
 pub const AETH_LEN: usize = 4;
@@ -108,35 +108,12 @@ pub const fn rnr_timer_micros(code: u8) -> u32 {
     RNR_TIMER_MICROS[(code & 0x1f) as usize]
 }
 
-/// A read/write view of an AETH.
-#[derive(Debug, Clone)]
-pub struct AethPacket<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A read/write view of an AETH.
+    AethPacket, AETH_LEN
+);
 
 impl<T: AsRef<[u8]>> AethPacket<T> {
-    /// Wrap without checking.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        AethPacket { buffer }
-    }
-    /// Wrap and check the length; getters cannot panic afterwards.
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-    /// Check that a whole AETH is present.
-    pub fn check_len(&self) -> Result<()> {
-        if self.buffer.as_ref().len() < AETH_LEN {
-            Err(Error::Truncated)
-        } else {
-            Ok(())
-        }
-    }
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// Syndrome.
     pub fn syndrome(&self) -> Syndrome {
         Syndrome::from_byte(self.buffer.as_ref()[0])
@@ -212,7 +189,7 @@ mod tests {
         let mut out = [0xa5u8; 4];
         r.emit(&mut AethPacket::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(AethPacket::new_checked(&bytes[..3]).unwrap_err(), Error::Truncated);
+        assert_eq!(AethPacket::new_checked(&bytes[..3]).unwrap_err(), crate::Error::Truncated);
     }
 
     #[test]

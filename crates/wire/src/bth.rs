@@ -33,39 +33,12 @@ mod field {
 /// The default P_Key (full member of the default partition), as rxe uses.
 pub const DEFAULT_PKEY: u16 = 0xffff;
 
-/// A read/write view of a BTH at the start of a buffer.
-#[derive(Debug, Clone)]
-pub struct BthPacket<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A read/write view of a BTH at the start of a buffer.
+    BthPacket, field::ALL.end
+);
 
 impl<T: AsRef<[u8]>> BthPacket<T> {
-    /// Wrap without checking; getters may panic on a short buffer until [`Self::check_len`] passes.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        BthPacket { buffer }
-    }
-
-    /// Wrap and check that a whole BTH is present; getters cannot panic afterwards.
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-
-    /// Check that the buffer holds a whole BTH.
-    pub fn check_len(&self) -> Result<()> {
-        if self.buffer.as_ref().len() < field::ALL.end {
-            Err(Error::Truncated)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     fn b(&self) -> &[u8] {
         self.buffer.as_ref()
     }

@@ -43,25 +43,12 @@ fn is_tag(t: u16) -> bool {
     t == ETHERTYPE_VLAN || t == ETHERTYPE_QINQ
 }
 
-/// A view of an Ethernet II frame.
-#[derive(Debug, Clone)]
-pub struct EthernetFrame<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A view of an Ethernet II frame.
+    EthernetFrame
+);
 
 impl<T: AsRef<[u8]>> EthernetFrame<T> {
-    /// Wrap without checking; getters may panic until [`Self::check_len`] passes.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        EthernetFrame { buffer }
-    }
-
-    /// Wrap and check; getters and [`Self::payload`] cannot panic afterwards.
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let f = Self::new_unchecked(buffer);
-        f.check_len()?;
-        Ok(f)
-    }
-
     /// Check that the header (and the VLAN tag, if the TPID says there is one) is present.
     pub fn check_len(&self) -> Result<()> {
         let b = self.buffer.as_ref();
@@ -72,11 +59,6 @@ impl<T: AsRef<[u8]>> EthernetFrame<T> {
             return Err(Error::Truncated);
         }
         Ok(())
-    }
-
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
     }
 
     /// Destination MAC.

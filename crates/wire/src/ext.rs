@@ -5,7 +5,7 @@
 
 use crate::field::{set_u24, set_u32, set_u64, u24_at, u32_at, u64_at};
 use crate::number::Qpn;
-use crate::{Error, Result};
+use crate::Result;
 
 /// Length of the DETH.
 pub const DETH_LEN: usize = 8;
@@ -17,41 +17,6 @@ pub const ATOMIC_ETH_LEN: usize = 28;
 pub const ATOMIC_ACK_ETH_LEN: usize = 8;
 /// Length of ImmDt and of IETH.
 pub const WORD_LEN: usize = 4;
-
-macro_rules! view {
-    ($(#[$m:meta])* $name:ident, $len:expr) => {
-        $(#[$m])*
-        #[derive(Debug, Clone)]
-        pub struct $name<T: AsRef<[u8]>> {
-            buffer: T,
-        }
-
-        impl<T: AsRef<[u8]>> $name<T> {
-            /// Wrap without checking; getters may panic until [`Self::check_len`] passes.
-            pub const fn new_unchecked(buffer: T) -> Self {
-                $name { buffer }
-            }
-            /// Wrap and check the length; getters cannot panic afterwards.
-            pub fn new_checked(buffer: T) -> Result<Self> {
-                let p = Self::new_unchecked(buffer);
-                p.check_len()?;
-                Ok(p)
-            }
-            /// Check that the whole header is present.
-            pub fn check_len(&self) -> Result<()> {
-                if self.buffer.as_ref().len() < $len {
-                    Err(Error::Truncated)
-                } else {
-                    Ok(())
-                }
-            }
-            /// Give back the buffer.
-            pub fn into_inner(self) -> T {
-                self.buffer
-            }
-        }
-    };
-}
 
 view!(
     /// View of a DETH: `Q_Key(4) | reserved(1) | SrcQP(3)`.
@@ -282,7 +247,7 @@ mod tests {
         let mut out = [0xa5u8; 16];
         r.emit(&mut RethPacket::new_unchecked(&mut out[..]));
         assert_eq!(out, bytes);
-        assert_eq!(RethPacket::new_checked(&bytes[..15]).unwrap_err(), Error::Truncated);
+        assert_eq!(RethPacket::new_checked(&bytes[..15]).unwrap_err(), crate::Error::Truncated);
     }
 
     #[test]

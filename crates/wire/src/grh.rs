@@ -40,39 +40,12 @@ fn gid_at(b: &[u8], at: usize) -> Gid {
     g
 }
 
-/// A view of a GRH at the start of a buffer.
-#[derive(Debug, Clone)]
-pub struct GrhPacket<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A view of a GRH at the start of a buffer.
+    GrhPacket, GRH_LEN
+);
 
 impl<T: AsRef<[u8]>> GrhPacket<T> {
-    /// Wrap without checking; getters may panic until [`Self::check_len`] passes.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        GrhPacket { buffer }
-    }
-
-    /// Wrap and check that 40 bytes are present; getters cannot panic afterwards.
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-
-    /// Check that a whole GRH is present.
-    pub fn check_len(&self) -> Result<()> {
-        if self.buffer.as_ref().len() < GRH_LEN {
-            Err(Error::Truncated)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     fn b(&self) -> &[u8] {
         self.buffer.as_ref()
     }

@@ -62,26 +62,12 @@ pub const FLAG_DF: u16 = 0x4000;
 /// The MF ("more fragments") bit of the flags/fragment-offset word.
 pub const FLAG_MF: u16 = 0x2000;
 
-/// A view of an IPv4 packet.
-#[derive(Debug, Clone)]
-pub struct Ipv4Packet<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A view of an IPv4 packet.
+    Ipv4Packet
+);
 
 impl<T: AsRef<[u8]>> Ipv4Packet<T> {
-    /// Wrap without checking; getters may panic until [`Self::check_len`] passes.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        Ipv4Packet { buffer }
-    }
-
-    /// Wrap and check; no getter, [`Self::options`] or [`Self::payload`] can panic afterwards
-    /// (until a setter changes IHL or the total length).
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-
     /// Check that the fixed header is present, that IHL >= 5 and the total length covers the header,
     /// and that the buffer holds the whole header and total length. Bytes after the total length
     /// (Ethernet padding) are allowed and ignored.
@@ -105,11 +91,6 @@ impl<T: AsRef<[u8]>> Ipv4Packet<T> {
             return Err(Error::Truncated);
         }
         Ok(())
-    }
-
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
     }
 
     fn b(&self) -> &[u8] {

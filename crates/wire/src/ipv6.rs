@@ -35,26 +35,12 @@ fn addr_at(b: &[u8], at: usize) -> Ipv6Addr {
     Ipv6Addr::from(a)
 }
 
-/// A view of an IPv6 packet.
-#[derive(Debug, Clone)]
-pub struct Ipv6Packet<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A view of an IPv6 packet.
+    Ipv6Packet
+);
 
 impl<T: AsRef<[u8]>> Ipv6Packet<T> {
-    /// Wrap without checking; getters may panic until [`Self::check_len`] passes.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        Ipv6Packet { buffer }
-    }
-
-    /// Wrap and check; no getter or [`Self::payload`] can panic afterwards (until the payload length
-    /// is changed).
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-
     /// Check that the fixed header and the payload length are present (extra trailing bytes, such as
     /// Ethernet padding, are allowed and ignored).
     pub fn check_len(&self) -> Result<()> {
@@ -63,11 +49,6 @@ impl<T: AsRef<[u8]>> Ipv6Packet<T> {
             return Err(Error::Truncated);
         }
         Ok(())
-    }
-
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
     }
 
     fn b(&self) -> &[u8] {

@@ -16,6 +16,9 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[macro_use]
+mod view;
+
 pub mod aeth;
 pub mod bth;
 pub mod capture;

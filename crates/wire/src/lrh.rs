@@ -78,39 +78,12 @@ impl Lnh {
     }
 }
 
-/// A view of an LRH at the start of a buffer.
-#[derive(Debug, Clone)]
-pub struct LrhPacket<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A view of an LRH at the start of a buffer.
+    LrhPacket, LRH_LEN
+);
 
 impl<T: AsRef<[u8]>> LrhPacket<T> {
-    /// Wrap without checking; getters may panic until [`Self::check_len`] passes.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        LrhPacket { buffer }
-    }
-
-    /// Wrap and check that 8 bytes are present; getters cannot panic afterwards.
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-
-    /// Check that a whole LRH is present.
-    pub fn check_len(&self) -> Result<()> {
-        if self.buffer.as_ref().len() < LRH_LEN {
-            Err(Error::Truncated)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     fn b(&self) -> &[u8] {
         self.buffer.as_ref()
     }

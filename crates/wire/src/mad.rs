@@ -37,35 +37,12 @@ pub mod method {
     pub const GET_RESP: u8 = 0x81;
 }
 
-/// A view of a MAD.
-#[derive(Debug, Clone)]
-pub struct MadPacket<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A view of a MAD.
+    MadPacket, MAD_LEN
+);
 
 impl<T: AsRef<[u8]>> MadPacket<T> {
-    /// Wrap without checking.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        MadPacket { buffer }
-    }
-    /// Wrap and check that a whole 256-byte MAD is present; getters cannot panic afterwards.
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-    /// Check the length.
-    pub fn check_len(&self) -> Result<()> {
-        if self.buffer.as_ref().len() < MAD_LEN {
-            Err(Error::Truncated)
-        } else {
-            Ok(())
-        }
-    }
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     fn b(&self) -> &[u8] {
         self.buffer.as_ref()
     }

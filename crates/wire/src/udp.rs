@@ -24,25 +24,12 @@ mod field {
     pub const CHECKSUM: usize = 6;
 }
 
-/// A view of a UDP datagram.
-#[derive(Debug, Clone)]
-pub struct UdpPacket<T: AsRef<[u8]>> {
-    buffer: T,
-}
+view!(
+    /// A view of a UDP datagram.
+    UdpPacket
+);
 
 impl<T: AsRef<[u8]>> UdpPacket<T> {
-    /// Wrap without checking; getters may panic until [`Self::check_len`] passes.
-    pub const fn new_unchecked(buffer: T) -> Self {
-        UdpPacket { buffer }
-    }
-
-    /// Wrap and check; nothing can panic afterwards (until the length is changed).
-    pub fn new_checked(buffer: T) -> Result<Self> {
-        let p = Self::new_unchecked(buffer);
-        p.check_len()?;
-        Ok(p)
-    }
-
     /// Check that the header is present, the length field covers it and the buffer holds the length.
     pub fn check_len(&self) -> Result<()> {
         let len = self.buffer.as_ref().len();
@@ -57,11 +44,6 @@ impl<T: AsRef<[u8]>> UdpPacket<T> {
             return Err(Error::Truncated);
         }
         Ok(())
-    }
-
-    /// Give back the buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
     }
 
     /// Source port.
