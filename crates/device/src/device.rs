@@ -193,26 +193,10 @@ impl From<RegistryError> for DeviceError {
 mod tests {
     use super::*;
     use crate::attr::{Mtu, PortState};
-    use crate::netdev::{IfAddr, IfFlags, MacAddr};
-
-    fn eth0() -> Netdev {
-        Netdev {
-            index: 2,
-            name: "eth0".into(),
-            flags: IfFlags { up: true, running: true, lower_up: true, loopback: false },
-            mtu: 1500,
-            mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
-            addrs: vec![
-                IfAddr::new("10.77.9.2".parse().unwrap(), 24),
-                IfAddr::new("fe80::5054:ff:fe77:902".parse().unwrap(), 64),
-            ],
-            speed_mbps: None,
-        }
-    }
 
     #[test]
     fn describes_golden_rxe0() {
-        let d = DeviceInfo::new(&DeviceConfig::new("rxe0", "eth0"), eth0()).unwrap();
+        let d = DeviceInfo::new(&DeviceConfig::new("rxe0", "eth0"), crate::netdev::golden_eth0()).unwrap();
         assert_eq!(d.node_guid().to_string(), "5054:00ff:fe77:0902");
         assert_eq!(d.attr.sys_image_guid, d.node_guid());
         assert_eq!(d.port.state, PortState::Active);
@@ -223,7 +207,7 @@ mod tests {
 
     #[test]
     fn clear_errors() {
-        let d = DeviceInfo::new(&DeviceConfig::new("rxe0", "eth0"), eth0()).unwrap();
+        let d = DeviceInfo::new(&DeviceConfig::new("rxe0", "eth0"), crate::netdev::golden_eth0()).unwrap();
         assert_eq!(
             d.gid(1, 5).unwrap_err().to_string(),
             "rxe0 port 1: bad GID index 5: the GID table has 2 entries (indices 0..=1)"
@@ -233,7 +217,7 @@ mod tests {
         assert!(d.port_attr(1).is_ok());
         let cfg = DeviceConfig::new("rxe0", "eth0").with_addr("10.77.9.3".parse().unwrap());
         assert_eq!(
-            DeviceInfo::new(&cfg, eth0()).unwrap_err().to_string(),
+            DeviceInfo::new(&cfg, crate::netdev::golden_eth0()).unwrap_err().to_string(),
             "rxe0: address 10.77.9.3 is not an address of eth0"
         );
         let cfg = DeviceConfig::new("rxe0", "nosuch-if0");
@@ -244,7 +228,7 @@ mod tests {
     #[test]
     fn bound_device() {
         let cfg = DeviceConfig::new("rxe0", "eth0").with_addr("10.77.9.2".parse().unwrap());
-        let d = DeviceInfo::with_attr(&cfg, eth0(), DeviceAttr::rxe).unwrap();
+        let d = DeviceInfo::with_attr(&cfg, crate::netdev::golden_eth0(), DeviceAttr::rxe).unwrap();
         assert_eq!(d.gids.len(), 2);
         assert_eq!(d.bind, cfg.addr);
         assert_eq!(d.attr, DeviceAttr::rxe(d.node_guid()));

@@ -501,21 +501,6 @@ mod tests {
         assert!(gid("fe80::").is_null_interface_id());
     }
 
-    fn eth0() -> Netdev {
-        Netdev {
-            index: 2,
-            name: "eth0".into(),
-            flags: IfFlags { up: true, running: true, lower_up: true, loopback: false },
-            mtu: 1500,
-            mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
-            addrs: vec![
-                IfAddr::new("10.77.9.2".parse().unwrap(), 24),
-                IfAddr::new("fe80::5054:ff:fe77:902".parse().unwrap(), 64),
-            ],
-            speed_mbps: None,
-        }
-    }
-
     fn lo() -> Netdev {
         Netdev {
             index: 1,
@@ -535,7 +520,7 @@ mod tests {
     #[test]
     fn table_matches_golden_rxe0_on_eth0() {
         // golden tool-output/08-gids.txt
-        let nd = eth0();
+        let nd = crate::netdev::golden_eth0();
         let guid = Guid::for_device("rxe0", nd.mac);
         let t = GidTable::build(&nd, guid, &GidTableOptions::default());
         assert_eq!(
@@ -573,7 +558,7 @@ mod tests {
         assert_eq!(t.len(), 2);
         assert_eq!(t.get(1).unwrap().gid.to_string(), "::ffff:127.0.0.2");
 
-        let nd = eth0();
+        let nd = crate::netdev::golden_eth0();
         let opts = GidTableOptions { bind: None, roce_v1: true };
         let t = GidTable::build(&nd, Guid::for_device("rxe0", nd.mac), &opts);
         let types: Vec<_> = t.iter().map(|(_, e)| e.gid_type).collect();

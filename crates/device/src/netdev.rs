@@ -297,6 +297,23 @@ fn read_sysfs_u32(ifname: &str, attr: &str) -> Result<u32, NetdevError> {
     })
 }
 
+/// The golden VM's eth0 (shared/golden/tool-output/00-setup.txt), for tests.
+#[cfg(test)]
+pub(crate) fn golden_eth0() -> Netdev {
+    Netdev {
+        index: 2,
+        name: "eth0".into(),
+        flags: IfFlags { up: true, running: true, lower_up: true, loopback: false },
+        mtu: 1500,
+        mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
+        addrs: vec![
+            IfAddr::new("10.77.9.2".parse().unwrap(), 24),
+            IfAddr::new("fe80::5054:ff:fe77:902".parse().unwrap(), 64),
+        ],
+        speed_mbps: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
