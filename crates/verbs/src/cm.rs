@@ -222,9 +222,13 @@ impl AsRawFd for CmEventChannel {
 /// looks the route up (the same lookup, `ip_route_output`, as its rdma_cm's address resolution).
 /// A refusal is the negative errno (`-EINVAL` from a loopback source to a remote host,
 /// `-ENETUNREACH` with no route).
+///
+/// The lookup runs in the calling thread's network namespace: when the device's address is not
+/// there (a device opened inside another namespace) nothing is checked; the agent still follows
+/// the device's own link and addresses.
 pub(crate) fn route_lookup(local: IpAddr, dst: SocketAddr) -> core::result::Result<(), i32> {
     let errno = |e: std::io::Error| -e.raw_os_error().unwrap_or(libc::EHOSTUNREACH);
-    let sock = std::net::UdpSocket::bind(SocketAddr::new(local, 0)).map_err(errno)?;
+    let Ok(sock) = std::net::UdpSocket::bind(SocketAddr::new(local, 0)) else { return Ok(()) };
     let _ = sock.set_broadcast(true);
     let port = if dst.port() == 0 { crate::ROCE_PORT } else { dst.port() };
     sock.connect(SocketAddr::new(dst.ip(), port)).map_err(errno)
