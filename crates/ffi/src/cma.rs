@@ -236,7 +236,12 @@ fn any_device() -> Result<Arc<CmaDevice>, c_int> {
 
 /// The device to reach `dst` from when no source is given (module docs).
 fn device_towards(dst: IpAddr) -> Result<Arc<CmaDevice>, c_int> {
-    let family = |a: &IpAddr| a.is_ipv4() == dst.is_ipv4();
+    // A usable source of the destination's family: the default GID (fe80::, link-local, in every
+    // device's table) is no IPv6 source.
+    let family = |a: &IpAddr| match a {
+        IpAddr::V4(_) => dst.is_ipv4(),
+        IpAddr::V6(v6) => dst.is_ipv6() && (v6.segments()[0] & 0xffc0) != 0xfe80 && v6.to_ipv4_mapped().is_none(),
+    };
     if let Some(d) = opened().into_iter().find(|d| !d.has(dst) && d.addrs.iter().any(family)) {
         return Ok(d);
     }
