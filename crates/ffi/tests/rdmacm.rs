@@ -111,6 +111,32 @@ fn rping_client_with_source_address() {
     assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
 }
 
+/// `rping -q`: both sides create their QPs with `ibv_create_qp` and move them themselves with
+/// `rdma_init_qp_attr`; the client gets CONNECT_RESPONSE and calls `rdma_establish`.
+#[test]
+fn rping_with_application_owned_qps() {
+    if skip("rping") {
+        return;
+    }
+    let _g = serial();
+    let port = free_tcp_port().to_string();
+    let run = run_cm_pair(
+        &program("rping").unwrap(),
+        &["-s", "-q", "-a", SERVER_IP, "-p", &port, "-C", "10", "-v", "-V"],
+        &["-c", "-q", "-d", "-a", SERVER_IP, "-I", CLIENT_IP, "-p", &port, "-C", "10", "-v", "-V"],
+    );
+    assert_ok("rping -q", &run);
+    // The client's CM events (-d): CONNECT_RESPONSE, never ESTABLISHED.
+    assert!(run.client.contains("cma_event type RDMA_CM_EVENT_CONNECT_RESPONSE"), "{}", run.describe());
+    assert!(!run.client.contains("RDMA_CM_EVENT_ESTABLISHED"), "{}", run.describe());
+    for n in 0..10 {
+        let line = rping_line(n);
+        assert!(run.client.contains(&format!("ping data: {line}\n")), "client lacks ping {n}\n{}", run.describe());
+        assert!(run.server.contains(&format!("server ping data: {line}\n")), "server lacks ping {n}\n{}", run.describe());
+    }
+    assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
+}
+
 #[test]
 fn rping_client_picks_the_other_device() {
     if skip("rping") {
