@@ -27,6 +27,10 @@ use crate::types::{
     QpAttrState, QpCommand, Route, UdInfo, ACK_TIMEOUT, RDMA_UDP_QKEY,
 };
 
+/// How long a connection stays in time-wait: the kernel's CM waits `cm_convert_to_ms` of the
+/// path's ACK timeout, 2^(19 − 8) ms.
+const TIME_WAIT: Duration = Duration::from_millis(1 << (ACK_TIMEOUT - 8));
+
 /// States of an ID.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -1017,7 +1021,7 @@ impl CmAgent {
         if !matches!(state, State::Established | State::RepSent | State::DreqSent) {
             return;
         }
-        let timewait = now + self.response_timeout();
+        let timewait = now + TIME_WAIT;
         let id = self.ids.get_mut(&h).expect("found");
         let qpn = id.driven_qpn();
         id.state = State::TimeWait;
@@ -1035,7 +1039,7 @@ impl CmAgent {
             self.dropped += 1;
             return;
         };
-        let timewait = now + self.response_timeout();
+        let timewait = now + TIME_WAIT;
         let id = self.ids.get_mut(&h).expect("found");
         id.state = State::TimeWait;
         id.deadline = Some(timewait);
@@ -1158,12 +1162,14 @@ impl CmAgent {
                     if let Some(qpn) = qpn {
                         self.out.push_back(Output::Qp(QpCommand::Err { qpn }));
                     }
-                    self.event(h, EventKind::ConnectError, ConnInfo::default(), None);
+                    // The kernel's CM reports a REP never answered (IB_CM_REP_ERROR) as
+                    // UNREACHABLE, as it does an unanswered REQ.
+                    self.event(h, EventKind::Unreachable, ConnInfo::default(), None);
                 }
                 State::DreqSent => {
                     let id = self.ids.get_mut(&h).expect("listed");
                     id.state = State::TimeWait;
-                    id.deadline = Some(now + timeout);
+                    id.deadline = Some(now + TIME_WAIT);
                     self.event(h, EventKind::Disconnected, ConnInfo::default(), None);
                 }
                 _ => {}

@@ -540,3 +540,30 @@ fn ipv6_connection() {
     assert_eq!(&hdr[20..36], &p.s[1].gid);
     assert_eq!(sent.1, Some(SocketAddr::new(v6(2), 7174)));
 }
+
+/// The kernel's timings and outcomes: a REP the active side never answers ends in UNREACHABLE
+/// (IB_CM_REP_ERROR) with the passive QP in ERR; time-wait lasts 2^(19-8) ms after the DREP.
+#[test]
+fn rep_timeout_is_unreachable_and_timewait_is_the_kernels() {
+    let mut p = Pair::new();
+    let (_c, _l, s) = connect(&mut p, b"");
+    p.drop[1] = usize::MAX;
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.events(0);
+    while p.tick() {}
+    assert_eq!(p.events(1), vec![(s, EventKind::Unreachable)]);
+    assert_eq!(p.s[1].qp.last(), Some(&QpCommand::Err { qpn: Qpn::new(0x30) }));
+
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"");
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.s[0].agent.disconnect(c, p.now).unwrap();
+    p.pump();
+    let t0 = p.now;
+    assert_eq!(p.events(0), vec![(c, EventKind::Established), (c, EventKind::Disconnected)]);
+    assert!(p.tick());
+    assert_eq!(p.now, t0 + Duration::from_millis(2048));
+    assert_eq!(p.events(0), vec![(c, EventKind::TimewaitExit)]);
+}

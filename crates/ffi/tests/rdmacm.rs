@@ -132,7 +132,11 @@ fn rping_with_application_owned_qps() {
     for n in 0..10 {
         let line = rping_line(n);
         assert!(run.client.contains(&format!("ping data: {line}\n")), "client lacks ping {n}\n{}", run.describe());
-        assert!(run.server.contains(&format!("server ping data: {line}\n")), "server lacks ping {n}\n{}", run.describe());
+        assert!(
+            run.server.contains(&format!("server ping data: {line}\n")),
+            "server lacks ping {n}\n{}",
+            run.describe()
+        );
     }
     assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
 }
