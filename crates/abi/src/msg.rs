@@ -760,7 +760,7 @@ fn kind_from(r: &mut Reader<'_>) -> DResult<EventKind> {
     })
 }
 fn put_cm_event(w: &mut Writer, e: &CmEvent) {
-    w.u32(e.id.0);
+    w.u32(e.id.0).u32(e.status as u32);
     put_kind(w, &e.kind);
     let c = &e.conn;
     put_bytes(w, &c.private_data);
@@ -778,6 +778,7 @@ fn put_cm_event(w: &mut Writer, e: &CmEvent) {
 }
 fn cm_event_from(r: &mut Reader<'_>) -> DResult<CmEvent> {
     let id = IdHandle(r.u32()?);
+    let status = r.u32()? as i32;
     let kind = kind_from(r)?;
     let conn = ConnInfo {
         private_data: bytes_from(r)?,
@@ -792,7 +793,7 @@ fn cm_event_from(r: &mut Reader<'_>) -> DResult<CmEvent> {
     } else {
         None
     };
-    Ok(CmEvent { id, kind, conn, ud })
+    Ok(CmEvent { id, kind, conn, ud, status })
 }
 
 impl Request {
@@ -1327,6 +1328,7 @@ mod tests {
                     local_addr: None,
                 },
                 ud: Some(UdInfo { dgid: [3; 16], remote_qpn: Qpn::new(5), qkey: 9 }),
+                status: -110,
             }),
             more: true,
         };
@@ -1335,7 +1337,7 @@ mod tests {
             [EventKind::AddrError { status: -101 }, EventKind::RouteError { status: -19 }, EventKind::ConnectResponse]
         {
             let ev = Response::CmEvent {
-                event: Some(CmEvent { id: IdHandle(1), kind, conn: ConnInfo::default(), ud: None }),
+                event: Some(CmEvent { id: IdHandle(1), kind, conn: ConnInfo::default(), ud: None, status: -101 }),
                 more: false,
             };
             assert_eq!(Response::decode(&ev.encode()).unwrap(), ev);

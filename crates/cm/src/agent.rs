@@ -201,7 +201,13 @@ impl CmAgent {
     }
 
     fn event(&mut self, id: IdHandle, kind: EventKind, conn: ConnInfo, ud: Option<UdInfo>) {
-        self.events.push_back(CmEvent { id, kind, conn, ud });
+        let status = match kind {
+            EventKind::AddrError { status } | EventKind::RouteError { status } => status,
+            EventKind::Unreachable | EventKind::ConnectError => status::ETIMEDOUT,
+            EventKind::Rejected { reason } => i32::from(reason),
+            _ => 0,
+        };
+        self.events.push_back(CmEvent { id, kind, conn, ud, status });
     }
 
     /// Change [`AgentConfig::no_listener_retries`] for later connects.
@@ -1170,7 +1176,15 @@ impl CmAgent {
                     let id = self.ids.get_mut(&h).expect("listed");
                     id.state = State::TimeWait;
                     id.deadline = Some(now + TIME_WAIT);
-                    self.event(h, EventKind::Disconnected, ConnInfo::default(), None);
+                    // The DREQ was never answered (IB_CM_DREQ_ERROR): DISCONNECTED, -ETIMEDOUT.
+                    let conn = ConnInfo::default();
+                    self.events.push_back(CmEvent {
+                        id: h,
+                        kind: EventKind::Disconnected,
+                        conn,
+                        ud: None,
+                        status: status::ETIMEDOUT,
+                    });
                 }
                 _ => {}
             }

@@ -567,3 +567,35 @@ fn rep_timeout_is_unreachable_and_timewait_is_the_kernels() {
     assert_eq!(p.now, t0 + Duration::from_millis(2048));
     assert_eq!(p.events(0), vec![(c, EventKind::TimewaitExit)]);
 }
+
+/// A DREQ never answered: DISCONNECTED with -ETIMEDOUT (IB_CM_DREQ_ERROR); an ordinary one: 0.
+#[test]
+fn unanswered_dreq_is_disconnected_with_etimedout() {
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"");
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.events(0);
+    p.events(1);
+    p.drop[0] = usize::MAX;
+    p.s[0].agent.disconnect(c, p.now).unwrap();
+    p.pump();
+    let mut evs = Vec::new();
+    while evs.is_empty() && p.tick() {
+        evs.extend(std::iter::from_fn(|| p.s[0].agent.poll_event()));
+    }
+    assert_eq!(evs.len(), 1);
+    assert_eq!((evs[0].kind.clone(), evs[0].status), (EventKind::Disconnected, crate::status::ETIMEDOUT));
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"");
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.s[1].agent.disconnect(s, p.now).unwrap();
+    p.pump();
+    let evs: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
+    assert_eq!(
+        evs.iter().map(|e| (e.kind.clone(), e.status)).collect::<Vec<_>>(),
+        vec![(EventKind::Established, 0), (EventKind::Disconnected, 0)]
+    );
+    let _ = c;
+}

@@ -327,6 +327,10 @@ pub struct CmEvent {
     pub conn: ConnInfo,
     /// The UD peer, for SIDR.
     pub ud: Option<UdInfo>,
+    /// `rdma_cm_event.status` as the kernel sets it: 0, a negative errno ([`status`]: the
+    /// resolution errors' own, [`status::ETIMEDOUT`] for UNREACHABLE, CONNECT_ERROR and a
+    /// DISCONNECTED whose DREQ was never answered), or the REJ reason for REJECTED.
+    pub status: i32,
 }
 
 /// A QP state change the device must apply before the MADs that follow it are sent.

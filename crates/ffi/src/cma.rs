@@ -814,6 +814,7 @@ unsafe fn translate(ev: softrdma_verbs::CmEvent, id: *mut CmaId, dev: &Arc<CmaDe
         }
         CmEventKind::Disconnected => {
             e.ibv.event = RDMA_CM_EVENT_DISCONNECTED;
+            e.ibv.status = ev.status;
             set_qp_state(&c.ibv, IBV_QPS_ERR);
         }
         CmEventKind::TimewaitExit => e.ibv.event = RDMA_CM_EVENT_TIMEWAIT_EXIT,

@@ -51,13 +51,20 @@ pub struct CmEvent {
     pub conn: ConnInfo,
     /// The resolved UD peer (SIDR).
     pub ud: Option<UdInfo>,
+    /// The kernel's `rdma_cm_event.status` (see [`softrdma_cm::CmEvent::status`]).
+    pub status: i32,
     /// For CONNECT_REQUEST: the ID of the new connection, to accept or reject.
     pub new_id: Option<CmId>,
 }
 
 impl std::fmt::Debug for CmEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CmEvent").field("id", &self.id).field("kind", &self.kind).field("conn", &self.conn).finish()
+        f.debug_struct("CmEvent")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("status", &self.status)
+            .field("conn", &self.conn)
+            .finish()
     }
 }
 
@@ -158,7 +165,7 @@ impl CmEventChannel {
             }
             _ => None,
         };
-        CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id }
+        CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, status: ev.status, new_id }
     }
 
     /// `get_event` for a channel with IDs on softrdmad devices: the descriptor wakes us, the
@@ -193,7 +200,14 @@ impl CmEventChannel {
                         }),
                         _ => None,
                     };
-                    return Some(CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id });
+                    return Some(CmEvent {
+                        id: ev.id.0,
+                        kind: ev.kind,
+                        conn: ev.conn,
+                        ud: ev.ud,
+                        status: ev.status,
+                        new_id,
+                    });
                 }
             }
             let wait = match deadline {
