@@ -165,8 +165,9 @@ fn ucmatose_and_udaddy_through_one_daemon_device() {
 }
 
 /// rdma_cm over IPv6: unmodified `rping` server and client on `::1` (one daemon device bound to
-/// ::1, two processes), and `ucmatose` with two connections over it: IPv6 addresses through
-/// resolve, the rdma_cm header, connect, accept, data and disconnect.
+/// ::1, two processes), also with `-q` (QPs of the programs' own: `rdma_init_qp_attr` and
+/// `rdma_establish` through the daemon), and `ucmatose` with two connections over it: IPv6
+/// addresses through resolve, the rdma_cm header, connect, accept, data and disconnect.
 #[test]
 fn rping_and_ucmatose_over_ipv6_loopback() {
     if program("rping").is_none() || program("ucmatose").is_none() {
@@ -180,6 +181,13 @@ fn rping_and_ucmatose_over_ipv6_loopback() {
     assert_eq!(co.matches("ping data: rdma-ping-").count(), 10, "{co}");
     assert_eq!(so.matches("server ping data: rdma-ping-").count(), 10, "{so}");
     assert!(so.contains("server DISCONNECT EVENT..."), "{so}");
+    // `rping -q`: the QPs are the programs' own, moved with rdma_init_qp_attr; rdma_establish.
+    let port = free_tcp_port().to_string();
+    let common = ["-q", "-a", "::1", "-p", &port, "-C", "10", "-v", "-V"];
+    let (so, co) = run_cm_shared(&d, "rping", &[&["-s"][..], &common].concat(), &[&["-c", "-d"][..], &common].concat());
+    assert_eq!(co.matches("ping data: rdma-ping-").count(), 10, "{co}");
+    assert_eq!(so.matches("server ping data: rdma-ping-").count(), 10, "{so}");
+    assert!(co.contains("cma_event type RDMA_CM_EVENT_CONNECT_RESPONSE"), "{co}");
     let port = free_tcp_port().to_string();
     let (s, c) = run_cm_shared(
         &d,

@@ -1487,7 +1487,9 @@ impl Session {
             | Request::CmQuery { .. }
             | Request::CmGetEvent { .. }
             | Request::CmIdCount
-            | Request::CmSetNoListenerRetries { .. }) => {
+            | Request::CmSetNoListenerRetries { .. }
+            | Request::CmEstablish { .. }
+            | Request::CmInitQpAttr { .. }) => {
                 let r = cm_verb(dev, svc, me, req, fds);
                 let mut st = dev.dev.lock();
                 if route_cm_all(&dev.dev, svc, &mut st) {
