@@ -21,6 +21,8 @@ struct Pair {
     /// Drop the next n MADs from side i.
     drop: [usize; 2],
     sent: Vec<(usize, &'static str)>,
+    /// Every MAD sent, by side.
+    mads: Vec<(usize, Box<[u8; 256]>)>,
 }
 
 fn ip(i: u8) -> IpAddr {
@@ -42,7 +44,7 @@ fn side(i: u8) -> Side {
 
 impl Pair {
     fn new() -> Pair {
-        Pair { now: Instant::ZERO, s: [side(1), side(2)], drop: [0, 0], sent: Vec::new() }
+        Pair { now: Instant::ZERO, s: [side(1), side(2)], drop: [0, 0], sent: Vec::new(), mads: Vec::new() }
     }
 
     /// Deliver everything in flight (and what it provokes) until quiet.
@@ -57,6 +59,7 @@ impl Pair {
                         Output::Mad { dgid, mad } => {
                             let (_, m) = CmMessage::parse(&mad[..]).unwrap();
                             self.sent.push((i, m.name()));
+                            self.mads.push((i, mad.clone()));
                             if self.drop[i] > 0 {
                                 self.drop[i] -= 1;
                                 continue;
@@ -505,7 +508,7 @@ fn ipv6_connection() {
         };
         Side { agent: CmAgent::new(cfg), gid, qp: Vec::new() }
     };
-    let mut p = Pair { now: Instant::ZERO, s: [side6(1), side6(2)], drop: [0, 0], sent: Vec::new() };
+    let mut p = Pair { now: Instant::ZERO, s: [side6(1), side6(2)], drop: [0, 0], sent: Vec::new(), mads: Vec::new() };
     let l = p.s[1].agent.create_id(PortSpace::Tcp);
     p.s[1].agent.bind(l, SocketAddr::new("::".parse().unwrap(), 7174)).unwrap();
     p.s[1].agent.listen(l, 4).unwrap();
@@ -529,16 +532,19 @@ fn ipv6_connection() {
     p.pump();
     assert_eq!(p.events(0), vec![(c, EventKind::Established)]);
     assert_eq!(p.events(1), vec![(ev[0].id, EventKind::Established)]);
-    // The REQ's private data starts with the kernel's cma_hdr for IPv6: version 0, IP version 6
-    // in the high nibble, the source port, then the two 16-byte addresses.
-    let sent = p.s[0].agent.addrs(c);
-    let mut hdr = [0u8; 36];
-    softrdma_wire::cm::CmaHeader { src_port: local.port(), src: v6(1), dst: v6(2) }.emit(&mut hdr).unwrap();
-    assert_eq!(hdr[1], 0x60);
-    assert_eq!(&hdr[2..4], &local.port().to_be_bytes());
-    assert_eq!(&hdr[4..20], &p.s[0].gid);
-    assert_eq!(&hdr[20..36], &p.s[1].gid);
-    assert_eq!(sent.1, Some(SocketAddr::new(v6(2), 7174)));
+    // The REQ on the wire: the path's GIDs are the IPv6 addresses, and its private data starts
+    // with the kernel's cma_hdr for IPv6: version 0, IP version 6 in the high nibble, the source
+    // port, then the two 16-byte addresses (struct in6_addr), then the application's data.
+    let (_, req) = &p.mads[0];
+    let Ok((_, CmMessage::Req(r))) = CmMessage::parse(&req[..]) else { panic!("the first MAD is no REQ") };
+    assert_eq!((r.primary.local_gid, r.primary.remote_gid), (p.s[0].gid, p.s[1].gid));
+    let pd = &r.private_data;
+    assert_eq!(&pd[..2], &[0x00, 0x60]);
+    assert_eq!(&pd[2..4], &local.port().to_be_bytes());
+    assert_eq!(&pd[4..20], &p.s[0].gid);
+    assert_eq!(&pd[20..36], &p.s[1].gid);
+    assert_eq!(&pd[36..39], b"six");
+    assert_eq!(p.s[0].agent.addrs(c).1, Some(SocketAddr::new(v6(2), 7174)));
 }
 
 /// The kernel's timings and outcomes: a REP the active side never answers ends in UNREACHABLE
