@@ -1157,7 +1157,8 @@ fn conn_param_from(
     c
 }
 
-/// `rdma_connect`: REQ (SIDR_REQ for UD); ESTABLISHED, REJECTED or UNREACHABLE follows.
+/// `rdma_connect`: REQ (SIDR_REQ for UD); ESTABLISHED (CONNECT_RESPONSE for an ID without a QP),
+/// REJECTED or UNREACHABLE follows.
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_connect(id: *mut RdmaCmId, conn_param: *mut RdmaConnParam) -> c_int {
     const WHAT: &str = "rdma_connect";
@@ -1194,7 +1195,8 @@ pub unsafe extern "C" fn softrdma_rdma_connect(id: *mut RdmaCmId, conn_param: *m
     unsafe { complete(p) }
 }
 
-/// `rdma_accept`: the QP goes to RTR and RTS and the REP leaves (SIDR_REP for UD).
+/// `rdma_accept`: the ID's QP goes to RTR and RTS and the REP leaves (SIDR_REP for UD); without a
+/// QP on the ID the application has moved its own (`rdma_init_qp_attr`).
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_accept(id: *mut RdmaCmId, conn_param: *mut RdmaConnParam) -> c_int {
     const WHAT: &str = "rdma_accept";

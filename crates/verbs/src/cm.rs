@@ -561,13 +561,15 @@ impl CmId {
         self.run(|a, id, _| a.listen(id, backlog), |id| Request::CmListen { id, backlog })
     }
 
-    /// Connect (`rdma_connect`); ESTABLISHED, REJECTED or UNREACHABLE follows.
+    /// Connect (`rdma_connect`); ESTABLISHED (CONNECT_RESPONSE when [`ConnParam::drive_qp`] is
+    /// false), REJECTED or UNREACHABLE follows.
     pub fn connect(&self, param: ConnParam) -> Result<()> {
         let p = param.clone();
         self.run(|a, id, now| a.connect(id, param, now), |id| Request::CmConnect { id, param: p })
     }
 
-    /// Accept a connection request (`rdma_accept`).
+    /// Accept a connection request (`rdma_accept`). With [`ConnParam::drive_qp`] false the QP is
+    /// not touched: move it to RTS with [`CmId::init_qp_attr`] first.
     pub fn accept(&self, param: ConnParam) -> Result<()> {
         let p = param.clone();
         self.run(|a, id, now| a.accept(id, param, now), |id| Request::CmAccept { id, param: p })
