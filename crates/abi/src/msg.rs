@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 
-use softrdma_cm::{CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, PortSpace, Route, UdInfo};
+use softrdma_cm::{CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, PortSpace, QpAttr, QpAttrState, Route, UdInfo};
 use softrdma_device::netdev::{IfAddr, IfFlags, MacAddr, Netdev};
 use softrdma_device::DeviceConfig;
 use softrdma_transport::hca::QueuePairInfo;
@@ -113,6 +113,10 @@ pub enum Request {
     CmIdCount,
     /// [`softrdma_cm::AgentConfig::no_listener_retries`] of the device's CM.
     CmSetNoListenerRetries { retries: u8 },
+    /// `rdma_establish`: RTU for an application-owned QP after CONNECT_RESPONSE.
+    CmEstablish { id: u32 },
+    /// `rdma_init_qp_attr`: answered with [`Response::CmQpAttr`].
+    CmInitQpAttr { id: u32, state: QpAttrState },
 }
 
 /// Why the daemon refused.
@@ -201,6 +205,8 @@ pub enum Response {
     CmInfo { route: Option<Route>, local: Option<SocketAddr>, peer: Option<SocketAddr> },
     /// The next CM event of a channel (none queued: `None`), and whether more are queued.
     CmEvent { event: Option<CmEvent>, more: bool },
+    /// The QP attributes of [`Request::CmInitQpAttr`].
+    CmQpAttr(QpAttr),
 }
 
 // ---- helpers ---------------------------------------------------------------------------------
@@ -616,6 +622,7 @@ fn put_param(w: &mut Writer, p: &ConnParam) {
     w.u32(p.qpn.value());
     put_bytes(w, &p.private_data);
     w.u8(p.responder_resources).u8(p.initiator_depth).u8(p.retry_count).u8(p.rnr_retry_count).bool(p.srq).u32(p.qkey);
+    w.bool(p.drive_qp);
 }
 fn param_from(r: &mut Reader<'_>) -> DResult<ConnParam> {
     Ok(ConnParam {
@@ -627,7 +634,89 @@ fn param_from(r: &mut Reader<'_>) -> DResult<ConnParam> {
         rnr_retry_count: r.u8()?,
         srq: r.bool()?,
         qkey: r.u32()?,
+        drive_qp: r.bool()?,
     })
+}
+fn qp_state_code(s: QpAttrState) -> u8 {
+    match s {
+        QpAttrState::Init => 1,
+        QpAttrState::Rtr => 2,
+        QpAttrState::Rts => 3,
+    }
+}
+fn qp_state_from(r: &mut Reader<'_>) -> DResult<QpAttrState> {
+    match r.u8()? {
+        1 => Ok(QpAttrState::Init),
+        2 => Ok(QpAttrState::Rtr),
+        3 => Ok(QpAttrState::Rts),
+        _ => Err(DecodeError("bad QP state")),
+    }
+}
+fn put_opt_u8(w: &mut Writer, v: Option<u8>) {
+    w.bool(v.is_some()).u8(v.unwrap_or(0));
+}
+fn opt_u8_from(r: &mut Reader<'_>) -> DResult<Option<u8>> {
+    let (some, v) = (r.bool()?, r.u8()?);
+    Ok(some.then_some(v))
+}
+fn put_opt_u32(w: &mut Writer, v: Option<u32>) {
+    w.bool(v.is_some()).u32(v.unwrap_or(0));
+}
+fn opt_u32_from(r: &mut Reader<'_>) -> DResult<Option<u32>> {
+    let (some, v) = (r.bool()?, r.u32()?);
+    Ok(some.then_some(v))
+}
+fn put_qp_attr(w: &mut Writer, a: &QpAttr) {
+    w.u8(qp_state_code(a.state));
+    put_opt_u32(w, a.pkey_index.map(u32::from));
+    put_opt_u8(w, a.port);
+    put_opt_u32(w, a.access);
+    put_opt_u32(w, a.qkey);
+    match &a.av {
+        Some(rt) => {
+            w.u8(1);
+            put_route(w, rt);
+        }
+        None => {
+            w.u8(0);
+        }
+    }
+    w.u8(a.hop_limit).u8(a.traffic_class).u32(a.flow_label);
+    put_opt_u8(w, a.path_mtu.map(|m| m as u8));
+    put_opt_u32(w, a.dest_qpn.map(|q| q.value()));
+    put_opt_u32(w, a.rq_psn.map(|p| p.value()));
+    put_opt_u8(w, a.max_dest_rd_atomic);
+    put_opt_u8(w, a.min_rnr_timer);
+    put_opt_u32(w, a.sq_psn.map(|p| p.value()));
+    put_opt_u8(w, a.timeout);
+    put_opt_u8(w, a.retry_cnt);
+    put_opt_u8(w, a.rnr_retry);
+    put_opt_u8(w, a.max_rd_atomic);
+}
+fn qp_attr_from(r: &mut Reader<'_>) -> DResult<QpAttr> {
+    let mut a = QpAttr::new(qp_state_from(r)?);
+    a.pkey_index = opt_u32_from(r)?.map(|v| v as u16);
+    a.port = opt_u8_from(r)?;
+    a.access = opt_u32_from(r)?;
+    a.qkey = opt_u32_from(r)?;
+    a.av = if r.bool()? { Some(route_from(r)?) } else { None };
+    a.hop_limit = r.u8()?;
+    a.traffic_class = r.u8()?;
+    a.flow_label = r.u32()?;
+    a.path_mtu = match opt_u8_from(r)? {
+        Some(c) => Some(Mtu::ALL.into_iter().find(|m| *m as u8 == c).ok_or(DecodeError("bad MTU"))?),
+        None => None,
+    };
+    a.dest_qpn = opt_u32_from(r)?.map(Qpn::new);
+    a.rq_psn = opt_u32_from(r)?.map(Psn::new);
+    a.max_dest_rd_atomic = opt_u8_from(r)?;
+    a.min_rnr_timer = opt_u8_from(r)?;
+    a.sq_psn = opt_u32_from(r)?.map(Psn::new);
+    a.timeout = opt_u8_from(r)?;
+    a.retry_cnt = opt_u8_from(r)?;
+    a.rnr_retry = opt_u8_from(r)?;
+    a.max_rd_atomic = opt_u8_from(r)?;
+    Ok(a)
 }
 fn put_route(w: &mut Writer, rt: &Route) {
     w.u8(rt.sgid_index).raw(&rt.sgid).raw(&rt.dgid).u8(rt.mtu as u8);
@@ -638,9 +727,9 @@ fn route_from(r: &mut Reader<'_>) -> DResult<Route> {
 fn put_kind(w: &mut Writer, k: &EventKind) {
     match k {
         EventKind::AddrResolved => w.u8(0),
-        EventKind::AddrError => w.u8(1),
+        EventKind::AddrError { status } => w.u8(1).u32(*status as u32),
         EventKind::RouteResolved => w.u8(2),
-        EventKind::RouteError => w.u8(3),
+        EventKind::RouteError { status } => w.u8(3).u32(*status as u32),
         EventKind::ConnectRequest { listener } => w.u8(4).u32(listener.0),
         EventKind::ConnectError => w.u8(5),
         EventKind::Unreachable => w.u8(6),
@@ -648,6 +737,7 @@ fn put_kind(w: &mut Writer, k: &EventKind) {
         EventKind::Established => w.u8(8),
         EventKind::Disconnected => w.u8(9),
         EventKind::TimewaitExit => w.u8(10),
+        EventKind::ConnectResponse => w.u8(11),
         #[allow(unreachable_patterns)]
         _ => w.u8(255),
     };
@@ -655,9 +745,9 @@ fn put_kind(w: &mut Writer, k: &EventKind) {
 fn kind_from(r: &mut Reader<'_>) -> DResult<EventKind> {
     Ok(match r.u8()? {
         0 => EventKind::AddrResolved,
-        1 => EventKind::AddrError,
+        1 => EventKind::AddrError { status: r.u32()? as i32 },
         2 => EventKind::RouteResolved,
-        3 => EventKind::RouteError,
+        3 => EventKind::RouteError { status: r.u32()? as i32 },
         4 => EventKind::ConnectRequest { listener: IdHandle(r.u32()?) },
         5 => EventKind::ConnectError,
         6 => EventKind::Unreachable,
@@ -665,11 +755,12 @@ fn kind_from(r: &mut Reader<'_>) -> DResult<EventKind> {
         8 => EventKind::Established,
         9 => EventKind::Disconnected,
         10 => EventKind::TimewaitExit,
+        11 => EventKind::ConnectResponse,
         _ => return Err(DecodeError("bad CM event kind")),
     })
 }
 fn put_cm_event(w: &mut Writer, e: &CmEvent) {
-    w.u32(e.id.0);
+    w.u32(e.id.0).u32(e.status as u32);
     put_kind(w, &e.kind);
     let c = &e.conn;
     put_bytes(w, &c.private_data);
@@ -687,6 +778,7 @@ fn put_cm_event(w: &mut Writer, e: &CmEvent) {
 }
 fn cm_event_from(r: &mut Reader<'_>) -> DResult<CmEvent> {
     let id = IdHandle(r.u32()?);
+    let status = r.u32()? as i32;
     let kind = kind_from(r)?;
     let conn = ConnInfo {
         private_data: bytes_from(r)?,
@@ -701,7 +793,7 @@ fn cm_event_from(r: &mut Reader<'_>) -> DResult<CmEvent> {
     } else {
         None
     };
-    Ok(CmEvent { id, kind, conn, ud })
+    Ok(CmEvent { id, kind, conn, ud, status })
 }
 
 impl Request {
@@ -870,6 +962,14 @@ impl Request {
                 header(&mut w, 56);
                 w.u8(*retries);
             }
+            Request::CmEstablish { id } => {
+                header(&mut w, 57);
+                w.u32(*id);
+            }
+            Request::CmInitQpAttr { id, state } => {
+                header(&mut w, 58);
+                w.u32(*id).u8(qp_state_code(*state));
+            }
         }
         w.buf
     }
@@ -940,6 +1040,8 @@ impl Request {
             54 => Request::CmGetEvent { channel: r.u32()? },
             55 => Request::CmIdCount,
             56 => Request::CmSetNoListenerRetries { retries: r.u8()? },
+            57 => Request::CmEstablish { id: r.u32()? },
+            58 => Request::CmInitQpAttr { id: r.u32()?, state: qp_state_from(&mut r)? },
             _ => return Err(DecodeError("unknown request")),
         };
         r.finish()?;
@@ -1032,6 +1134,10 @@ impl Response {
                 }
                 w.bool(*more);
             }
+            Response::CmQpAttr(a) => {
+                header(&mut w, 42);
+                put_qp_attr(&mut w, a);
+            }
         }
         w.buf
     }
@@ -1084,6 +1190,7 @@ impl Response {
                 event: if r.bool()? { Some(cm_event_from(&mut r)?) } else { None },
                 more: r.bool()?,
             },
+            42 => Response::CmQpAttr(qp_attr_from(&mut r)?),
             _ => return Err(DecodeError("unknown response")),
         };
         r.finish()?;
@@ -1188,6 +1295,9 @@ mod tests {
             },
             Request::CmReject { id: 4, private_data: b"no".to_vec() },
             Request::CmSetNoListenerRetries { retries: 3 },
+            Request::CmEstablish { id: 5 },
+            Request::CmInitQpAttr { id: 5, state: QpAttrState::Rtr },
+            Request::CmAccept { id: 9, param: ConnParam { drive_qp: false, ..ConnParam::new(Qpn::new(0x11)) } },
         ];
         for q in reqs {
             let b = q.encode();
@@ -1218,10 +1328,31 @@ mod tests {
                     local_addr: None,
                 },
                 ud: Some(UdInfo { dgid: [3; 16], remote_qpn: Qpn::new(5), qkey: 9 }),
+                status: -110,
             }),
             more: true,
         };
         assert_eq!(Response::decode(&ev.encode()).unwrap(), ev);
+        for kind in
+            [EventKind::AddrError { status: -101 }, EventKind::RouteError { status: -19 }, EventKind::ConnectResponse]
+        {
+            let ev = Response::CmEvent {
+                event: Some(CmEvent { id: IdHandle(1), kind, conn: ConnInfo::default(), ud: None, status: -101 }),
+                more: false,
+            };
+            assert_eq!(Response::decode(&ev.encode()).unwrap(), ev);
+        }
+        let mut a = QpAttr::new(QpAttrState::Rtr);
+        a.av = Some(Route { sgid_index: 1, sgid: [1; 16], dgid: [2; 16], mtu: Mtu::M1024 });
+        a.hop_limit = 64;
+        a.flow_label = 0x12345;
+        a.path_mtu = Some(Mtu::M1024);
+        a.dest_qpn = Some(Qpn::new(0x33));
+        a.rq_psn = Some(Psn::new(0xabcdef));
+        a.max_dest_rd_atomic = Some(4);
+        a.min_rnr_timer = Some(0);
+        let qa = Response::CmQpAttr(a);
+        assert_eq!(Response::decode(&qa.encode()).unwrap(), qa);
         let info = Response::CmInfo {
             route: Some(Route { sgid_index: 1, sgid: [1; 16], dgid: [2; 16], mtu: Mtu::M1024 }),
             local: Some("127.0.0.1:1".parse().unwrap()),

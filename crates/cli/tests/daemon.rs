@@ -256,6 +256,9 @@ fn try_foreign_cm_handles(d: &Daemon, id: u32, channel: u32, qpn: u32) {
     let refused = Response::Error(Refusal::Verbs(VerbsError::NoSuchObject));
     assert_eq!(call(Request::CmQuery { id }, &[]), refused);
     assert_eq!(call(Request::CmDisconnect { id }, &[]), refused);
+    assert_eq!(call(Request::CmEstablish { id }, &[]), refused);
+    let state = softrdma_verbs::CmQpState::Rtr;
+    assert_eq!(call(Request::CmInitQpAttr { id, state }, &[]), refused);
     assert_eq!(call(Request::CmDestroyId { id }, &[]), refused);
     assert_eq!(call(Request::CmGetEvent { channel }, &[]), refused);
     assert_eq!(call(Request::CmDestroyChannel { channel }, &[]), refused);

@@ -3,7 +3,11 @@
 //! Connection states (active side): `RouteResolved` → connect → `ReqSent` → REP (QP to RTR and RTS,
 //! RTU sent) → `Established` → disconnect → `DreqSent` → DREP → `TimeWait` → time-wait exit.
 //! Passive side: `Listen` → REQ creates a new ID in `ReqRcvd` (CONNECT_REQUEST) → accept (QP to RTR
-//! and RTS, REP sent) → `RepSent` → RTU → `Established`. REQ, REP, DREQ and SIDR_REQ are
+//! and RTS, REP sent) → `RepSent` → RTU → `Established`.
+//!
+//! A QP the application owns ([`ConnParam::drive_qp`] false) is never touched: the active side stops
+//! in `RepRcvd` with CONNECT_RESPONSE until [`CmAgent::establish`] sends the RTU, and both sides
+//! take the QP's attributes from [`CmAgent::init_qp_attr`], as the kernel's CM gives them. REQ, REP, DREQ and SIDR_REQ are
 //! retransmitted every response timeout (4.096 µs × 2^timeout) up to the retry limit; a duplicate of a
 //! message already answered gets the same answer again. UD IDs resolve with SIDR instead.
 
@@ -19,9 +23,13 @@ use softrdma_wire::cm::{
 use softrdma_wire::{Psn, Qpn};
 
 use crate::types::{
-    AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand, Route,
-    UdInfo,
+    access, status, AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpAttr,
+    QpAttrState, QpCommand, Route, UdInfo, ACK_TIMEOUT, RDMA_UDP_QKEY,
 };
+
+/// How long a connection stays in time-wait: the kernel's CM waits `cm_convert_to_ms` of the
+/// path's ACK timeout, 2^(19 − 8) ms.
+const TIME_WAIT: Duration = Duration::from_millis(1 << (ACK_TIMEOUT - 8));
 
 /// States of an ID.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +39,8 @@ enum State {
     RouteResolved,
     Listen,
     ReqSent,
+    /// REP received for an application-owned QP: CONNECT_RESPONSE reported, RTU not sent yet.
+    RepRcvd,
     ReqRcvd,
     RepSent,
     Established,
@@ -67,13 +77,20 @@ struct Id {
     req_info: Option<ReqInfo>,
     /// REJs "invalid service ID" still to be answered by sending the REQ again.
     no_listener_left: u8,
+    /// The QP's negotiated values, as the kernel's CM keeps them: incoming reads/atomics
+    /// (`max_dest_rd_atomic`), outgoing (`max_rd_atomic`), RNR and transport retries.
+    resp_res: u8,
+    init_depth: u8,
+    rnr_retry: u8,
+    retry_count: u8,
+    /// Flow label of the path (the REQ's).
+    flow_label: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct ReqInfo {
     rnr_retry: u8,
     retry_count: u8,
-    path_mtu: u8,
 }
 
 impl Id {
@@ -99,7 +116,17 @@ impl Id {
             deadline: None,
             req_info: None,
             no_listener_left: 0,
+            resp_res: 0,
+            init_depth: 0,
+            rnr_retry: 0,
+            retry_count: 0,
+            flow_label: 0,
         }
+    }
+
+    /// The QP the agent drives, if it drives one.
+    fn driven_qpn(&self) -> Option<Qpn> {
+        self.param.as_ref().filter(|p| p.drive_qp).map(|p| p.qpn)
     }
 }
 
@@ -111,6 +138,8 @@ pub struct CmAgent {
     rng: u64,
     out: VecDeque<Output>,
     events: VecDeque<CmEvent>,
+    /// The port's link is up (see [`CmAgent::set_port_active`]).
+    port_active: bool,
     /// MADs that did not parse or matched nothing.
     pub dropped: u64,
 }
@@ -149,6 +178,7 @@ impl CmAgent {
             rng,
             out: VecDeque::new(),
             events: VecDeque::new(),
+            port_active: true,
             dropped: 0,
         }
     }
@@ -171,12 +201,36 @@ impl CmAgent {
     }
 
     fn event(&mut self, id: IdHandle, kind: EventKind, conn: ConnInfo, ud: Option<UdInfo>) {
-        self.events.push_back(CmEvent { id, kind, conn, ud });
+        let status = match kind {
+            EventKind::AddrError { status } | EventKind::RouteError { status } => status,
+            EventKind::Unreachable | EventKind::ConnectError => status::ETIMEDOUT,
+            EventKind::Rejected { reason } => i32::from(reason),
+            _ => 0,
+        };
+        self.events.push_back(CmEvent { id, kind, conn, ud, status });
     }
 
     /// Change [`AgentConfig::no_listener_retries`] for later connects.
     pub fn set_no_listener_retries(&mut self, retries: u8) {
         self.config.no_listener_retries = retries;
+    }
+
+    /// The port's link went down (`false`) or up again: while it is down, address and route
+    /// resolution fail (ADDR_ERROR, ROUTE_ERROR with [`status::ENETUNREACH`]).
+    pub fn set_port_active(&mut self, up: bool) {
+        self.port_active = up;
+    }
+
+    /// The device's addresses changed (an address was removed from or added to its netdev, so its
+    /// GID table changed): later resolutions use the new set; a route from an address that is gone
+    /// fails with ROUTE_ERROR ([`status::ENODEV`]).
+    pub fn set_addrs(&mut self, addrs: Vec<(IpAddr, u8)>) {
+        self.config.addrs = addrs;
+    }
+
+    /// The device's addresses with their GID indices.
+    pub fn local_addrs(&self) -> &[(IpAddr, u8)] {
+        &self.config.addrs
     }
 
     /// IDs alive (for leak checks).
@@ -199,6 +253,11 @@ impl CmAgent {
         let id = self.ids.get(&h).ok_or(CmError::NoSuchId)?;
         if matches!(id.state, State::Established | State::RepSent) {
             let _ = self.disconnect(h, now);
+        } else if id.state == State::RepRcvd {
+            // The application never established: refuse the REP (ib_cm's destroy in REP_RCVD).
+            let (dgid, tid, local, remote) =
+                (id.route.map_or([0; 16], |r| r.dgid), id.tid, id.local_comm_id, id.remote_comm_id);
+            self.send_rej(dgid, tid, local, remote, reason::CONSUMER_REJECT);
         }
         self.release_backlog(h);
         self.ids.remove(&h);
@@ -241,22 +300,58 @@ impl CmAgent {
     }
 
     /// Resolve the destination (`rdma_resolve_addr`): picks the local address, raises ADDR_RESOLVED
-    /// or ADDR_ERROR.
+    /// or ADDR_ERROR. No route check: see [`CmAgent::resolve_addr_via`].
     pub fn resolve_addr(&mut self, h: IdHandle, src: Option<IpAddr>, dst: SocketAddr) -> Result<(), CmError> {
+        self.resolve_addr_via(h, src, dst, |_, _| Ok(()))
+    }
+
+    /// [`CmAgent::resolve_addr`] with the device's route lookup: `route(local, dst)` answers
+    /// whether the host routes from `local` to `dst` (`Err` with a negative errno otherwise, e.g.
+    /// [`status::ENETUNREACH`]; the driver asks its IP stack, the agent does no I/O).
+    ///
+    /// As the kernel: a source address that is not the device's, or of the other family than the
+    /// destination, is refused at once; an unspecified destination is the source itself
+    /// (loopback); no address of the destination's family, no route, or the port down give
+    /// ADDR_ERROR with the status.
+    pub fn resolve_addr_via(
+        &mut self,
+        h: IdHandle,
+        src: Option<IpAddr>,
+        mut dst: SocketAddr,
+        route: impl FnOnce(IpAddr, SocketAddr) -> Result<(), i32>,
+    ) -> Result<(), CmError> {
         let id = self.id(h)?;
         if !matches!(id.state, State::Idle | State::AddrResolved) {
             return Err(CmError::InvalidState("resolve_addr"));
         }
         let ps = id.ps;
         let wanted = src.or(id.local.map(|l| l.ip())).filter(|ip| !ip.is_unspecified());
-        let local = match wanted {
-            Some(ip) => self.config.addrs.iter().find(|(a, _)| *a == ip).map(|(a, _)| *a),
-            None => self.config.addrs.iter().find(|(a, _)| a.is_ipv4() == dst.is_ipv4()).map(|(a, _)| *a),
-        };
+        if let Some(ip) = wanted {
+            if ip.is_ipv4() != dst.is_ipv4() {
+                return Err(CmError::FamilyMismatch);
+            }
+            if !self.config.addrs.iter().any(|(a, _)| *a == ip) {
+                return Err(CmError::AddrNotAvailable);
+            }
+        }
+        let local = wanted.or_else(|| {
+            let same_family = self.config.addrs.iter().map(|(a, _)| *a).filter(|a| a.is_ipv4() == dst.is_ipv4());
+            // A destination of the device's own is reached from that address.
+            let mut all = same_family.clone();
+            all.find(|a| *a == dst.ip()).or_else(|| same_family.clone().next())
+        });
         let Some(local_ip) = local else {
-            self.event(h, EventKind::AddrError, ConnInfo::default(), None);
+            self.event(h, EventKind::AddrError { status: status::ENETUNREACH }, ConnInfo::default(), None);
             return Ok(());
         };
+        if dst.ip().is_unspecified() {
+            dst.set_ip(local_ip);
+        }
+        let verdict = if self.port_active { route(local_ip, dst) } else { Err(status::ENETUNREACH) };
+        if let Err(st) = verdict {
+            self.event(h, EventKind::AddrError { status: st }, ConnInfo::default(), None);
+            return Ok(());
+        }
         let port = match self.ids[&h].local {
             Some(l) if l.port() != 0 => l.port(),
             _ => self.ephemeral_port(ps, local_ip),
@@ -269,15 +364,42 @@ impl CmAgent {
         Ok(())
     }
 
-    /// Resolve the route (`rdma_resolve_route`): ROUTE_RESOLVED.
+    /// Resolve the route (`rdma_resolve_route`): ROUTE_RESOLVED or ROUTE_ERROR. No route check:
+    /// see [`CmAgent::resolve_route_via`].
     pub fn resolve_route(&mut self, h: IdHandle) -> Result<(), CmError> {
+        self.resolve_route_via(h, |_, _| Ok(()))
+    }
+
+    /// [`CmAgent::resolve_route`] with the device's route lookup (as for
+    /// [`CmAgent::resolve_addr_via`]). ROUTE_ERROR, the ID staying address-resolved, when the port
+    /// is down ([`status::ENETUNREACH`]), the source address is no longer the device's (its GID
+    /// left the table: [`status::ENODEV`], as the kernel's port/GID validation reports), or the
+    /// destination is no longer routed (the lookup's status).
+    pub fn resolve_route_via(
+        &mut self,
+        h: IdHandle,
+        route: impl FnOnce(IpAddr, SocketAddr) -> Result<(), i32>,
+    ) -> Result<(), CmError> {
         let mtu = self.config.mtu;
+        let port_active = self.port_active;
         let addrs = self.config.addrs.clone();
         let id = self.id(h)?;
         if id.state != State::AddrResolved {
             return Err(CmError::InvalidState("resolve_route before resolve_addr"));
         }
         let (local, remote) = (id.local.expect("resolved"), id.remote.expect("resolved"));
+        let verdict = if !port_active {
+            Err(status::ENETUNREACH)
+        } else if !addrs.iter().any(|(a, _)| *a == local.ip()) {
+            Err(status::ENODEV)
+        } else {
+            route(local.ip(), remote)
+        };
+        if let Err(st) = verdict {
+            self.event(h, EventKind::RouteError { status: st }, ConnInfo::default(), None);
+            return Ok(());
+        }
+        let id = self.id(h)?;
         let sgid_index = addrs.iter().find(|(a, _)| *a == local.ip()).map_or(0, |(_, i)| *i);
         id.route = Some(Route { sgid_index, sgid: gid_of(local.ip()), dgid: gid_of(remote.ip()), mtu });
         id.state = State::RouteResolved;
@@ -349,6 +471,12 @@ impl CmAgent {
         id.local_comm_id = comm_id;
         id.local_psn = psn;
         id.tid = tid;
+        id.resp_res = param.responder_resources;
+        id.init_depth = param.initiator_depth;
+        id.retry_count = param.retry_count.min(7);
+        id.rnr_retry = param.rnr_retry_count.min(7);
+        id.flow_label = u32::from(local.port() ^ remote.port()) & 0xf_ffff;
+        let flow_label = id.flow_label;
         let msg = if id.ps.is_ud() {
             if pd.len() > softrdma_wire::cm::private_len::SIDR_REQ {
                 return Err(CmError::PrivateDataTooLong);
@@ -385,10 +513,10 @@ impl CmAgent {
                     remote_lid: 0xffff,
                     local_gid: route.sgid,
                     remote_gid: route.dgid,
-                    flow_label: u32::from(local.port() ^ remote.port()) & 0xf_ffff,
+                    flow_label,
                     packet_rate: 2,
                     hop_limit: 64,
-                    local_ack_timeout: 0x13,
+                    local_ack_timeout: ACK_TIMEOUT,
                     ..PathRepr::default()
                 },
                 alternate: PathRepr::default(),
@@ -405,9 +533,9 @@ impl CmAgent {
     /// SIDR_REP for UD).
     pub fn accept(&mut self, h: IdHandle, param: ConnParam, now: Instant) -> Result<(), CmError> {
         let guid = self.config.ca_guid;
-        let psn = Psn::new(self.random());
         let id = self.id(h)?;
         let route = id.route.ok_or(CmError::InvalidState("accept"))?;
+        let psn = id.local_psn;
         match id.state {
             State::SidrReqRcvd => {
                 let msg = CmMessage::SidrRep(SidrRepRepr {
@@ -433,11 +561,9 @@ impl CmAgent {
                     return Err(CmError::PrivateDataTooLong);
                 }
                 let info = id.req_info.expect("set with ReqRcvd");
-                id.local_psn = psn;
                 id.local_comm_id = id.local_comm_id.max(1);
-                let mtu = mtu_from_code(info.path_mtu, route.mtu);
-                let route = Route { mtu, ..route };
-                id.route = Some(route);
+                id.resp_res = param.responder_resources;
+                id.init_depth = param.initiator_depth;
                 let rtr = QpCommand::Rtr {
                     qpn: param.qpn,
                     dest_qpn: id.remote_qpn,
@@ -471,9 +597,12 @@ impl CmAgent {
                     private_data: param.private_data.clone(),
                 });
                 id.state = State::RepSent;
+                let drive = param.drive_qp;
                 id.param = Some(param);
-                self.out.push_back(Output::Qp(rtr));
-                self.out.push_back(Output::Qp(rts));
+                if drive {
+                    self.out.push_back(Output::Qp(rtr));
+                    self.out.push_back(Output::Qp(rts));
+                }
                 self.send_tracked(h, route.dgid, &msg, now);
                 self.release_backlog(h);
                 Ok(())
@@ -538,7 +667,7 @@ impl CmAgent {
             id.state = State::Done;
             return Ok(());
         }
-        let qpn = id.param.as_ref().map(|p| p.qpn);
+        let qpn = id.driven_qpn();
         let msg = CmMessage::Dreq(DreqRepr {
             local_comm_id: id.local_comm_id,
             remote_comm_id: id.remote_comm_id,
@@ -625,16 +754,28 @@ impl CmAgent {
             return self.send_rej(src_gid, tid, 0, r.local_comm_id, reason::NO_RESOURCES);
         }
         let local_comm_id = self.random().max(1);
+        // Our starting PSN is chosen now: an application that owns its QP moves it to RTS
+        // (`init_qp_attr`) before it accepts.
+        let local_psn = Psn::new(self.random());
         let listener = &self.ids[&l];
         let (lps, lport) = (listener.ps, listener.local.map_or(port, |a| a.port()));
         let local_ip =
             cma.map(|c| c.dst).or_else(|| listener.local.map(|a| a.ip())).unwrap_or(ip_of_gid(&r.primary.remote_gid));
         let remote_addr = cma.map(|c| SocketAddr::new(c.src, c.src_port));
         let sgid_index = self.config.addrs.iter().find(|(a, _)| *a == local_ip).map_or(0, |(_, i)| *i);
-        let route = Route { sgid_index, sgid: gid_of(local_ip), dgid: src_gid, mtu: self.config.mtu };
+        let mtu = mtu_from_code(r.path_mtu, self.config.mtu);
+        let route = Route { sgid_index, sgid: gid_of(local_ip), dgid: src_gid, mtu };
         let h = self.create_id(lps);
         let id = self.ids.get_mut(&h).expect("just created");
         id.state = State::ReqRcvd;
+        id.local_psn = local_psn;
+        // The kernel's CM, from the REQ: the peer's initiator depth is our responder resources
+        // and the other way round, until accept says otherwise.
+        id.resp_res = r.initiator_depth;
+        id.init_depth = r.responder_resources;
+        id.rnr_retry = r.rnr_retry_count;
+        id.retry_count = r.retry_count;
+        id.flow_label = r.primary.flow_label;
         id.local = Some(SocketAddr::new(local_ip, lport));
         id.remote = remote_addr;
         id.route = Some(route);
@@ -645,7 +786,7 @@ impl CmAgent {
         id.remote_psn = r.starting_psn;
         id.tid = tid;
         id.listener = Some(l);
-        id.req_info = Some(ReqInfo { rnr_retry: r.rnr_retry_count, retry_count: r.retry_count, path_mtu: r.path_mtu });
+        id.req_info = Some(ReqInfo { rnr_retry: r.rnr_retry_count, retry_count: r.retry_count });
         if let Some(li) = self.ids.get_mut(&l) {
             li.backlog -= 1;
         }
@@ -682,6 +823,8 @@ impl CmAgent {
             State::ReqSent => {}
             // Our RTU was lost: answer the repeated REP again.
             State::Established => return self.resend_last(h),
+            // The application has not established yet: it has the first REP already.
+            State::RepRcvd => return,
             _ => {
                 self.dropped += 1;
                 return;
@@ -692,11 +835,28 @@ impl CmAgent {
         id.remote_guid = r.local_ca_guid;
         id.remote_qpn = r.local_qpn;
         id.remote_psn = r.starting_psn;
-        id.state = State::Established;
         id.deadline = None;
+        // The kernel's CM, from the REP: the peer's initiator depth is our responder resources.
+        id.resp_res = r.initiator_depth;
+        id.init_depth = r.responder_resources;
+        id.rnr_retry = r.rnr_retry_count;
         let route = id.route.expect("connected");
         let param = id.param.clone().expect("connect stored it");
         let local_psn = id.local_psn;
+        let conn = ConnInfo {
+            private_data: r.private_data.clone(),
+            responder_resources: r.responder_resources,
+            initiator_depth: r.initiator_depth,
+            remote_qpn: r.local_qpn,
+            remote_addr: id.remote,
+            local_addr: id.local,
+        };
+        if !param.drive_qp {
+            id.state = State::RepRcvd;
+            self.event(h, EventKind::ConnectResponse, conn, None);
+            return;
+        }
+        id.state = State::Established;
         self.out.push_back(Output::Qp(QpCommand::Rtr {
             qpn: param.qpn,
             dest_qpn: r.local_qpn,
@@ -721,16 +881,83 @@ impl CmAgent {
         let tid = self.ids[&h].tid;
         let mad = self.send(route.dgid, &rtu, tid);
         self.ids.get_mut(&h).expect("found").last = Some((mad, route.dgid));
-        let remote = self.ids[&h].remote;
-        let conn = ConnInfo {
-            private_data: r.private_data,
-            responder_resources: r.responder_resources,
-            initiator_depth: r.initiator_depth,
-            remote_qpn: r.local_qpn,
-            remote_addr: remote,
-            local_addr: self.ids[&h].local,
-        };
         self.event(h, EventKind::Established, conn, None);
+    }
+
+    /// Finish a connection whose QP the application owns (`rdma_establish`), after
+    /// CONNECT_RESPONSE: the RTU goes out and the connection is established. As with the kernel,
+    /// no event follows on this side (the peer gets ESTABLISHED).
+    pub fn establish(&mut self, h: IdHandle) -> Result<(), CmError> {
+        let id = self.id(h)?;
+        if id.state != State::RepRcvd {
+            return Err(CmError::InvalidState("establish without a connect response"));
+        }
+        let route = id.route.expect("connected");
+        let rtu = CmMessage::Rtu(IdsRepr {
+            local_comm_id: id.local_comm_id,
+            remote_comm_id: id.remote_comm_id,
+            private_data: Vec::new(),
+        });
+        id.state = State::Established;
+        let tid = id.tid;
+        let mad = self.send(route.dgid, &rtu, tid);
+        self.ids.get_mut(&h).expect("checked").last = Some((mad, route.dgid));
+        Ok(())
+    }
+
+    /// The attributes that move a QP of this ID to `state` (`rdma_init_qp_attr`), as the kernel's
+    /// CM gives them: INIT any time the ID has a device (remote access once a connection exists,
+    /// none before; UD: the Q_Key); RTR and RTS once a connection request or response is known
+    /// (the peer's QPN and PSN, the negotiated reads/atomics and retries, the path).
+    pub fn init_qp_attr(&self, h: IdHandle, state: QpAttrState) -> Result<QpAttr, CmError> {
+        let id = self.ids.get(&h).ok_or(CmError::NoSuchId)?;
+        let mut a = QpAttr::new(state);
+        if id.ps.is_ud() {
+            // UD: the same INIT attributes whatever the state (the kernel's cma_ib_init_qp_attr).
+            a.pkey_index = Some(0);
+            a.port = Some(1);
+            a.qkey = Some(id.param.as_ref().map_or(RDMA_UDP_QKEY, |p| p.qkey));
+            return Ok(a);
+        }
+        let connection =
+            matches!(id.state, State::ReqSent | State::ReqRcvd | State::RepRcvd | State::RepSent | State::Established);
+        let known = matches!(id.state, State::ReqRcvd | State::RepRcvd | State::RepSent | State::Established);
+        match state {
+            QpAttrState::Init => {
+                a.pkey_index = Some(0);
+                a.port = Some(1);
+                a.access = Some(match (connection, id.resp_res) {
+                    (false, _) => 0,
+                    (true, 0) => access::REMOTE_WRITE,
+                    (true, _) => access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+                });
+            }
+            QpAttrState::Rtr => {
+                if !known {
+                    return Err(CmError::InvalidState("init_qp_attr(RTR) before the peer answered"));
+                }
+                let route = id.route.expect("connected");
+                a.av = Some(route);
+                a.hop_limit = 64;
+                a.flow_label = id.flow_label;
+                a.path_mtu = Some(route.mtu);
+                a.dest_qpn = Some(id.remote_qpn);
+                a.rq_psn = Some(id.remote_psn);
+                a.max_dest_rd_atomic = Some(id.resp_res);
+                a.min_rnr_timer = Some(0);
+            }
+            QpAttrState::Rts => {
+                if !known {
+                    return Err(CmError::InvalidState("init_qp_attr(RTS) before the peer answered"));
+                }
+                a.sq_psn = Some(id.local_psn);
+                a.timeout = Some(ACK_TIMEOUT);
+                a.retry_cnt = Some(id.retry_count);
+                a.rnr_retry = Some(id.rnr_retry);
+                a.max_rd_atomic = Some(id.init_depth);
+            }
+        }
+        Ok(a)
     }
 
     fn on_rtu(&mut self, r: IdsRepr) {
@@ -747,9 +974,9 @@ impl CmAgent {
     }
 
     fn on_rej(&mut self, now: Instant, r: RejRepr) {
-        let Some(h) =
-            self.find(|i| i.local_comm_id == r.remote_comm_id && matches!(i.state, State::ReqSent | State::RepSent))
-        else {
+        let Some(h) = self.find(|i| {
+            i.local_comm_id == r.remote_comm_id && matches!(i.state, State::ReqSent | State::RepSent | State::RepRcvd)
+        }) else {
             self.dropped += 1;
             return;
         };
@@ -762,7 +989,7 @@ impl CmAgent {
             id.deadline = Some(now + crate::types::NO_LISTENER_RETRY_DELAY);
             return;
         }
-        let qpn = id.param.as_ref().map(|p| p.qpn);
+        let qpn = id.driven_qpn();
         let was_rep_sent = id.state == State::RepSent;
         id.state = State::Done;
         id.deadline = None;
@@ -800,9 +1027,9 @@ impl CmAgent {
         if !matches!(state, State::Established | State::RepSent | State::DreqSent) {
             return;
         }
-        let timewait = now + self.response_timeout();
+        let timewait = now + TIME_WAIT;
         let id = self.ids.get_mut(&h).expect("found");
-        let qpn = id.param.as_ref().map(|p| p.qpn);
+        let qpn = id.driven_qpn();
         id.state = State::TimeWait;
         id.last = Some((mad, src_gid));
         id.deadline = Some(timewait);
@@ -818,7 +1045,7 @@ impl CmAgent {
             self.dropped += 1;
             return;
         };
-        let timewait = now + self.response_timeout();
+        let timewait = now + TIME_WAIT;
         let id = self.ids.get_mut(&h).expect("found");
         id.state = State::TimeWait;
         id.deadline = Some(timewait);
@@ -933,7 +1160,7 @@ impl CmAgent {
                 continue;
             }
             let state = id.state;
-            let qpn = id.param.as_ref().map(|p| p.qpn);
+            let qpn = id.driven_qpn();
             id.state = State::Done;
             match state {
                 State::ReqSent | State::SidrReqSent => self.event(h, EventKind::Unreachable, ConnInfo::default(), None),
@@ -941,13 +1168,23 @@ impl CmAgent {
                     if let Some(qpn) = qpn {
                         self.out.push_back(Output::Qp(QpCommand::Err { qpn }));
                     }
-                    self.event(h, EventKind::ConnectError, ConnInfo::default(), None);
+                    // The kernel's CM reports a REP never answered (IB_CM_REP_ERROR) as
+                    // UNREACHABLE, as it does an unanswered REQ.
+                    self.event(h, EventKind::Unreachable, ConnInfo::default(), None);
                 }
                 State::DreqSent => {
                     let id = self.ids.get_mut(&h).expect("listed");
                     id.state = State::TimeWait;
-                    id.deadline = Some(now + timeout);
-                    self.event(h, EventKind::Disconnected, ConnInfo::default(), None);
+                    id.deadline = Some(now + TIME_WAIT);
+                    // The DREQ was never answered (IB_CM_DREQ_ERROR): DISCONNECTED, -ETIMEDOUT.
+                    let conn = ConnInfo::default();
+                    self.events.push_back(CmEvent {
+                        id: h,
+                        kind: EventKind::Disconnected,
+                        conn,
+                        ud: None,
+                        status: status::ETIMEDOUT,
+                    });
                 }
                 _ => {}
             }

@@ -16,8 +16,8 @@ mod types;
 
 pub use agent::CmAgent;
 pub use types::{
-    AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand, Route,
-    UdInfo, NO_LISTENER_RETRY_DELAY,
+    access, status, AgentConfig, CmError, CmEvent, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpAttr,
+    QpAttrState, QpCommand, Route, UdInfo, ACK_TIMEOUT, NO_LISTENER_RETRY_DELAY,
 };
 
 #[cfg(test)]

@@ -21,6 +21,8 @@ struct Pair {
     /// Drop the next n MADs from side i.
     drop: [usize; 2],
     sent: Vec<(usize, &'static str)>,
+    /// Every MAD sent, by side.
+    mads: Vec<(usize, Box<[u8; 256]>)>,
 }
 
 fn ip(i: u8) -> IpAddr {
@@ -42,7 +44,7 @@ fn side(i: u8) -> Side {
 
 impl Pair {
     fn new() -> Pair {
-        Pair { now: Instant::ZERO, s: [side(1), side(2)], drop: [0, 0], sent: Vec::new() }
+        Pair { now: Instant::ZERO, s: [side(1), side(2)], drop: [0, 0], sent: Vec::new(), mads: Vec::new() }
     }
 
     /// Deliver everything in flight (and what it provokes) until quiet.
@@ -57,6 +59,7 @@ impl Pair {
                         Output::Mad { dgid, mad } => {
                             let (_, m) = CmMessage::parse(&mad[..]).unwrap();
                             self.sent.push((i, m.name()));
+                            self.mads.push((i, mad.clone()));
                             if self.drop[i] > 0 {
                                 self.drop[i] -= 1;
                                 continue;
@@ -369,4 +372,236 @@ fn many_connections_and_no_leak() {
     assert_eq!(p.s[0].agent.id_count(), 0);
     assert_eq!(p.s[1].agent.id_count(), 1, "only the listener");
     assert!(p.s[0].agent.poll_timeout().is_none() && p.s[1].agent.poll_timeout().is_none());
+}
+
+/// An application-owned QP on both sides: the passive side reads RTR/RTS attributes before it
+/// accepts, the active side gets CONNECT_RESPONSE (not ESTABLISHED) and sends the RTU with
+/// `establish`; the agent emits no QP command at all; the attributes pair up (each side's rq_psn is
+/// the other's sq_psn).
+#[test]
+fn application_owned_qp_connect_response_and_establish() {
+    use crate::{access, QpAttrState, ACK_TIMEOUT};
+    let mut p = Pair::new();
+    let l = p.s[1].agent.create_id(PortSpace::Tcp);
+    p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
+    p.s[1].agent.listen(l, 4).unwrap();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    // Before any connection: INIT with no remote access, RTR/RTS refused.
+    let init = p.s[0].agent.init_qp_attr(c, QpAttrState::Init).unwrap();
+    assert_eq!((init.pkey_index, init.port, init.access, init.qkey), (Some(0), Some(1), Some(0), None));
+    assert!(p.s[0].agent.init_qp_attr(c, QpAttrState::Rtr).is_err());
+    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    p.events(0);
+    let mut param = ConnParam::new(Qpn::new(0x21));
+    param.drive_qp = false;
+    param.responder_resources = 3;
+    param.initiator_depth = 2;
+    param.retry_count = 6;
+    param.rnr_retry_count = 5;
+    p.s[0].agent.connect(c, param, p.now).unwrap();
+    p.pump();
+    let ev = p.events(1);
+    assert_eq!(ev.len(), 1);
+    let s = ev[0].0;
+    // Passive side before accept: from the REQ, the peer's depth is our resources and back.
+    let rtr = p.s[1].agent.init_qp_attr(s, QpAttrState::Rtr).unwrap();
+    assert_eq!(rtr.dest_qpn, Some(Qpn::new(0x21)));
+    assert_eq!((rtr.max_dest_rd_atomic, rtr.min_rnr_timer, rtr.path_mtu), (Some(2), Some(0), Some(Mtu::M1024)));
+    let av = rtr.av.unwrap();
+    assert_eq!((av.dgid, av.sgid, av.sgid_index, rtr.hop_limit), (p.s[0].gid, p.s[1].gid, 1, 64));
+    let rts = p.s[1].agent.init_qp_attr(s, QpAttrState::Rts).unwrap();
+    assert_eq!(
+        (rts.timeout, rts.retry_cnt, rts.rnr_retry, rts.max_rd_atomic),
+        (Some(ACK_TIMEOUT), Some(6), Some(5), Some(3))
+    );
+    let mut acc = ConnParam::new(Qpn::new(0x31));
+    acc.drive_qp = false;
+    acc.responder_resources = 2;
+    acc.initiator_depth = 3;
+    acc.rnr_retry_count = 4;
+    p.s[1].agent.accept(s, acc, p.now).unwrap();
+    p.pump();
+    assert_eq!(p.sent.iter().map(|s| s.1).collect::<Vec<_>>(), vec!["REQ", "REP"]);
+    let ce: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
+    assert_eq!(ce.len(), 1);
+    assert_eq!(ce[0].kind, EventKind::ConnectResponse);
+    assert_eq!(ce[0].conn.remote_qpn, Qpn::new(0x31));
+    let init = p.s[0].agent.init_qp_attr(c, QpAttrState::Init).unwrap();
+    assert_eq!(init.access, Some(access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC));
+    let crtr = p.s[0].agent.init_qp_attr(c, QpAttrState::Rtr).unwrap();
+    let crts = p.s[0].agent.init_qp_attr(c, QpAttrState::Rts).unwrap();
+    assert_eq!(crtr.dest_qpn, Some(Qpn::new(0x31)));
+    assert_eq!(crtr.rq_psn, rts.sq_psn);
+    assert_eq!(rtr.rq_psn, crts.sq_psn);
+    // From the REP: responder resources = the peer's initiator depth, and the peer's RNR retries.
+    assert_eq!((crtr.max_dest_rd_atomic, crts.max_rd_atomic, crts.rnr_retry), (Some(3), Some(2), Some(4)));
+    // A repeated REP before establish is ignored; establish sends the RTU; no event on our side.
+    p.s[0].agent.establish(c).unwrap();
+    p.pump();
+    assert!(p.s[0].agent.establish(c).is_err());
+    assert_eq!(p.sent.iter().map(|s| s.1).collect::<Vec<_>>(), vec!["REQ", "REP", "RTU"]);
+    assert_eq!(p.events(0), vec![]);
+    assert_eq!(p.events(1), vec![(s, EventKind::Established)]);
+    // Disconnect: no QP command for either side, ever.
+    p.s[0].agent.disconnect(c, p.now).unwrap();
+    p.pump();
+    assert_eq!(p.events(0), vec![(c, EventKind::Disconnected)]);
+    assert_eq!(p.events(1), vec![(s, EventKind::Disconnected)]);
+    assert!(p.s[0].qp.is_empty() && p.s[1].qp.is_empty(), "{:?} {:?}", p.s[0].qp, p.s[1].qp);
+}
+
+/// Address and route errors with the kernel's statuses.
+#[test]
+fn addr_and_route_errors() {
+    use crate::status;
+    let mut p = Pair::new();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    // No IPv6 address on the device: ADDR_ERROR -ENETUNREACH.
+    p.s[0].agent.resolve_addr(c, None, "[2001:db8::1]:7174".parse().unwrap()).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::AddrError { status: status::ENETUNREACH })]);
+    // A source that is not ours, or of the other family: refused at once.
+    assert_eq!(p.s[0].agent.resolve_addr(c, Some(ip(7)), addr(2, 1)), Err(crate::CmError::AddrNotAvailable));
+    assert_eq!(
+        p.s[0].agent.resolve_addr(c, Some(ip(1)), "[::1]:1".parse().unwrap()),
+        Err(crate::CmError::FamilyMismatch)
+    );
+    // The driver's route lookup says unreachable: its status.
+    p.s[0].agent.resolve_addr_via(c, None, addr(2, 7174), |_, _| Err(status::EHOSTUNREACH)).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::AddrError { status: status::EHOSTUNREACH })]);
+    // Port down: ADDR_ERROR -ENETUNREACH.
+    p.s[0].agent.set_port_active(false);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::AddrError { status: status::ENETUNREACH })]);
+    p.s[0].agent.set_port_active(true);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::AddrResolved)]);
+    // Port down between address and route: ROUTE_ERROR -ENETUNREACH, and the ID stays resolved.
+    p.s[0].agent.set_port_active(false);
+    p.s[0].agent.resolve_route(c).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::RouteError { status: status::ENETUNREACH })]);
+    p.s[0].agent.set_port_active(true);
+    // The destination stopped being routed: the lookup's status.
+    p.s[0].agent.resolve_route_via(c, |_, _| Err(status::ENETUNREACH)).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::RouteError { status: status::ENETUNREACH })]);
+    // The source address (its GID) left the device: -ENODEV.
+    let addrs = p.s[0].agent.local_addrs().to_vec();
+    p.s[0].agent.set_addrs(vec![(ip(9), 2)]);
+    p.s[0].agent.resolve_route(c).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::RouteError { status: status::ENODEV })]);
+    p.s[0].agent.set_addrs(addrs);
+    p.s[0].agent.resolve_route(c).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::RouteResolved)]);
+    assert!(p.s[0].agent.route(c).is_some());
+}
+
+/// IPv6 addresses end to end: the rdma_cm header carries them (IP version 6), the passive side
+/// learns the peer's address from it, the route's GIDs are the addresses themselves.
+#[test]
+fn ipv6_connection() {
+    let v6 = |i: u8| IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, u16::from(i)));
+    let side6 = |i: u8| {
+        let cfg = AgentConfig::new(0x1000 + u64::from(i), vec![(v6(i), 2)], Mtu::M1024, u64::from(i));
+        let gid = match v6(i) {
+            IpAddr::V6(a) => a.octets(),
+            IpAddr::V4(_) => unreachable!(),
+        };
+        Side { agent: CmAgent::new(cfg), gid, qp: Vec::new() }
+    };
+    let mut p = Pair { now: Instant::ZERO, s: [side6(1), side6(2)], drop: [0, 0], sent: Vec::new(), mads: Vec::new() };
+    let l = p.s[1].agent.create_id(PortSpace::Tcp);
+    p.s[1].agent.bind(l, SocketAddr::new("::".parse().unwrap(), 7174)).unwrap();
+    p.s[1].agent.listen(l, 4).unwrap();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c, None, SocketAddr::new(v6(2), 7174)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    assert_eq!(p.events(0), vec![(c, EventKind::AddrResolved), (c, EventKind::RouteResolved)]);
+    let route = p.s[0].agent.route(c).unwrap();
+    assert_eq!((route.sgid, route.dgid, route.sgid_index), (p.s[0].gid, p.s[1].gid, 2));
+    let mut param = ConnParam::new(Qpn::new(0x20));
+    param.private_data = b"six".to_vec();
+    p.s[0].agent.connect(c, param, p.now).unwrap();
+    p.pump();
+    let ev: Vec<_> = std::iter::from_fn(|| p.s[1].agent.poll_event()).collect();
+    assert_eq!(ev.len(), 1);
+    let local = p.s[0].agent.addrs(c).0.unwrap();
+    assert_eq!(ev[0].conn.remote_addr, Some(local));
+    assert_eq!(ev[0].conn.local_addr, Some(SocketAddr::new(v6(2), 7174)));
+    assert_eq!(&ev[0].conn.private_data[..3], b"six");
+    p.s[1].agent.accept(ev[0].id, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    assert_eq!(p.events(0), vec![(c, EventKind::Established)]);
+    assert_eq!(p.events(1), vec![(ev[0].id, EventKind::Established)]);
+    // The REQ on the wire: the path's GIDs are the IPv6 addresses, and its private data starts
+    // with the kernel's cma_hdr for IPv6: version 0, IP version 6 in the high nibble, the source
+    // port, then the two 16-byte addresses (struct in6_addr), then the application's data.
+    let (_, req) = &p.mads[0];
+    let Ok((_, CmMessage::Req(r))) = CmMessage::parse(&req[..]) else { panic!("the first MAD is no REQ") };
+    assert_eq!((r.primary.local_gid, r.primary.remote_gid), (p.s[0].gid, p.s[1].gid));
+    let pd = &r.private_data;
+    assert_eq!(&pd[..2], &[0x00, 0x60]);
+    assert_eq!(&pd[2..4], &local.port().to_be_bytes());
+    assert_eq!(&pd[4..20], &p.s[0].gid);
+    assert_eq!(&pd[20..36], &p.s[1].gid);
+    assert_eq!(&pd[36..39], b"six");
+    assert_eq!(p.s[0].agent.addrs(c).1, Some(SocketAddr::new(v6(2), 7174)));
+}
+
+/// The kernel's timings and outcomes: a REP the active side never answers ends in UNREACHABLE
+/// (IB_CM_REP_ERROR) with the passive QP in ERR; time-wait lasts 2^(19-8) ms after the DREP.
+#[test]
+fn rep_timeout_is_unreachable_and_timewait_is_the_kernels() {
+    let mut p = Pair::new();
+    let (_c, _l, s) = connect(&mut p, b"");
+    p.drop[1] = usize::MAX;
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.events(0);
+    while p.tick() {}
+    assert_eq!(p.events(1), vec![(s, EventKind::Unreachable)]);
+    assert_eq!(p.s[1].qp.last(), Some(&QpCommand::Err { qpn: Qpn::new(0x30) }));
+
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"");
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.s[0].agent.disconnect(c, p.now).unwrap();
+    p.pump();
+    let t0 = p.now;
+    assert_eq!(p.events(0), vec![(c, EventKind::Established), (c, EventKind::Disconnected)]);
+    assert!(p.tick());
+    assert_eq!(p.now, t0 + Duration::from_millis(2048));
+    assert_eq!(p.events(0), vec![(c, EventKind::TimewaitExit)]);
+}
+
+/// A DREQ never answered: DISCONNECTED with -ETIMEDOUT (IB_CM_DREQ_ERROR); an ordinary one: 0.
+#[test]
+fn unanswered_dreq_is_disconnected_with_etimedout() {
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"");
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.events(0);
+    p.events(1);
+    p.drop[0] = usize::MAX;
+    p.s[0].agent.disconnect(c, p.now).unwrap();
+    p.pump();
+    let mut evs = Vec::new();
+    while evs.is_empty() && p.tick() {
+        evs.extend(std::iter::from_fn(|| p.s[0].agent.poll_event()));
+    }
+    assert_eq!(evs.len(), 1);
+    assert_eq!((evs[0].kind.clone(), evs[0].status), (EventKind::Disconnected, crate::status::ETIMEDOUT));
+    let mut p = Pair::new();
+    let (c, _l, s) = connect(&mut p, b"");
+    p.s[1].agent.accept(s, ConnParam::new(Qpn::new(0x30)), p.now).unwrap();
+    p.pump();
+    p.s[1].agent.disconnect(s, p.now).unwrap();
+    p.pump();
+    let evs: Vec<_> = std::iter::from_fn(|| p.s[0].agent.poll_event()).collect();
+    assert_eq!(
+        evs.iter().map(|e| (e.kind.clone(), e.status)).collect::<Vec<_>>(),
+        vec![(EventKind::Established, 0), (EventKind::Disconnected, 0)]
+    );
+    let _ = c;
 }

@@ -40,6 +40,11 @@ impl PortSpace {
 /// The Q_Key rdma_cm uses for RDMA_PS_UDP (`RDMA_UDP_QKEY`).
 pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
 
+/// The local ACK timeout exponent of the path (4.096 µs × 2^19 ≈ 2.1 s): the REQ's
+/// `local_ack_timeout`, and the QP `timeout` the kernel's CM gives both sides of a RoCE
+/// connection (packet lifetime 18 plus one, against the device's ACK delay of 15).
+pub const ACK_TIMEOUT: u8 = 19;
+
 /// What the agent knows about its device.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -107,6 +112,12 @@ pub struct ConnParam {
     pub srq: bool,
     /// Q_Key of a UD QP (RDMA_UDP_QKEY by default).
     pub qkey: u32,
+    /// The agent moves the QP through RTR and RTS (and to ERR on disconnect), as the kernel does
+    /// for an ID whose QP was made with `rdma_create_qp`. `false`: the application owns the QP
+    /// (`ibv_create_qp`, or none): the active side gets CONNECT_RESPONSE on the REP and finishes
+    /// with [`crate::CmAgent::establish`]; both sides move their QP with the attributes of
+    /// [`crate::CmAgent::init_qp_attr`].
+    pub drive_qp: bool,
 }
 
 impl ConnParam {
@@ -121,6 +132,7 @@ impl ConnParam {
             rnr_retry_count: 7,
             srq: false,
             qkey: RDMA_UDP_QKEY,
+            drive_qp: true,
         }
     }
 }
@@ -142,6 +154,113 @@ pub struct ConnInfo {
     pub local_addr: Option<SocketAddr>,
 }
 
+/// Event statuses as the kernel's rdma_cm reports them: negative Linux errno values.
+pub mod status {
+    /// No such device: the ID's device (netdev) is gone.
+    pub const ENODEV: i32 = -19;
+    /// The address is not (or no longer) one of the device's.
+    pub const EADDRNOTAVAIL: i32 = -99;
+    /// The network is down (the port's link).
+    pub const ENETDOWN: i32 = -100;
+    /// No route to the destination.
+    pub const ENETUNREACH: i32 = -101;
+    /// No answer in time (UNREACHABLE, CONNECT_ERROR, a DREQ never answered).
+    pub const ETIMEDOUT: i32 = -110;
+    /// No route to the host.
+    pub const EHOSTUNREACH: i32 = -113;
+}
+
+/// The QP state [`crate::CmAgent::init_qp_attr`] is asked about (`qp_attr->qp_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpAttrState {
+    /// RESET → INIT.
+    Init,
+    /// INIT → RTR.
+    Rtr,
+    /// RTR → RTS.
+    Rts,
+}
+
+/// QP access flags of [`QpAttr::access`], with the values of `enum ibv_access_flags`.
+pub mod access {
+    /// IBV_ACCESS_REMOTE_WRITE.
+    pub const REMOTE_WRITE: u32 = 0x2;
+    /// IBV_ACCESS_REMOTE_READ.
+    pub const REMOTE_READ: u32 = 0x4;
+    /// IBV_ACCESS_REMOTE_ATOMIC.
+    pub const REMOTE_ATOMIC: u32 = 0x8;
+}
+
+/// The attributes for one QP transition (`rdma_init_qp_attr`): each `Some` is a bit of the mask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpAttr {
+    /// The state to move to.
+    pub state: QpAttrState,
+    /// P_Key index (INIT).
+    pub pkey_index: Option<u16>,
+    /// Port number (INIT).
+    pub port: Option<u8>,
+    /// Remote access flags ([`access`]; INIT of RC/UC).
+    pub access: Option<u32>,
+    /// Q_Key (INIT of UD).
+    pub qkey: Option<u32>,
+    /// The address vector (RTR): route (GIDs, GID index, MTU) plus the GRH fields below.
+    pub av: Option<Route>,
+    /// GRH hop limit of the address vector.
+    pub hop_limit: u8,
+    /// GRH traffic class of the address vector.
+    pub traffic_class: u8,
+    /// GRH flow label of the address vector.
+    pub flow_label: u32,
+    /// Path MTU (RTR).
+    pub path_mtu: Option<softrdma_transport::Mtu>,
+    /// Peer's QPN (RTR).
+    pub dest_qpn: Option<Qpn>,
+    /// Peer's starting PSN (RTR).
+    pub rq_psn: Option<Psn>,
+    /// Incoming reads/atomics (RTR).
+    pub max_dest_rd_atomic: Option<u8>,
+    /// RNR NAK timer code (RTR).
+    pub min_rnr_timer: Option<u8>,
+    /// Our starting PSN (RTS).
+    pub sq_psn: Option<Psn>,
+    /// Local ACK timeout exponent (RTS).
+    pub timeout: Option<u8>,
+    /// Transport retries (RTS).
+    pub retry_cnt: Option<u8>,
+    /// RNR retries (RTS).
+    pub rnr_retry: Option<u8>,
+    /// Outgoing reads/atomics (RTS).
+    pub max_rd_atomic: Option<u8>,
+}
+
+impl QpAttr {
+    /// Nothing set yet.
+    pub fn new(state: QpAttrState) -> QpAttr {
+        QpAttr {
+            state,
+            pkey_index: None,
+            port: None,
+            access: None,
+            qkey: None,
+            av: None,
+            hop_limit: 0,
+            traffic_class: 0,
+            flow_label: 0,
+            path_mtu: None,
+            dest_qpn: None,
+            rq_psn: None,
+            max_dest_rd_atomic: None,
+            min_rnr_timer: None,
+            sq_psn: None,
+            timeout: None,
+            retry_cnt: None,
+            rnr_retry: None,
+            max_rd_atomic: None,
+        }
+    }
+}
+
 /// What a UD peer resolved to (SIDR).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UdInfo {
@@ -159,17 +278,27 @@ pub struct UdInfo {
 pub enum EventKind {
     /// RDMA_CM_EVENT_ADDR_RESOLVED.
     AddrResolved,
-    /// RDMA_CM_EVENT_ADDR_ERROR.
-    AddrError,
+    /// RDMA_CM_EVENT_ADDR_ERROR with the kernel's status (a negative errno, see [`status`]).
+    AddrError {
+        /// e.g. [`status::ENETUNREACH`]: no route to the destination from the device.
+        status: i32,
+    },
     /// RDMA_CM_EVENT_ROUTE_RESOLVED.
     RouteResolved,
-    /// RDMA_CM_EVENT_ROUTE_ERROR.
-    RouteError,
+    /// RDMA_CM_EVENT_ROUTE_ERROR with the kernel's status (a negative errno, see [`status`]).
+    RouteError {
+        /// e.g. [`status::ENETUNREACH`]: the port is down.
+        status: i32,
+    },
     /// RDMA_CM_EVENT_CONNECT_REQUEST, on a new ID `id`, for listener `listener`.
     ConnectRequest {
         /// The listening ID.
         listener: IdHandle,
     },
+    /// RDMA_CM_EVENT_CONNECT_RESPONSE: the REP arrived for a connection whose QP the application
+    /// owns ([`ConnParam::drive_qp`] false); it moves the QP to RTR and RTS and calls
+    /// [`crate::CmAgent::establish`].
+    ConnectResponse,
     /// RDMA_CM_EVENT_CONNECT_ERROR.
     ConnectError,
     /// RDMA_CM_EVENT_UNREACHABLE: the peer never answered.
@@ -198,6 +327,10 @@ pub struct CmEvent {
     pub conn: ConnInfo,
     /// The UD peer, for SIDR.
     pub ud: Option<UdInfo>,
+    /// `rdma_cm_event.status` as the kernel sets it: 0, a negative errno ([`status`]: the
+    /// resolution errors' own, [`status::ETIMEDOUT`] for UNREACHABLE, CONNECT_ERROR and a
+    /// DISCONNECTED whose DREQ was never answered), or the REJ reason for REJECTED.
+    pub status: i32,
 }
 
 /// A QP state change the device must apply before the MADs that follow it are sent.
@@ -268,6 +401,8 @@ pub enum CmError {
     AddrNotAvailable,
     /// Private data too long for the message.
     PrivateDataTooLong,
+    /// Source and destination addresses of different families.
+    FamilyMismatch,
 }
 
 impl std::fmt::Display for CmError {
@@ -278,6 +413,7 @@ impl std::fmt::Display for CmError {
             CmError::AddrInUse => write!(f, "address already in use"),
             CmError::AddrNotAvailable => write!(f, "no local address for that destination"),
             CmError::PrivateDataTooLong => write!(f, "private data too long"),
+            CmError::FamilyMismatch => write!(f, "source and destination address families differ"),
         }
     }
 }

@@ -45,13 +45,19 @@
 //!
 //! # Differences from librdmacm over the kernel
 //!
-//! * QPs are driven by the CM agent: `rdma_connect`/`rdma_accept` on an ID with a QP move it to
-//!   RTR and RTS when the REP is sent or received, and the active side sends the RTU itself, so
-//!   the active side sees ESTABLISHED, never CONNECT_RESPONSE. For a QP the application created
-//!   itself, `rdma_init_qp_attr` answers only for INIT (RTR and RTS: `ENOSYS`), and
-//!   `rdma_establish` has nothing left to do.
-//! * `rdma_resolve_addr` resolves at once (a loopback route needs no neighbour discovery); an
-//!   unreachable peer shows as UNREACHABLE after the CM's retries.
+//! * The QP of an ID made by `rdma_create_qp` is driven by the CM agent (where librdmacm drives
+//!   it with `rdma_init_qp_attr` and `ibv_modify_qp`): `rdma_connect`/`rdma_accept` move it to RTR
+//!   and RTS when the REP is sent or received, and the active side sends the RTU itself, so that
+//!   side sees ESTABLISHED. An ID without a QP (the application made its own with `ibv_create_qp`,
+//!   or none) behaves as with the kernel: `rdma_init_qp_attr` gives the attributes of INIT, RTR
+//!   and RTS, the active side gets CONNECT_RESPONSE and calls `rdma_establish` (RTU; the passive
+//!   side then sees ESTABLISHED, this side no further event).
+//! * `rdma_resolve_addr` resolves at once (a loopback route needs no neighbour discovery): the
+//!   host's route lookup from the source address decides, and a refusal is ADDR_ERROR with its
+//!   status (`-EINVAL` from a loopback address to a remote one, `-ENETUNREACH`); the port down
+//!   gives ADDR_ERROR or ROUTE_ERROR `-ENETUNREACH`, a source address gone from the netdev
+//!   ROUTE_ERROR `-ENODEV`. A peer that never answers shows as UNREACHABLE after the CM's
+//!   retries.
 //! * A connect that finds no listener is reported REJECTED (reason 8, invalid service ID) after
 //!   about 200 ms rather than at once: the REQ is sent again 10 times, 20 ms apart
 //!   ([`softrdma_cm::AgentConfig::no_listener_retries`]). Servers often start listening just
@@ -230,7 +236,12 @@ fn any_device() -> Result<Arc<CmaDevice>, c_int> {
 
 /// The device to reach `dst` from when no source is given (module docs).
 fn device_towards(dst: IpAddr) -> Result<Arc<CmaDevice>, c_int> {
-    let family = |a: &IpAddr| a.is_ipv4() == dst.is_ipv4();
+    // A usable source of the destination's family: the default GID (fe80::, link-local, in every
+    // device's table) is no IPv6 source.
+    let family = |a: &IpAddr| match a {
+        IpAddr::V4(_) => dst.is_ipv4(),
+        IpAddr::V6(v6) => dst.is_ipv6() && (v6.segments()[0] & 0xffc0) != 0xfe80 && v6.to_ipv4_mapped().is_none(),
+    };
     if let Some(d) = opened().into_iter().find(|d| !d.has(dst) && d.addrs.iter().any(family)) {
         return Ok(d);
     }
@@ -681,17 +692,21 @@ unsafe fn translate(ev: softrdma_verbs::CmEvent, id: *mut CmaId, dev: &Arc<CmaDe
             set_route(c);
             e.ibv.event = RDMA_CM_EVENT_ADDR_RESOLVED;
         }
-        CmEventKind::AddrError => {
+        CmEventKind::AddrError { status } => {
             e.ibv.event = RDMA_CM_EVENT_ADDR_ERROR;
-            e.ibv.status = -libc::EHOSTUNREACH;
+            e.ibv.status = status;
         }
         CmEventKind::RouteResolved => {
             set_route(c);
             e.ibv.event = RDMA_CM_EVENT_ROUTE_RESOLVED;
         }
-        CmEventKind::RouteError => {
+        CmEventKind::RouteError { status } => {
             e.ibv.event = RDMA_CM_EVENT_ROUTE_ERROR;
-            e.ibv.status = -libc::EHOSTUNREACH;
+            e.ibv.status = status;
+        }
+        CmEventKind::ConnectResponse => {
+            e.ibv.event = RDMA_CM_EVENT_CONNECT_RESPONSE;
+            conn_param(&mut e, &ev.conn, false);
         }
         CmEventKind::ConnectRequest { .. } => {
             let Some(mut cm) = ev.new_id else {
@@ -799,6 +814,7 @@ unsafe fn translate(ev: softrdma_verbs::CmEvent, id: *mut CmaId, dev: &Arc<CmaDe
         }
         CmEventKind::Disconnected => {
             e.ibv.event = RDMA_CM_EVENT_DISCONNECTED;
+            e.ibv.status = ev.status;
             set_qp_state(&c.ibv, IBV_QPS_ERR);
         }
         CmEventKind::TimewaitExit => e.ibv.event = RDMA_CM_EVENT_TIMEWAIT_EXIT,
@@ -1141,7 +1157,8 @@ fn conn_param_from(
     c
 }
 
-/// `rdma_connect`: REQ (SIDR_REQ for UD); ESTABLISHED, REJECTED or UNREACHABLE follows.
+/// `rdma_connect`: REQ (SIDR_REQ for UD); ESTABLISHED (CONNECT_RESPONSE for an ID without a QP),
+/// REJECTED or UNREACHABLE follows.
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_connect(id: *mut RdmaCmId, conn_param: *mut RdmaConnParam) -> c_int {
     const WHAT: &str = "rdma_connect";
@@ -1166,7 +1183,8 @@ pub unsafe extern "C" fn softrdma_rdma_connect(id: *mut RdmaCmId, conn_param: *m
         unsafe { ((*c.ibv.qp).qp_num, !(*c.ibv.qp).srq.is_null()) }
     };
     let extra = std::mem::take(&mut lock(&c.st).connect_data);
-    let param = conn_param_from(conn_param, qpn, srq, &dev, &extra, (dev.max_resp_res, dev.max_init_depth));
+    let mut param = conn_param_from(conn_param, qpn, srq, &dev, &extra, (dev.max_resp_res, dev.max_init_depth));
+    param.drive_qp = !c.ibv.qp.is_null();
     match with_cm(c, |cm| cm.connect(param)) {
         Ok(()) => {}
         Err(Some(e)) => return cm_fail(WHAT, &e),
@@ -1177,7 +1195,8 @@ pub unsafe extern "C" fn softrdma_rdma_connect(id: *mut RdmaCmId, conn_param: *m
     unsafe { complete(p) }
 }
 
-/// `rdma_accept`: the QP goes to RTR and RTS and the REP leaves (SIDR_REP for UD).
+/// `rdma_accept`: the ID's QP goes to RTR and RTS and the REP leaves (SIDR_REP for UD); without a
+/// QP on the ID the application has moved its own (`rdma_init_qp_attr`).
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_accept(id: *mut RdmaCmId, conn_param: *mut RdmaConnParam) -> c_int {
     const WHAT: &str = "rdma_accept";
@@ -1208,6 +1227,7 @@ pub unsafe extern "C" fn softrdma_rdma_accept(id: *mut RdmaCmId, conn_param: *mu
     // Defaults: what the requester offered, as far as the device allows (librdmacm).
     let mut param = conn_param_from(conn_param, qpn, srq, &dev, &[], (req.1, req.0));
     param.qkey = RDMA_UDP_QKEY;
+    param.drive_qp = !c.ibv.qp.is_null();
     match with_cm(c, |cm| cm.accept(param)) {
         Ok(()) => {}
         Err(Some(e)) => return cm_fail(WHAT, &e),
@@ -1295,17 +1315,25 @@ pub unsafe extern "C" fn softrdma_rdma_disconnect(id: *mut RdmaCmId) -> c_int {
     unsafe { complete(p) }
 }
 
-/// `rdma_establish`: the agent has sent the RTU already.
+/// `rdma_establish`: after CONNECT_RESPONSE on an ID without a QP, the RTU (the application has
+/// moved its QP to RTS). As librdmacm: `EINVAL` on an ID with a QP (the agent established it).
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_establish(id: *mut RdmaCmId) -> c_int {
+    const WHAT: &str = "rdma_establish";
     // SAFETY: NULL-checked.
     if id.is_null() || !unsafe { (*id).qp }.is_null() {
-        return err("rdma_establish", libc::EINVAL, "the ID has a QP");
+        return err(WHAT, libc::EINVAL, "NULL id, or the ID has a QP");
     }
-    0
+    // SAFETY: a live ID of ours.
+    match with_cm(unsafe { cma(id) }, |cm| cm.establish()) {
+        Ok(()) => 0,
+        Err(Some(e)) => cm_fail(WHAT, &e),
+        Err(None) => err(WHAT, libc::EINVAL, "not connecting"),
+    }
 }
 
-/// `rdma_init_qp_attr`: INIT only (module docs).
+/// `rdma_init_qp_attr`: the attributes and mask for moving a QP to `qp_attr->qp_state` (INIT, RTR
+/// or RTS), as the kernel's CM gives them (`softrdma_cm::CmAgent::init_qp_attr`).
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_init_qp_attr(
     id: *mut RdmaCmId,
@@ -1316,21 +1344,76 @@ pub unsafe extern "C" fn softrdma_rdma_init_qp_attr(
     if id.is_null() || qp_attr.is_null() || qp_attr_mask.is_null() {
         return err(WHAT, libc::EINVAL, "NULL argument");
     }
-    // SAFETY: caller's writable structs; a live ID.
-    unsafe {
-        if (*qp_attr).qp_state != IBV_QPS_INIT {
-            return err(WHAT, libc::ENOSYS, "the CM agent drives RTR and RTS itself; only INIT is answered");
+    // SAFETY: the caller's writable struct.
+    let out = unsafe { &mut *qp_attr };
+    let state = match out.qp_state {
+        IBV_QPS_INIT => softrdma_verbs::CmQpState::Init,
+        IBV_QPS_RTR => softrdma_verbs::CmQpState::Rtr,
+        IBV_QPS_RTS => softrdma_verbs::CmQpState::Rts,
+        _ => return err(WHAT, libc::EINVAL, "qp_state must be INIT, RTR or RTS"),
+    };
+    // SAFETY: a live ID of ours.
+    let a = match with_cm(unsafe { cma(id) }, |cm| cm.init_qp_attr(state)) {
+        Ok(a) => a,
+        Err(Some(e)) => return cm_fail(WHAT, &e),
+        Err(None) => return err(WHAT, libc::EINVAL, "the ID has no device yet (bind or resolve first)"),
+    };
+    let mut mask = qp_mask::STATE;
+    let mut set = |bit: i32, on: bool| {
+        if on {
+            mask |= bit;
         }
-        (*qp_attr).pkey_index = 0;
-        (*qp_attr).port_num = 1;
-        if (*id).qp_type == IBV_QPT_UD {
-            (*qp_attr).qkey = RDMA_UDP_QKEY;
-            *qp_attr_mask = qp_mask::STATE | qp_mask::PKEY_INDEX | qp_mask::PORT | qp_mask::QKEY;
-        } else {
-            (*qp_attr).qp_access_flags = REMOTE_ACCESS;
-            *qp_attr_mask = qp_mask::STATE | qp_mask::PKEY_INDEX | qp_mask::PORT | qp_mask::ACCESS_FLAGS;
-        }
+    };
+    set(qp_mask::PKEY_INDEX, a.pkey_index.is_some());
+    set(qp_mask::PORT, a.port.is_some());
+    set(qp_mask::ACCESS_FLAGS, a.access.is_some());
+    set(qp_mask::QKEY, a.qkey.is_some());
+    set(qp_mask::AV, a.av.is_some());
+    set(qp_mask::PATH_MTU, a.path_mtu.is_some());
+    set(qp_mask::DEST_QPN, a.dest_qpn.is_some());
+    set(qp_mask::RQ_PSN, a.rq_psn.is_some());
+    set(qp_mask::MAX_DEST_RD_ATOMIC, a.max_dest_rd_atomic.is_some());
+    set(qp_mask::MIN_RNR_TIMER, a.min_rnr_timer.is_some());
+    set(qp_mask::SQ_PSN, a.sq_psn.is_some());
+    set(qp_mask::TIMEOUT, a.timeout.is_some());
+    set(qp_mask::RETRY_CNT, a.retry_cnt.is_some());
+    set(qp_mask::RNR_RETRY, a.rnr_retry.is_some());
+    set(qp_mask::MAX_QP_RD_ATOMIC, a.max_rd_atomic.is_some());
+    out.pkey_index = a.pkey_index.unwrap_or(out.pkey_index);
+    out.port_num = a.port.unwrap_or(out.port_num);
+    out.qp_access_flags = a.access.unwrap_or(out.qp_access_flags);
+    out.qkey = a.qkey.unwrap_or(out.qkey);
+    if let Some(r) = a.av {
+        out.ah_attr = IbvAhAttr {
+            grh: IbvGlobalRoute {
+                dgid: IbvGid { raw: r.dgid },
+                flow_label: a.flow_label,
+                sgid_index: r.sgid_index,
+                hop_limit: a.hop_limit,
+                traffic_class: a.traffic_class,
+            },
+            dlid: 0,
+            sl: 0,
+            src_path_bits: 0,
+            static_rate: 0,
+            is_global: 1,
+            port_num: 1,
+        };
     }
+    if let Some(m) = a.path_mtu {
+        out.path_mtu = c_int::from(m as u8);
+    }
+    out.dest_qp_num = a.dest_qpn.map_or(out.dest_qp_num, |q| q.value());
+    out.rq_psn = a.rq_psn.map_or(out.rq_psn, |p| p.value());
+    out.max_dest_rd_atomic = a.max_dest_rd_atomic.unwrap_or(out.max_dest_rd_atomic);
+    out.min_rnr_timer = a.min_rnr_timer.unwrap_or(out.min_rnr_timer);
+    out.sq_psn = a.sq_psn.map_or(out.sq_psn, |p| p.value());
+    out.timeout = a.timeout.unwrap_or(out.timeout);
+    out.retry_cnt = a.retry_cnt.unwrap_or(out.retry_cnt);
+    out.rnr_retry = a.rnr_retry.unwrap_or(out.rnr_retry);
+    out.max_rd_atomic = a.max_rd_atomic.unwrap_or(out.max_rd_atomic);
+    // SAFETY: the caller's writable int.
+    unsafe { *qp_attr_mask = mask };
     0
 }
 
@@ -1469,11 +1552,17 @@ unsafe fn init_qp(c: &CmaId, qp: *mut IbvQp) -> c_int {
     // SAFETY: all-zero is a valid attribute set.
     let mut a: IbvQpAttr = unsafe { std::mem::zeroed() };
     a.qp_state = IBV_QPS_INIT;
-    let mut mask = 0;
-    // SAFETY: our own call with valid pointers.
-    if unsafe { softrdma_rdma_init_qp_attr(&c.ibv as *const _ as *mut _, &mut a, &mut mask) } != 0 {
-        return -1;
-    }
+    a.pkey_index = 0;
+    a.port_num = 1;
+    // The agent takes this QP to RTR and RTS without another INIT (librdmacm repeats INIT with
+    // the connection's access flags first): grant them now.
+    let mask = if c.ibv.qp_type == IBV_QPT_UD {
+        a.qkey = RDMA_UDP_QKEY;
+        qp_mask::STATE | qp_mask::PKEY_INDEX | qp_mask::PORT | qp_mask::QKEY
+    } else {
+        a.qp_access_flags = REMOTE_ACCESS;
+        qp_mask::STATE | qp_mask::PKEY_INDEX | qp_mask::PORT | qp_mask::ACCESS_FLAGS
+    };
     // SAFETY: the QP is live.
     let r = unsafe { objects::ibv_modify_qp(qp, &mut a, mask) };
     if r != 0 {

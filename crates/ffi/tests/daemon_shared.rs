@@ -18,11 +18,16 @@ struct Daemon {
 }
 
 fn start_daemon(tag: &str) -> Daemon {
+    start_daemon_with(tag, "sd0 netdev lo addr 127.0.0.9\n")
+}
+
+/// A daemon serving the devices of `conf` (a devices.conf).
+fn start_daemon_with(tag: &str, conf: &str) -> Daemon {
     let dir = std::env::temp_dir().join(format!("softrdma-ffi-daemon-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("devices.conf");
-    std::fs::write(&config, "sd0 netdev lo addr 127.0.0.9\n").unwrap();
+    std::fs::write(&config, conf).unwrap();
     let socket = dir.join("softrdmad.sock");
     let udp = free_udp_port();
     let opts = DaemonOptions { socket: socket.clone(), config: config.clone(), udp_port: udp, metrics: None };
@@ -154,6 +159,45 @@ fn ucmatose_and_udaddy_through_one_daemon_device() {
             for want in ["data transfers complete", "test complete", "return status 0"] {
                 assert!(out.contains(want), "missing {want:?}\nserver:\n{s}\nclient:\n{c}");
             }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// rdma_cm over IPv6: unmodified `rping` server and client on `::1` (one daemon device bound to
+/// ::1, two processes), also with `-q` (QPs of the programs' own: `rdma_init_qp_attr` and
+/// `rdma_establish` through the daemon), and `ucmatose` with two connections over it: IPv6
+/// addresses through resolve, the rdma_cm header, connect, accept, data and disconnect.
+#[test]
+fn rping_and_ucmatose_over_ipv6_loopback() {
+    if program("rping").is_none() || program("ucmatose").is_none() {
+        eprintln!("SKIP: rping / ucmatose not installed (apt-get install rdmacm-utils)");
+        return;
+    }
+    let d = start_daemon_with("ipv6", "sd6 netdev lo addr ::1\n");
+    let port = free_tcp_port().to_string();
+    let common = ["-a", "::1", "-p", &port, "-C", "10", "-v", "-V"];
+    let (so, co) = run_cm_shared(&d, "rping", &[&["-s"][..], &common].concat(), &[&["-c"][..], &common].concat());
+    assert_eq!(co.matches("ping data: rdma-ping-").count(), 10, "{co}");
+    assert_eq!(so.matches("server ping data: rdma-ping-").count(), 10, "{so}");
+    assert!(so.contains("server DISCONNECT EVENT..."), "{so}");
+    // `rping -q`: the QPs are the programs' own, moved with rdma_init_qp_attr; rdma_establish.
+    let port = free_tcp_port().to_string();
+    let common = ["-q", "-a", "::1", "-p", &port, "-C", "10", "-v", "-V"];
+    let (so, co) = run_cm_shared(&d, "rping", &[&["-s"][..], &common].concat(), &[&["-c", "-d"][..], &common].concat());
+    assert_eq!(co.matches("ping data: rdma-ping-").count(), 10, "{co}");
+    assert_eq!(so.matches("server ping data: rdma-ping-").count(), 10, "{so}");
+    assert!(co.contains("cma_event type RDMA_CM_EVENT_CONNECT_RESPONSE"), "{co}");
+    let port = free_tcp_port().to_string();
+    let (s, c) = run_cm_shared(
+        &d,
+        "ucmatose",
+        &["-b", "::1", "-p", &port, "-c", "2", "-C", "10", "-S", "1000"],
+        &["-s", "::1", "-p", &port, "-c", "2", "-C", "10", "-S", "1000"],
+    );
+    for out in [&s, &c] {
+        for want in ["data transfers complete", "test complete", "return status 0"] {
+            assert!(out.contains(want), "missing {want:?}\nserver:\n{s}\nclient:\n{c}");
         }
     }
     let _ = std::fs::remove_dir_all(&d.dir);

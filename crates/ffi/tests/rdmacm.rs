@@ -111,6 +111,36 @@ fn rping_client_with_source_address() {
     assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
 }
 
+/// `rping -q`: both sides create their QPs with `ibv_create_qp` and move them themselves with
+/// `rdma_init_qp_attr`; the client gets CONNECT_RESPONSE and calls `rdma_establish`.
+#[test]
+fn rping_with_application_owned_qps() {
+    if skip("rping") {
+        return;
+    }
+    let _g = serial();
+    let port = free_tcp_port().to_string();
+    let run = run_cm_pair(
+        &program("rping").unwrap(),
+        &["-s", "-q", "-a", SERVER_IP, "-p", &port, "-C", "10", "-v", "-V"],
+        &["-c", "-q", "-d", "-a", SERVER_IP, "-I", CLIENT_IP, "-p", &port, "-C", "10", "-v", "-V"],
+    );
+    assert_ok("rping -q", &run);
+    // The client's CM events (-d): CONNECT_RESPONSE, never ESTABLISHED.
+    assert!(run.client.contains("cma_event type RDMA_CM_EVENT_CONNECT_RESPONSE"), "{}", run.describe());
+    assert!(!run.client.contains("RDMA_CM_EVENT_ESTABLISHED"), "{}", run.describe());
+    for n in 0..10 {
+        let line = rping_line(n);
+        assert!(run.client.contains(&format!("ping data: {line}\n")), "client lacks ping {n}\n{}", run.describe());
+        assert!(
+            run.server.contains(&format!("server ping data: {line}\n")),
+            "server lacks ping {n}\n{}",
+            run.describe()
+        );
+    }
+    assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
+}
+
 #[test]
 fn rping_client_picks_the_other_device() {
     if skip("rping") {
@@ -249,16 +279,32 @@ fn ib_send_lat_over_rdma_cm() {
 /// without `librdmacm-dev` or a C compiler).
 #[test]
 fn c_abi_program() {
+    run_c_program("abi_rdmacm", "abi0 netdev lo addr 127.0.0.9\nabi1 netdev lo addr 127.0.0.10\n");
+}
+
+/// `tests/cm_app_qp.c`: QPs of the application's own with `rdma_init_qp_attr` and
+/// `rdma_establish`, ADDR_ERROR statuses, an IPv6 connection over ::1.
+#[test]
+fn c_application_owned_qps_addr_errors_and_ipv6() {
+    run_c_program(
+        "cm_app_qp",
+        "app0 netdev lo addr 127.0.0.11\napp1 netdev lo addr 127.0.0.12\napp6 netdev lo addr ::1\n",
+    );
+}
+
+/// Compile `tests/<name>.c` against rdma-core's headers and our libraries and run it with the
+/// devices of `conf`; it prints ", 0 failed" when every check passed.
+fn run_c_program(name: &str, conf: &str) {
     if !Path::new("/usr/include/rdma/rdma_cma.h").exists() {
         eprintln!("SKIP: /usr/include/rdma/rdma_cma.h missing (apt-get install librdmacm-dev)");
         return;
     }
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let lib = common::lib_dir();
-    let dir = std::env::temp_dir().join(format!("softrdma-ffi-rdmacm-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("softrdma-ffi-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let exe = dir.join("abi_rdmacm");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/abi_rdmacm.c");
+    let exe = dir.join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/{name}.c"));
     let built = match std::process::Command::new(&cc)
         .args(["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
         .arg(&exe)
@@ -273,21 +319,20 @@ fn c_abi_program() {
             return;
         }
     };
-    assert!(built.status.success(), "compiling abi_rdmacm.c failed:\n{}", String::from_utf8_lossy(&built.stderr));
-    let conf = dir.join("devices.conf");
-    std::fs::write(&conf, "abi0 netdev lo addr 127.0.0.9\nabi1 netdev lo addr 127.0.0.10\n")
-        .expect("write devices.conf");
+    assert!(built.status.success(), "compiling {name}.c failed:\n{}", String::from_utf8_lossy(&built.stderr));
+    let devices = dir.join("devices.conf");
+    std::fs::write(&devices, conf).expect("write devices.conf");
     let _g = serial();
     let child = std::process::Command::new(&exe)
         .env("LD_LIBRARY_PATH", lib)
-        .env("SOFTRDMA_CONFIG", &conf)
+        .env("SOFTRDMA_CONFIG", &devices)
         .env("SOFTRDMA_UDP_PORT", free_udp_port().to_string())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("run abi_rdmacm");
+        .unwrap_or_else(|e| panic!("run {name}: {e}"));
     let (out, killed) = wait_limit(child, Duration::from_secs(30));
     let t = text(&out);
-    assert!(!killed && out.status.success(), "abi_rdmacm failed:\n{t}");
+    assert!(!killed && out.status.success(), "{name} failed:\n{t}");
     assert!(t.contains(", 0 failed"), "{t}");
 }

@@ -5,6 +5,18 @@
 //! Connection setup drives the application's QP: accept and the REP's arrival move it to RTR and
 //! RTS, disconnect to ERR. The QP must be in INIT (see [`crate::QueuePair::init`]) before connect or
 //! accept, as `rdma_create_qp` leaves it.
+//!
+//! Or the application moves its QP itself, as with a QP made by `ibv_create_qp` under the kernel's
+//! rdma_cm: connect and accept with [`ConnParam::drive_qp`] false; [`CmId::init_qp_attr`] gives the
+//! attributes of each transition (the passive side moves its QP to RTR and RTS before accepting),
+//! the active side gets CONNECT_RESPONSE instead of ESTABLISHED and calls [`CmId::establish`]
+//! once its QP is in RTS.
+//!
+//! Address and route resolution ask the host's routing (a UDP socket bound to the source address
+//! and connected to the destination: nothing is sent) as the kernel's rdma_cm does, so an
+//! unroutable destination gives ADDR_ERROR or ROUTE_ERROR with the errno of that lookup; the agent
+//! also follows the device's link and addresses (ROUTE_ERROR when the port is down or the source
+//! GID is gone).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
@@ -14,9 +26,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use softrdma_cm::{
-    CmAgent, CmError, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpCommand, Route, UdInfo,
+    CmAgent, CmError, ConnInfo, ConnParam, EventKind, IdHandle, Output, PortSpace, QpAttr, QpAttrState, QpCommand,
+    Route, UdInfo,
 };
-use softrdma_transport::{AddressVector, Hca, Instant, MemoryAccess, ModifyQp, QpState};
+use softrdma_transport::{Access, AddressVector, Hca, Instant, MemoryAccess, ModifyQp, QpState};
 use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::mad::{GSI_QKEY, MAD_LEN};
 use softrdma_wire::opcode::base;
@@ -38,13 +51,20 @@ pub struct CmEvent {
     pub conn: ConnInfo,
     /// The resolved UD peer (SIDR).
     pub ud: Option<UdInfo>,
+    /// The kernel's `rdma_cm_event.status` (see [`softrdma_cm::CmEvent::status`]).
+    pub status: i32,
     /// For CONNECT_REQUEST: the ID of the new connection, to accept or reject.
     pub new_id: Option<CmId>,
 }
 
 impl std::fmt::Debug for CmEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CmEvent").field("id", &self.id).field("kind", &self.kind).field("conn", &self.conn).finish()
+        f.debug_struct("CmEvent")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("status", &self.status)
+            .field("conn", &self.conn)
+            .finish()
     }
 }
 
@@ -145,7 +165,7 @@ impl CmEventChannel {
             }
             _ => None,
         };
-        CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id }
+        CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, status: ev.status, new_id }
     }
 
     /// `get_event` for a channel with IDs on softrdmad devices: the descriptor wakes us, the
@@ -180,7 +200,14 @@ impl CmEventChannel {
                         }),
                         _ => None,
                     };
-                    return Some(CmEvent { id: ev.id.0, kind: ev.kind, conn: ev.conn, ud: ev.ud, new_id });
+                    return Some(CmEvent {
+                        id: ev.id.0,
+                        kind: ev.kind,
+                        conn: ev.conn,
+                        ud: ev.ud,
+                        status: ev.status,
+                        new_id,
+                    });
                 }
             }
             let wait = match deadline {
@@ -204,9 +231,63 @@ impl AsRawFd for CmEventChannel {
     }
 }
 
+/// The host's route lookup for the CM agent (`CmAgent::resolve_addr_via`): a UDP socket bound to
+/// `local` and connected to `dst`; connecting a datagram socket sends nothing, the kernel only
+/// looks the route up (the same lookup, `ip_route_output`, as its rdma_cm's address resolution).
+/// A refusal is the negative errno (`-EINVAL` from a loopback source to a remote host,
+/// `-ENETUNREACH` with no route).
+///
+/// The lookup runs in the calling thread's network namespace: when the device's address is not
+/// there (a device opened inside another namespace) nothing is checked; the agent still follows
+/// the device's own link and addresses.
+pub(crate) fn route_lookup(local: IpAddr, dst: SocketAddr) -> core::result::Result<(), i32> {
+    let errno = |e: std::io::Error| -e.raw_os_error().unwrap_or(libc::EHOSTUNREACH);
+    let Ok(sock) = std::net::UdpSocket::bind(SocketAddr::new(local, 0)) else { return Ok(()) };
+    let _ = sock.set_broadcast(true);
+    let port = if dst.port() == 0 { crate::ROCE_PORT } else { dst.port() };
+    sock.connect(SocketAddr::new(dst.ip(), port)).map_err(errno)
+}
+
+/// The verbs modify for a CM QP attribute set (`rdma_init_qp_attr`'s answer).
+pub fn modify_for_attr(a: &QpAttr) -> ModifyQp {
+    ModifyQp {
+        state: Some(match a.state {
+            QpAttrState::Init => QpState::Init,
+            QpAttrState::Rtr => QpState::Rtr,
+            QpAttrState::Rts => QpState::Rts,
+        }),
+        pkey_index: a.pkey_index,
+        port: a.port,
+        qkey: a.qkey,
+        access: a.access.map(Access::from_bits),
+        av: a.av.map(|r| AddressVector {
+            dgid: r.dgid,
+            sgid_index: r.sgid_index,
+            hop_limit: a.hop_limit,
+            traffic_class: a.traffic_class,
+            flow_label: a.flow_label,
+            ..Default::default()
+        }),
+        path_mtu: a.path_mtu,
+        dest_qpn: a.dest_qpn,
+        rq_psn: a.rq_psn,
+        max_dest_rd_atomic: a.max_dest_rd_atomic,
+        min_rnr_timer: a.min_rnr_timer,
+        sq_psn: a.sq_psn,
+        timeout: a.timeout,
+        retry_cnt: a.retry_cnt,
+        rnr_retry: a.rnr_retry,
+        max_rd_atomic: a.max_rd_atomic,
+        ..Default::default()
+    }
+}
+
 /// The CM side of a device's runtime state.
 pub(crate) struct CmState {
     pub agent: CmAgent,
+    /// The device's addresses and GID indices when it opened: the agent's set is those of them
+    /// still on the netdev (see [`CmState::follow_netdev`]).
+    all_addrs: Vec<(IpAddr, u8)>,
     channels: HashMap<IdHandle, Arc<ChannelShared>>,
     /// In the daemon: events of IDs without an in-process channel (all of them), for the daemon
     /// to route to the owning client. `None` (embedded mode): such events are dropped.
@@ -216,7 +297,20 @@ pub(crate) struct CmState {
 
 impl CmState {
     pub fn new(agent: CmAgent) -> CmState {
-        CmState { agent, channels: HashMap::new(), unrouted: None, gsi_psn: Psn::new(0) }
+        let all_addrs = agent.local_addrs().to_vec();
+        CmState { agent, all_addrs, channels: HashMap::new(), unrouted: None, gsi_psn: Psn::new(0) }
+    }
+
+    /// Follow the netdev: its link is the port's state, its addresses the agent's (an address
+    /// removed takes its GID with it). `owns` answers whether the netdev has an address; `None`
+    /// when the netdev could not be read (the addresses stay as they are, the link is down).
+    pub fn follow_netdev(&mut self, link_up: bool, owns: Option<impl Fn(IpAddr) -> bool>) {
+        self.agent.set_port_active(link_up);
+        let Some(owns) = owns else { return };
+        let now: Vec<(IpAddr, u8)> = self.all_addrs.iter().filter(|(a, _)| owns(*a)).copied().collect();
+        if now.as_slice() != self.agent.local_addrs() {
+            self.agent.set_addrs(now);
+        }
     }
 
     /// A packet for QP1 carrying a MAD: hand it to the agent. Returns whether it was one.
@@ -422,14 +516,44 @@ impl CmId {
         self.run(|a, id, _| a.bind(id, addr), |id| Request::CmBind { id, addr })
     }
 
-    /// Resolve the destination (`rdma_resolve_addr`); ADDR_RESOLVED follows.
+    /// Resolve the destination (`rdma_resolve_addr`); ADDR_RESOLVED follows, or ADDR_ERROR with
+    /// the kernel's status (no route from the device to `dst`, the port down).
     pub fn resolve_addr(&self, src: Option<IpAddr>, dst: SocketAddr) -> Result<()> {
-        self.run(|a, id, _| a.resolve_addr(id, src, dst), |id| Request::CmResolveAddr { id, src, dst })
+        self.run(
+            |a, id, _| a.resolve_addr_via(id, src, dst, route_lookup),
+            |id| Request::CmResolveAddr { id, src, dst },
+        )
     }
 
-    /// Resolve the route (`rdma_resolve_route`); ROUTE_RESOLVED follows.
+    /// Resolve the route (`rdma_resolve_route`); ROUTE_RESOLVED follows, or ROUTE_ERROR with the
+    /// kernel's status (the port down, the source address gone, the destination unroutable).
     pub fn resolve_route(&self) -> Result<()> {
-        self.run(|a, id, _| a.resolve_route(id), |id| Request::CmResolveRoute { id })
+        self.run(|a, id, _| a.resolve_route_via(id, route_lookup), |id| Request::CmResolveRoute { id })
+    }
+
+    /// Finish a connection whose QP the application owns (`rdma_establish`), after
+    /// CONNECT_RESPONSE and once the QP is in RTS: the RTU goes out. As with the kernel, no event
+    /// follows here; the peer gets ESTABLISHED.
+    pub fn establish(&self) -> Result<()> {
+        self.run(|a, id, _| a.establish(id), |id| Request::CmEstablish { id })
+    }
+
+    /// The CM's attributes for moving this ID's QP to `state` (`rdma_init_qp_attr`), as the
+    /// kernel's CM gives them; see [`modify_for_attr`] for the verbs modify.
+    pub fn init_qp_attr(&self, state: QpAttrState) -> Result<QpAttr> {
+        match &self.imp {
+            IdImp::Embedded { h, id } => h.dev.lock().cm.agent.init_qp_attr(*id, state).map_err(cm_err),
+            IdImp::Daemon { s, id } => match s.call(&Request::CmInitQpAttr { id: *id, state }, &[])?.0 {
+                Response::CmQpAttr(a) => Ok(a),
+                _ => Err(Error::Daemon("unexpected answer from softrdmad".into())),
+            },
+        }
+    }
+
+    /// Move `qp` to `state` with [`CmId::init_qp_attr`]'s attributes (`rdma_init_qp_attr` then
+    /// `ibv_modify_qp`).
+    pub fn modify_qp(&self, qp: &crate::QueuePair, state: QpAttrState) -> Result<()> {
+        qp.modify(&modify_for_attr(&self.init_qp_attr(state)?))
     }
 
     /// Listen (`rdma_listen`).
@@ -437,13 +561,15 @@ impl CmId {
         self.run(|a, id, _| a.listen(id, backlog), |id| Request::CmListen { id, backlog })
     }
 
-    /// Connect (`rdma_connect`); ESTABLISHED, REJECTED or UNREACHABLE follows.
+    /// Connect (`rdma_connect`); ESTABLISHED (CONNECT_RESPONSE when [`ConnParam::drive_qp`] is
+    /// false), REJECTED or UNREACHABLE follows.
     pub fn connect(&self, param: ConnParam) -> Result<()> {
         let p = param.clone();
         self.run(|a, id, now| a.connect(id, param, now), |id| Request::CmConnect { id, param: p })
     }
 
-    /// Accept a connection request (`rdma_accept`).
+    /// Accept a connection request (`rdma_accept`). With [`ConnParam::drive_qp`] false the QP is
+    /// not touched: move it to RTS with [`CmId::init_qp_attr`] first.
     pub fn accept(&self, param: ConnParam) -> Result<()> {
         let p = param.clone();
         self.run(|a, id, now| a.accept(id, param, now), |id| Request::CmAccept { id, param: p })

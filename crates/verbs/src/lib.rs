@@ -31,11 +31,14 @@ pub mod memory;
 mod runtime;
 pub mod verbs;
 
-pub use cm::{CmEvent, CmEventChannel, CmId};
+pub use cm::{modify_for_attr as cm_modify_for_attr, CmEvent, CmEventChannel, CmId};
 pub use device::{devices, open_device, DeviceBuilder};
 pub use error::Error;
 pub use memory::MemoryRegion;
-pub use softrdma_cm::{ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace};
+pub use softrdma_cm::{
+    status as cm_status, ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace, QpAttr as CmQpAttr,
+    QpAttrState as CmQpState,
+};
 pub use softrdma_device::{DeviceAttr, DeviceInfo, Gid, PortAttr};
 pub use softrdma_transport::wr::{Payload, UdDest};
 pub use softrdma_transport::{

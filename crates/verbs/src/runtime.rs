@@ -356,7 +356,10 @@ impl Device {
     /// Follow the netdev's link: down raises `PortError(1)` (IBV_EVENT_PORT_ERR), up again
     /// `PortActive(1)`, as rxe does when its netdev goes down or up.
     fn watch_link(&self, port_up: &mut bool) {
-        let up = softrdma_device::netdev::by_name(&self.info.netdev.name).is_ok_and(|n| n.is_link_up());
+        let nd = softrdma_device::netdev::by_name(&self.info.netdev.name).ok();
+        let up = nd.as_ref().is_some_and(|n| n.is_link_up());
+        // The CM follows the link and the netdev's addresses (its GIDs) as well.
+        self.lock().cm.follow_netdev(up, nd.as_ref().map(|n| move |ip| n.owns(ip)));
         if up != *port_up {
             *port_up = up;
             let ev = if up { AsyncEvent::PortActive(1) } else { AsyncEvent::PortError(1) };

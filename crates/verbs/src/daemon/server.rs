@@ -1487,7 +1487,9 @@ impl Session {
             | Request::CmQuery { .. }
             | Request::CmGetEvent { .. }
             | Request::CmIdCount
-            | Request::CmSetNoListenerRetries { .. }) => {
+            | Request::CmSetNoListenerRetries { .. }
+            | Request::CmEstablish { .. }
+            | Request::CmInitQpAttr { .. }) => {
                 let r = cm_verb(dev, svc, me, req, fds);
                 let mut st = dev.dev.lock();
                 if route_cm_all(&dev.dev, svc, &mut st) {
@@ -1568,12 +1570,12 @@ fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: 
         }
         Request::CmResolveAddr { id, src, dst } => {
             let h = own_id(svc, id)?;
-            run(dev, |a, _| a.resolve_addr(h, src, dst))?;
+            run(dev, |a, _| a.resolve_addr_via(h, src, dst, crate::cm::route_lookup))?;
             ok(Response::Ok)
         }
         Request::CmResolveRoute { id } => {
             let h = own_id(svc, id)?;
-            run(dev, |a, _| a.resolve_route(h))?;
+            run(dev, |a, _| a.resolve_route_via(h, crate::cm::route_lookup))?;
             ok(Response::Ok)
         }
         Request::CmListen { id, backlog } => {
@@ -1583,7 +1585,9 @@ fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: 
         }
         Request::CmConnect { id, param } => {
             let h = own_id(svc, id)?;
-            if !own_qp(svc, param.qpn) {
+            // A QP the CM drives must be the client's own; one the application drives is only a
+            // number for the peer.
+            if param.drive_qp && !own_qp(svc, param.qpn) {
                 return Err(nso());
             }
             run(dev, |a, now| a.connect(h, param, now))?;
@@ -1591,11 +1595,21 @@ fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: 
         }
         Request::CmAccept { id, param } => {
             let h = own_id(svc, id)?;
-            if !own_qp(svc, param.qpn) {
+            if param.drive_qp && !own_qp(svc, param.qpn) {
                 return Err(nso());
             }
             run(dev, |a, now| a.accept(h, param, now))?;
             ok(Response::Ok)
+        }
+        Request::CmEstablish { id } => {
+            let h = own_id(svc, id)?;
+            run(dev, |a, _| a.establish(h))?;
+            ok(Response::Ok)
+        }
+        Request::CmInitQpAttr { id, state } => {
+            let h = own_id(svc, id)?;
+            let attr = dev.dev.lock().cm.agent.init_qp_attr(h, state);
+            ok(Response::CmQpAttr(attr.map_err(|e| Refusal::InvalidArgument(format!("rdma_cm: {e}")))?))
         }
         Request::CmReject { id, private_data } => {
             let h = own_id(svc, id)?;
