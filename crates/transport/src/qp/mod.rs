@@ -49,6 +49,8 @@ pub(crate) struct Qp {
     sqd_notify: bool,
     /// Packets sent in a row by this QP in the current turn (fairness between QPs).
     pub burst: u32,
+    /// The deadline under which the HCA's timer index holds this QP (kept by the HCA).
+    pub indexed_deadline: Option<Instant>,
 }
 
 /// Current values of the modifiable attributes.
@@ -143,6 +145,7 @@ impl Qp {
             timers: [None; TIMERS],
             sqd_notify: false,
             burst: 0,
+            indexed_deadline: None,
         }
     }
 
@@ -271,8 +274,9 @@ impl Qp {
 
     /// Back to RESET: queues emptied without completions, as the verbs spec says.
     fn reset(&mut self) {
-        let (qpn, init) = (self.qpn, self.init);
+        let (qpn, init, indexed) = (self.qpn, self.init, self.indexed_deadline);
         *self = Qp::new(qpn, init);
+        self.indexed_deadline = indexed;
     }
 
     pub fn post_send(&mut self, wr: SendWr, ctx: &mut Ctx<'_>) -> Result<(), VerbsError> {
