@@ -27,11 +27,19 @@ pub struct Config {
     /// Work per `poll_transmit`-driven requester step: at most this many packets from one QP before
     /// another QP gets a turn.
     pub burst: u32,
+    /// Packets in flight for the whole device, shared among the RC QPs that have work: with `n` such
+    /// QPs each gets a window of at most `device_inflight_packets / n` (but not below
+    /// [`Config::MIN_SHARE`]). The path and the peer's receive buffer are shared by all QPs, so 64 QPs
+    /// with a full window each would overflow them and lose packets that one QP alone would not.
+    /// `u32::MAX` (the default) turns it off.
+    pub device_inflight_packets: u32,
 }
 
 impl Config {
     /// Smallest adaptive window, in packets.
     pub const MIN_WINDOW: u32 = 16;
+    /// Smallest window a QP's share of `device_inflight_packets` goes down to, in packets.
+    pub const MIN_SHARE: u32 = 4;
 }
 
 impl Default for Config {
@@ -44,6 +52,7 @@ impl Default for Config {
             max_msg_size: 1 << 31,
             burst: 16,
             adaptive_window: false,
+            device_inflight_packets: u32::MAX,
         }
     }
 }

@@ -115,6 +115,15 @@ pub(crate) struct Ctx<'a> {
     pub stats: &'a mut Counters,
     pub config: &'a Config,
     pub ready: &'a mut ReadyList,
+    /// This QP's share of the device's packets in flight (`Config::device_inflight_packets`), an
+    /// upper bound on its window.
+    pub share: u32,
+    /// The device has `Config::device_inflight_packets` in flight: no QP may send a new packet
+    /// (retransmissions may go).
+    pub device_full: bool,
+    /// Set by a requester that had a packet to send and was held back by `device_full` only; the
+    /// HCA queues the QP until packets in flight drop below the budget.
+    pub held: bool,
 }
 
 impl Ctx<'_> {
@@ -261,6 +270,39 @@ impl TimerIndex {
     }
 }
 
+/// What the HCA keeps about its QPs besides the QPs themselves, brought up to date after every
+/// call into a QP.
+struct Bookkeeping<'a> {
+    timers: &'a mut TimerIndex,
+    busy_qps: &'a mut u32,
+    inflight: &'a mut u32,
+    held: &'a mut ReadyList,
+}
+
+impl Bookkeeping<'_> {
+    fn sync(&mut self, qp: &mut Qp) {
+        self.timers.sync(qp);
+        let inflight = if qp.init.qp_type == crate::attr::QpType::Rc && qp.state.can_send() {
+            qp.sq.sent_hw.diff(qp.sq.una).max(0) as u32
+        } else {
+            0
+        };
+        if inflight != qp.inflight {
+            *self.inflight = (*self.inflight - qp.inflight) + inflight;
+            qp.inflight = inflight;
+        }
+        let busy = qp.init.qp_type == crate::attr::QpType::Rc && qp.sq.len() > 0;
+        if busy != qp.busy {
+            qp.busy = busy;
+            if busy {
+                *self.busy_qps += 1;
+            } else {
+                *self.busy_qps -= 1;
+            }
+        }
+    }
+}
+
 /// A sans-IO HCA.
 pub struct Hca {
     config: Config,
@@ -270,6 +312,12 @@ pub struct Hca {
     stats: Counters,
     ready: ReadyList,
     timers: TimerIndex,
+    /// RC QPs with send work queued (they share `Config::device_inflight_packets`).
+    busy_qps: u32,
+    /// Packets in flight (sent, not acknowledged) over all RC QPs.
+    inflight: u32,
+    /// QPs held back by a full device budget, in the order they were refused.
+    held: ReadyList,
     next_qpn: u32,
     next_id: u32,
 }
@@ -285,6 +333,9 @@ impl Hca {
             stats: Counters::default(),
             ready: ReadyList::default(),
             timers: TimerIndex::default(),
+            busy_qps: 0,
+            inflight: 0,
+            held: ReadyList::default(),
             next_qpn: 0x11,
             next_id: 1,
         }
@@ -309,9 +360,14 @@ impl Hca {
         &'a mut self,
         now: Instant,
         mem: &'a mut dyn MemoryAccess,
-    ) -> (&'a mut BTreeMap<Qpn, Qp>, &'a mut TimerIndex, Ctx<'a>) {
-        let Hca { config, qps, queues, events, stats, ready, timers, .. } = self;
-        (qps, timers, Ctx { now, mem, queues, events, stats, config, ready })
+    ) -> (&'a mut BTreeMap<Qpn, Qp>, Bookkeeping<'a>, Ctx<'a>) {
+        let Hca { config, qps, queues, events, stats, ready, timers, busy_qps, inflight, held, .. } = self;
+        let (share, device_full) = match config.device_inflight_packets {
+            u32::MAX => (u32::MAX, false),
+            budget => ((budget / (*busy_qps).max(1)).max(Config::MIN_SHARE), *inflight >= budget),
+        };
+        let ctx = Ctx { now, mem, queues, events, stats, config, ready, share, device_full, held: false };
+        (qps, Bookkeeping { timers, busy_qps, inflight, held }, ctx)
     }
 
     /// Run `f` on QP `qpn`, then update the timer index with whatever `f` armed or stopped.
@@ -322,10 +378,10 @@ impl Hca {
         mem: &mut dyn MemoryAccess,
         f: impl FnOnce(&mut Qp, &mut Ctx<'_>) -> Result<R, VerbsError>,
     ) -> Result<R, VerbsError> {
-        let (qps, timers, mut ctx) = self.ctx(now, mem);
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
         let qp = qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?;
         let r = f(qp, &mut ctx);
-        timers.sync(qp);
+        book.sync(qp);
         r
     }
 
@@ -471,6 +527,11 @@ impl Hca {
     pub fn destroy_qp(&mut self, qpn: Qpn) -> Result<(), VerbsError> {
         let qp = self.qps.remove(&qpn).ok_or(VerbsError::NoSuchObject)?;
         self.timers.remove(&qp);
+        if qp.busy {
+            self.busy_qps -= 1;
+        }
+        self.inflight -= qp.inflight;
+        self.held.remove(qpn);
         for cq in [qp.init.send_cq, qp.init.recv_cq] {
             if let Some(c) = self.queues.cqs.get_mut(&cq) {
                 c.users -= 1;
@@ -535,11 +596,11 @@ impl Hca {
             }
         };
         let qpn = pkt.bth().dest_qp();
-        let (qps, timers, mut ctx) = self.ctx(now, mem);
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
         match qps.get_mut(&qpn) {
             Some(qp) => {
                 qp.handle_packet(&pkt, &rx.grh, &mut ctx);
-                timers.sync(qp);
+                book.sync(qp);
             }
             None => ctx.stats.drop_unknown_qp += 1,
         }
@@ -547,17 +608,17 @@ impl Hca {
 
     /// Fire expired timers: each QP with a deadline at or before `now` once, in deadline order.
     pub fn handle_timeout(&mut self, now: Instant, mem: &mut dyn MemoryAccess) {
-        let (qps, timers, mut ctx) = self.ctx(now, mem);
-        let mut due = std::mem::take(&mut timers.due);
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
+        let mut due = std::mem::take(&mut book.timers.due);
         due.clear();
-        due.extend(timers.by_time.iter().take_while(|(at, _)| *at <= now).map(|(_, q)| *q));
+        due.extend(book.timers.by_time.iter().take_while(|(at, _)| *at <= now).map(|(_, q)| *q));
         for qpn in &due {
             if let Some(qp) = qps.get_mut(qpn) {
                 qp.handle_timeout(&mut ctx);
-                timers.sync(qp);
+                book.sync(qp);
             }
         }
-        timers.due = due;
+        book.timers.due = due;
     }
 
     /// The earliest timer deadline.
@@ -568,14 +629,26 @@ impl Hca {
     /// Write the next packet to send into `buf` (at least MTU + 64 bytes long).
     pub fn poll_transmit(&mut self, now: Instant, mem: &mut dyn MemoryAccess, buf: &mut [u8]) -> Option<Transmit> {
         let burst = self.config.burst;
-        let (qps, timers, mut ctx) = self.ctx(now, mem);
+        // Room in the device budget again: QPs held back take their turn, oldest first, as many as
+        // there are packets of room (each may fill its window; the budget check stops the rest).
+        let mut room = self.config.device_inflight_packets.saturating_sub(self.inflight);
+        while room > 0 {
+            let Some(q) = self.held.pop_front() else { break };
+            self.ready.push(q);
+            room -= 1;
+        }
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
         while let Some(qpn) = ctx.ready.front() {
             let Some(qp) = qps.get_mut(&qpn) else {
                 ctx.ready.pop_front();
                 continue;
             };
+            ctx.held = false;
             let t = qp.poll_transmit(buf, &mut ctx);
-            timers.sync(qp);
+            book.sync(qp);
+            if ctx.held {
+                book.held.push(qpn);
+            }
             match t {
                 Some(t) => {
                     qp.burst += 1;

@@ -51,6 +51,10 @@ pub(crate) struct Qp {
     pub burst: u32,
     /// The deadline under which the HCA's timer index holds this QP (kept by the HCA).
     pub indexed_deadline: Option<Instant>,
+    /// Counted among the HCA's busy QPs (RC with send work; kept by the HCA).
+    pub busy: bool,
+    /// Packets in flight as counted in the HCA's total (kept by the HCA).
+    pub inflight: u32,
 }
 
 /// Current values of the modifiable attributes.
@@ -146,6 +150,8 @@ impl Qp {
             sqd_notify: false,
             burst: 0,
             indexed_deadline: None,
+            busy: false,
+            inflight: 0,
         }
     }
 
@@ -274,9 +280,12 @@ impl Qp {
 
     /// Back to RESET: queues emptied without completions, as the verbs spec says.
     fn reset(&mut self) {
-        let (qpn, init, indexed) = (self.qpn, self.init, self.indexed_deadline);
+        let (qpn, init, indexed, busy, inflight) =
+            (self.qpn, self.init, self.indexed_deadline, self.busy, self.inflight);
         *self = Qp::new(qpn, init);
         self.indexed_deadline = indexed;
+        self.busy = busy;
+        self.inflight = inflight;
     }
 
     pub fn post_send(&mut self, wr: SendWr, ctx: &mut Ctx<'_>) -> Result<(), VerbsError> {

@@ -276,12 +276,23 @@ impl Qp {
         self.sq.send_psn = w.first_psn.add(self.sq.cur_pkt);
         // Window: keep at most max_inflight_packets PSNs outstanding (a lone large read may exceed).
         let rc = self.init.qp_type == QpType::Rc;
-        let window = self.sq.window(ctx.config);
+        let window = self.sq.window(ctx.config).min(ctx.share);
         let inflight = self.sq.send_psn.diff(self.sq.una).max(0) as u32;
-        if rc && inflight >= window {
-            return None;
+        let window_closed = rc && inflight >= window;
+        // A new packet while the device's budget is spent waits for room (the HCA requeues us).
+        let device_closed = rc && ctx.device_full && !self.sq.send_psn.before(self.sq.sent_hw);
+        let mut force_ack = false;
+        if window_closed || device_closed {
+            // Never stop with packets in flight that no ACK was asked for: when the window shrank
+            // under them (a smaller share) or the device filled, nothing would answer them before the
+            // local ACK timeout. One more packet, asking for an ACK, closes the tail.
+            if self.sq.noack == 0 || inflight == 0 {
+                ctx.held = !window_closed;
+                return None;
+            }
+            force_ack = true;
         }
-        let n = self.build_request(buf, idx, ctx)?;
+        let n = self.build_request(buf, idx, force_ack, ctx)?;
         Some(n)
     }
 
@@ -305,7 +316,7 @@ impl Qp {
         None
     }
 
-    fn build_request(&mut self, buf: &mut [u8], idx: usize, ctx: &mut Ctx<'_>) -> Option<Transmit> {
+    fn build_request(&mut self, buf: &mut [u8], idx: usize, force_ack: bool, ctx: &mut Ctx<'_>) -> Option<Transmit> {
         let mtu = self.attr.mtu.bytes();
         let qp_type = self.init.qp_type;
         let k = self.sq.cur_pkt;
@@ -353,16 +364,17 @@ impl Qp {
                 w.wr.op,
                 SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_) | SendOp::WriteWithImm { .. }
             );
-        let window_full = self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32 >= self.sq.window(ctx.config);
+        let window = self.sq.window(ctx.config).min(ctx.share);
+        let window_full = self.sq.send_psn.add(1).diff(self.sq.una).max(0) as u32 >= window;
         // With an adaptive window, ask for an ACK at least twice per window: a lost last packet of a
         // full window then costs a NAK round trip (the ACK of the middle opens the window, the
         // packets that follow show the gap) instead of the local ACK timeout.
         let every = if ctx.config.adaptive_window {
-            ctx.config.ack_req_every.min(self.sq.window(ctx.config) / 2).max(1)
+            ctx.config.ack_req_every.min(window / 2).max(1)
         } else {
             ctx.config.ack_req_every
         };
-        let ack_req = qp_type == QpType::Rc && (message_end || self.sq.noack > every || window_full);
+        let ack_req = qp_type == QpType::Rc && (message_end || self.sq.noack > every || window_full || force_ack);
         let dest_qp = match (&w.wr.ud, qp_type) {
             (Some(ud), QpType::Ud) => ud.remote_qpn,
             _ => self.attr.dest_qpn,
