@@ -1475,13 +1475,14 @@ fn run_side(
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
         eprintln!(
-            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {}; ICRC verified {} recovered-id {} bad {}",
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}",
             side.dev_name,
             c.sent_pkts,
             c.rcvd_pkts,
             c.retransmits,
             c.rcvd_seq_err,
             c.ack_timeouts,
+            c.retry_rounds,
             v.verified,
             v.recovered,
             v.bad

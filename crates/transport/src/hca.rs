@@ -560,6 +560,12 @@ impl Hca {
         self.qps.get(&qpn).map(|q| q.info()).ok_or(VerbsError::NoSuchObject)
     }
 
+    /// The requester's smoothed round-trip time of QP `qpn`, from the ACKs of packets sent once
+    /// (`None` before the first sample or for an unknown QP). It sets the retry probe interval.
+    pub fn srtt(&self, qpn: Qpn) -> Option<core::time::Duration> {
+        self.qps.get(&qpn).and_then(|q| q.sq.rtt.srtt())
+    }
+
     /// Post a send work request.
     pub fn post_send(
         &mut self,

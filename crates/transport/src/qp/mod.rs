@@ -9,6 +9,7 @@
 mod completer;
 mod requester;
 mod responder;
+mod rtt;
 
 use std::collections::VecDeque;
 
