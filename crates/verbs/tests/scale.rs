@@ -114,12 +114,12 @@ fn ten_thousand_rc_qps_on_one_device() {
     }
     assert_eq!(wcs.iter().filter(|w| w.opcode == WcOpcode::RdmaWrite).count(), SAMPLE);
     assert_eq!(wcs.iter().filter(|w| w.opcode == WcOpcode::Recv).count(), SAMPLE);
-    for k in 0..SAMPLE {
+    for (k, pair) in pairs.iter().enumerate() {
         let mut got = vec![0u8; 2 * LEN];
         mr.read(k * 3 * LEN + LEN, &mut got).unwrap();
         let want: Vec<u8> = (0..LEN).map(|i| pattern(k, i)).collect();
-        assert!(got[..LEN] == want[..], "WRITE of pair {} corrupted", pairs[k]);
-        assert!(got[LEN..] == want[..], "SEND of pair {} corrupted", pairs[k]);
+        assert!(got[..LEN] == want[..], "WRITE of pair {pair} corrupted");
+        assert!(got[LEN..] == want[..], "SEND of pair {pair} corrupted");
     }
     // Every QP is still usable: the QPs not in the sample stayed in RTS with nothing queued.
     for q in qps.iter().step_by(997) {
