@@ -22,6 +22,7 @@
 //! the mean and transactions per second. Every poll of an empty CQ drives the device (busy
 //! polling): latencies are busy-polling latencies.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
@@ -237,8 +238,8 @@ impl Plan {
         if a.mcg {
             return Err(" Multicast (-g/--mcg) is not supported; the GID index is -x".into());
         }
-        if a.qps == 0 || a.qps > 1024 {
-            return Err(" Number of QPs should be between 1 and 1024".into());
+        if a.qps == 0 || a.qps > MAX_QPS {
+            return Err(format!(" Number of QPs should be between 1 and {MAX_QPS}"));
         }
         if !bw && a.qps > 1 {
             return Err(" Latency tests run on one QP (-q 1)".into());
@@ -468,12 +469,22 @@ fn cpu_times() -> (Duration, Duration) {
     (tv(ru.ru_utime), tv(ru.ru_stime))
 }
 
-/// One side: device, PD, CQ, QPs, one region (receive area, then send area), peers.
+/// Most QPs per side: work request IDs carry the QP index in their top 16 bits.
+const MAX_QPS: u32 = 65535;
+
+/// One side: device, PD, CQs, QPs, one region (receive area, then send area), peers.
 struct Side {
     ctx: Context,
     pd: ProtectionDomain,
-    cq: CompletionQueue,
+    /// One CQ, or as many as the QPs' completions need at `max_cqe` each (QP `i` uses
+    /// `cqs[i / qps_per_cq]`).
+    cqs: Vec<CompletionQueue>,
+    /// The CQ the bandwidth loops poll next (they take turns: an empty poll drives the device, so
+    /// polling all of them every round would cost one `recvmmsg` per CQ).
+    cq_turn: usize,
     qps: Vec<QueuePair>,
+    /// QP index by QPN.
+    qp_index: HashMap<Qpn, usize>,
     mr: MemoryRegion,
     psns: Vec<u32>,
     remote: Vec<Dest>,
@@ -501,10 +512,18 @@ impl Side {
             return Err(format!(" Max msg size in UD is MTU {}", mtu.bytes()));
         }
         let pd = ctx.alloc_pd();
-        let depth = (plan.tx_depth + plan.rx_depth) * plan.qps as u32 + 16;
-        let cq = ctx
-            .create_cq(depth.min(ctx.query_device().max_cqe), None)
-            .map_err(|e| format!("Couldn't create CQ: {e}"))?;
+        // Completions one QP can have waiting at once: its signaled sends (one in cq_mod of at most
+        // tx_depth outstanding) and, for SEND, its receives.
+        let per_qp =
+            plan.tx_depth.div_ceil(plan.cq_mod.max(1)) + 1 + if plan.verb == Verb::Send { plan.rx_depth } else { 0 };
+        let max_cqe = ctx.query_device().max_cqe;
+        let qps_per_cq = ((max_cqe.saturating_sub(16)) / per_qp.max(1)).max(1) as usize;
+        let mut cqs = Vec::new();
+        for chunk in 0..plan.qps.div_ceil(qps_per_cq) {
+            let n = qps_per_cq.min(plan.qps - chunk * qps_per_cq) as u32;
+            let depth = n.saturating_mul(per_qp).saturating_add(16).min(max_cqe);
+            cqs.push(ctx.create_cq(depth, None).map_err(|e| format!("Couldn't create CQ: {e}"))?);
+        }
         let slot = plan.max_size() + if plan.conn == QpType::Ud { UD_GRH } else { 0 };
         let rights =
             Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
@@ -516,14 +535,16 @@ impl Side {
             max_recv_sge: 1,
             max_inline_data: 0,
         };
-        let mut qps = Vec::new();
-        let mut psns = Vec::new();
+        let mut qps = Vec::with_capacity(plan.qps);
+        let mut psns = Vec::with_capacity(plan.qps);
+        let mut qp_index = HashMap::with_capacity(plan.qps);
         for i in 0..plan.qps {
+            let cq = &cqs[i / qps_per_cq];
             let qp = pd
                 .create_qp(&QpInitAttr {
                     qp_type: plan.conn,
-                    send_cq: &cq,
-                    recv_cq: &cq,
+                    send_cq: cq,
+                    recv_cq: cq,
                     srq: None,
                     cap,
                     sq_sig_all: false,
@@ -536,6 +557,7 @@ impl Side {
                 }
                 _ => qp.init(rights).map_err(|e| format!("Failed to modify QP to INIT: {e}"))?,
             }
+            qp_index.insert(qp.qpn(), i);
             qps.push(qp);
             psns.push(psn);
         }
@@ -543,8 +565,10 @@ impl Side {
         Ok(Side {
             ctx,
             pd,
-            cq,
+            cqs,
+            cq_turn: 0,
             qps,
+            qp_index,
             mr,
             psns,
             remote: Vec::new(),
@@ -645,7 +669,19 @@ impl Side {
     }
 
     fn qp_index(&self, qpn: Qpn) -> Option<usize> {
-        self.qps.iter().position(|q| q.qpn() == qpn)
+        self.qp_index.get(&qpn).copied()
+    }
+
+    /// The CQ of the latency tests (one QP).
+    fn cq(&self) -> &CompletionQueue {
+        &self.cqs[0]
+    }
+
+    /// Poll the CQ whose turn it is (bandwidth loops).
+    fn poll_next_cq(&mut self, max: usize, wcs: &mut Vec<WorkCompletion>) -> Result<usize, String> {
+        let i = self.cq_turn % self.cqs.len();
+        self.cq_turn = self.cq_turn.wrapping_add(1);
+        self.cqs[i].poll(max, wcs).map_err(|e| format!("poll CQ failed: {e}"))
     }
 }
 
@@ -826,7 +862,7 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
             }
         }
         wcs.clear();
-        side.cq.poll(64, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+        side.poll_next_cq(64, &mut wcs)?;
         if !wcs.is_empty() {
             let now = ns(t0);
             for wc in &wcs {
@@ -874,7 +910,7 @@ fn bw_server(side: &mut Side, plan: &Plan, size: u64, ctl: &mut Ctl) -> Result<O
     let mut spins = 0u32;
     loop {
         wcs.clear();
-        side.cq.poll(64, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+        side.poll_next_cq(64, &mut wcs)?;
         if !wcs.is_empty() {
             let now = ns(t0);
             for wc in &wcs {
@@ -919,7 +955,7 @@ fn wait_wc(side: &Side, wcs: &mut Vec<WorkCompletion>, ctl: Option<&mut Ctl>) ->
     let mut spins = 0u32;
     let mut ctl = ctl;
     loop {
-        side.cq.poll(16, wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+        side.cq().poll(16, wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
         if !wcs.is_empty() {
             return Ok(true);
         }
@@ -1040,7 +1076,7 @@ fn lat_run(
             // Reap the last send completions.
             while sends_out > 0 {
                 wcs.clear();
-                side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                 for wc in &wcs {
                     check(wc)?;
                     if wc.opcode == WcOpcode::Recv {
@@ -1070,7 +1106,7 @@ fn lat_run(
                             break;
                         }
                         wcs.clear();
-                        side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                        side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                         for wc in &wcs {
                             check(wc)?;
                             writes_out -= 1;
@@ -1110,7 +1146,7 @@ fn lat_run(
                             break;
                         }
                         wcs.clear();
-                        side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                        side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                         for wc in &wcs {
                             check(wc)?;
                             writes_out -= 1;
@@ -1121,7 +1157,7 @@ fn lat_run(
             }
             while writes_out > 0 {
                 wcs.clear();
-                side.cq.poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
                 for wc in &wcs {
                     check(wc)?;
                     writes_out -= 1;
@@ -1258,7 +1294,36 @@ fn print_extras(out: &Out, cpu: &[CpuLine]) {
 
 // ---- one side, end to end ---------------------------------------------------------------------
 
-fn run_side(ctx: Context, plan: &Plan, role: Role, mut ctl: Ctl, out: &Out, count_cpu: bool) -> Result<(), String> {
+/// Resident set size of this process in bytes (`VmRSS` of `/proc/self/status`; 0 if unreadable).
+fn vm_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let l = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+            l.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// How a side reports the memory its QPs take: the RSS growth from `base` (taken now if `None`)
+/// to the end of the connection setup, divided by `qps` (this side's QPs, or both sides' when both
+/// run in this process).
+#[derive(Debug, Clone, Copy)]
+struct MemProbe {
+    base: Option<u64>,
+    qps: usize,
+}
+
+fn run_side(
+    ctx: Context,
+    plan: &Plan,
+    role: Role,
+    mut ctl: Ctl,
+    out: &Out,
+    count_cpu: bool,
+    probe: MemProbe,
+) -> Result<(), String> {
+    let rss0 = probe.base.unwrap_or_else(vm_rss);
     let mut side = Side::open(ctx, plan)?;
     if plan.verb == Verb::Send {
         side.fill_receives(plan)?;
@@ -1304,6 +1369,18 @@ fn run_side(ctx: Context, plan: &Plan, role: Role, mut ctl: Ctl, out: &Out, coun
     }
     for d in &theirs {
         print_dest(out, plan, "remote", d);
+    }
+    // Everything this side (and, in one process, the peer: it connected before answering) created
+    // for its QPs is in place now: PD, CQs, QPs in RTS, the tool's own per-QP bookkeeping.
+    let rss1 = vm_rss();
+    if rss0 > 0 && rss1 > 0 {
+        let grown = rss1.saturating_sub(rss0);
+        out.line(&format!(
+            " QP memory       : {} bytes per QP (VmRSS +{} KiB for {} QPs created and connected)",
+            grown / probe.qps.max(1) as u64,
+            grown / 1024,
+            probe.qps
+        ));
     }
     out.line(RESULT_LINE);
     let passive_lat = !plan.bw && matches!(plan.verb, Verb::Read | Verb::Atomic) && role == Role::Server;
@@ -1398,13 +1475,14 @@ fn run_side(ctx: Context, plan: &Plan, role: Role, mut ctl: Ctl, out: &Out, coun
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
         eprintln!(
-            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {}; ICRC verified {} recovered-id {} bad {}",
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}",
             side.dev_name,
             c.sent_pkts,
             c.rcvd_pkts,
             c.retransmits,
             c.rcvd_seq_err,
             c.ack_timeouts,
+            c.retry_rounds,
             v.verified,
             v.recovered,
             v.bad
@@ -1452,7 +1530,8 @@ fn perf(a: &PerfArgs) -> Result<(), String> {
                 .into_iter()
                 .find_map(|ad| connect_retry(ad, Duration::from_secs(5)))
                 .ok_or_else(|| format!("Couldn't connect to {host}:{}", a.port))?;
-            run_side(ctx, &plan, Role::Client, Ctl::new(sock)?, &Out { quiet: false }, true)
+            let probe = MemProbe { base: None, qps: plan.qps };
+            run_side(ctx, &plan, Role::Client, Ctl::new(sock)?, &Out { quiet: false }, true, probe)
         }
         None => {
             let ctx = open_ctx(a, &name, a.bind)?;
@@ -1463,7 +1542,8 @@ fn perf(a: &PerfArgs) -> Result<(), String> {
             println!("* Waiting for client to connect... *");
             println!("************************************");
             let (sock, _) = listener.accept().map_err(|e| format!("accept() failed: {e}"))?;
-            run_side(ctx, &plan, Role::Server, Ctl::new(sock)?, &Out { quiet: false }, true)
+            let probe = MemProbe { base: None, qps: plan.qps };
+            run_side(ctx, &plan, Role::Server, Ctl::new(sock)?, &Out { quiet: false }, true, probe)
         }
     }
 }
@@ -1487,6 +1567,10 @@ fn loopback(a: &PerfArgs, plan: &Plan) -> Result<(), String> {
     let ip_c = IpAddr::V4(Ipv4Addr::new(127, 0, 77, 2));
     let ctx_s = open_ctx(a, &format!("{name}0"), Some(ip_s))?;
     let ctx_c = open_ctx(a, &format!("{name}1"), Some(ip_c))?;
+    // Both sides' QPs count in this process's RSS: the client reports the growth over both.
+    let rss0 = vm_rss();
+    let sprobe = MemProbe { base: None, qps: plan.qps };
+    let cprobe = MemProbe { base: Some(rss0), qps: 2 * plan.qps };
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| format!("Couldn't listen: {e}"))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let splan = plan.clone();
@@ -1494,11 +1578,11 @@ fn loopback(a: &PerfArgs, plan: &Plan) -> Result<(), String> {
         .name("perf-server".into())
         .spawn(move || -> Result<(), String> {
             let (sock, _) = listener.accept().map_err(|e| format!("accept() failed: {e}"))?;
-            run_side(ctx_s, &splan, Role::Server, Ctl::new(sock)?, &Out { quiet: true }, false)
+            run_side(ctx_s, &splan, Role::Server, Ctl::new(sock)?, &Out { quiet: true }, false, sprobe)
         })
         .map_err(|e| e.to_string())?;
     let sock = connect_retry(addr, Duration::from_secs(5)).ok_or("Couldn't connect to the loopback server")?;
-    let res = run_side(ctx_c, plan, Role::Client, Ctl::new(sock)?, &Out { quiet: false }, true);
+    let res = run_side(ctx_c, plan, Role::Client, Ctl::new(sock)?, &Out { quiet: false }, true, cprobe);
     let sres = server.join().map_err(|_| "the server thread panicked".to_string())?;
     res.and(sres)
 }

@@ -120,6 +120,28 @@ fn send_bw_ud_and_write_bw_uc_with_two_qps() {
     assert_eq!(row_after(&out, BW_HEADER, 5)[1], 200.0);
 }
 
+/// Many QPs (perftest's -q) in one process: data over every QP, the QP memory line, and SEND with
+/// more QPs than one CQ holds receive completions for (rx_depth 512 each: three CQs polled in turn).
+#[test]
+fn many_qps_report_their_memory() {
+    let out = loopback("write-bw", 47320, &["-q", "2000", "-s", "4096", "-t", "2", "-n", "5"]);
+    assert!(
+        out.contains(
+            " Number of qps   : 2000		Transport type : IB
+"
+        ),
+        "{out}"
+    );
+    assert_eq!(row_after(&out, BW_HEADER, 5)[1], 10000.0);
+    let line = out.lines().find(|l| l.starts_with(" QP memory       : ")).expect("QP memory line");
+    let per_qp: u64 = line.split_whitespace().nth(3).and_then(|v| v.parse().ok()).expect("bytes per QP");
+    assert!(line.contains("for 4000 QPs created and connected"), "{line}");
+    // An idle connected QP costs about a kilobyte with the tool's bookkeeping; the bound is loose.
+    assert!(per_qp < 64 * 1024, "{line}");
+    let out = loopback("send-bw", 47321, &["-q", "130", "-s", "256", "-n", "20"]);
+    assert_eq!(row_after(&out, BW_HEADER, 5)[1], 2600.0);
+}
+
 #[test]
 fn duration_and_all_sizes() {
     let out = loopback("send-lat", 47311, &["-D", "0.3"]);

@@ -1,5 +1,6 @@
 //! A seed sweep over engine settings (ignored by default: run with
-//! `cargo test -p softrdma-sim --test sweep -- --ignored`; `SWEEP_SEEDS=a..b` picks the seeds).
+//! `cargo test -p softrdma-sim --test sweep -- --ignored`; `SWEEP_SEEDS=a..b` picks the seeds,
+//! `SWEEP_ADAPTIVE=1` and `SWEEP_BUDGET=n` the devices' adaptive window and packet budget).
 //! Each seed draws an MTU, a loss rate, an initiator depth, a window and an ACK cadence.
 
 use core::time::Duration;
@@ -13,7 +14,17 @@ fn one(seed: u64) -> Result<(), String> {
     let rd_atomic = [1u8, 2, 4, 16][(seed / 30 % 4) as usize];
     let window = [4u32, 16, 64, 1024][(seed / 7 % 4) as usize];
     let ack_req_every = [1u32, 4, 64][(seed / 11 % 3) as usize];
-    let config = Config { max_inflight_packets: window, ack_req_every, ..Config::default() };
+    // SWEEP_ADAPTIVE=1 turns on the devices' adaptive window (loss-driven AIMD, RTT-based retry
+    // probes); SWEEP_BUDGET=n a device-wide packet budget shared by the QPs.
+    let adaptive_window = std::env::var_os("SWEEP_ADAPTIVE").is_some_and(|v| v == "1");
+    let device_inflight_packets = std::env::var("SWEEP_BUDGET").ok().and_then(|v| v.parse().ok()).unwrap_or(u32::MAX);
+    let config = Config {
+        max_inflight_packets: window,
+        ack_req_every,
+        adaptive_window,
+        device_inflight_packets,
+        ..Config::default()
+    };
     let mut net = Net::new(2, config, Impairments::hostile(loss), seed);
     let name = format!("sweep_seed{seed}");
     net.pcap_on_failure(concat!(env!("CARGO_TARGET_TMPDIR"), "/sweep"), &name);

@@ -19,19 +19,33 @@ pub struct Config {
     /// Largest message (rxe `max_msg_sz`: 2^31).
     pub max_msg_size: u64,
     /// Adapt the window to loss (AIMD): a retransmission round halves the requester's window (down
-    /// to [`Config::MIN_WINDOW`] packets), acknowledged packets grow it back by a quarter of their
-    /// number each, up to `max_inflight_packets`. Go-back-N resends everything after a lost packet,
-    /// so a window far above what the path needs turns 1 % loss into mostly retransmissions; a
-    /// halved window bounds that. Purely local: the peer sees the same packets, only fewer at once.
+    /// to [`Config::MIN_WINDOW`] packets, or [`Config::MIN_WINDOW_REPEATED`] when the loss found
+    /// it at that floor already), and it grows back by one packet per window of acknowledged
+    /// packets (TCP's congestion avoidance), up to `max_inflight_packets`. Go-back-N resends
+    /// everything after a lost packet, so a window far above what the path needs turns 1 % loss
+    /// into mostly retransmissions; a halved window bounds that. A retransmission round that makes
+    /// no progress is probed again after about a round trip (the requester's RTT estimate) rather
+    /// than the local ACK timeout. Purely local: the peer sees the same packets, only fewer at once.
     pub adaptive_window: bool,
     /// Work per `poll_transmit`-driven requester step: at most this many packets from one QP before
     /// another QP gets a turn.
     pub burst: u32,
+    /// Packets in flight for the whole device, shared among the RC QPs that have work: with `n` such
+    /// QPs each gets a window of at most `device_inflight_packets / n` (but not below
+    /// [`Config::MIN_SHARE`]). The path and the peer's receive buffer are shared by all QPs, so 64 QPs
+    /// with a full window each would overflow them and lose packets that one QP alone would not.
+    /// `u32::MAX` (the default) turns it off.
+    pub device_inflight_packets: u32,
 }
 
 impl Config {
     /// Smallest adaptive window, in packets.
     pub const MIN_WINDOW: u32 = 16;
+    /// Smallest adaptive window after a loss that found the window at [`Config::MIN_WINDOW`] or
+    /// below already (losses repeating faster than the window can grow).
+    pub const MIN_WINDOW_REPEATED: u32 = 8;
+    /// Smallest window a QP's share of `device_inflight_packets` goes down to, in packets.
+    pub const MIN_SHARE: u32 = 4;
 }
 
 impl Default for Config {
@@ -44,6 +58,7 @@ impl Default for Config {
             max_msg_size: 1 << 31,
             burst: 16,
             adaptive_window: false,
+            device_inflight_packets: u32::MAX,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The HCA endpoint: owns queue pairs, SRQs and CQs, demultiplexes packets by destination QPN,
 //! and exposes the engine's inputs and outputs.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::attr::{AddressVector, ModifyQp, QpInit};
 use crate::config::Config;
@@ -113,15 +114,22 @@ pub(crate) struct Ctx<'a> {
     pub events: &'a mut VecDeque<AsyncEvent>,
     pub stats: &'a mut Counters,
     pub config: &'a Config,
-    pub ready: &'a mut VecDeque<Qpn>,
+    pub ready: &'a mut ReadyList,
+    /// This QP's share of the device's packets in flight (`Config::device_inflight_packets`), an
+    /// upper bound on its window.
+    pub share: u32,
+    /// The device has `Config::device_inflight_packets` in flight: no QP may send a new packet
+    /// (retransmissions may go).
+    pub device_full: bool,
+    /// Set by a requester that had a packet to send and was held back by `device_full` only; the
+    /// HCA queues the QP until packets in flight drop below the budget.
+    pub held: bool,
 }
 
 impl Ctx<'_> {
     /// The QP may have something to send.
     pub fn mark_ready(&mut self, qpn: Qpn) {
-        if !self.ready.contains(&qpn) {
-            self.ready.push_back(qpn);
-        }
+        self.ready.push(qpn);
     }
 
     fn push_wc(&mut self, cq: CqId, wc: WorkCompletion, solicited: bool) {
@@ -165,6 +173,136 @@ impl Ctx<'_> {
     }
 }
 
+/// A hasher for QPNs (24-bit numbers allocated in sequence): one multiply, enough to spread them
+/// over a hash table's buckets. QPNs of a local set are not chosen by a peer, so no keyed hash is
+/// needed.
+#[derive(Default)]
+pub(crate) struct QpnHasher(u64);
+
+impl Hasher for QpnHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = (self.0 ^ u64::from(n)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// QPs that may have something to send, in turn order, each at most once. Marking a QP ready and
+/// taking the next one cost O(1) whatever the number of QPs (with 10,000 QPs, a list scan per
+/// packet would dominate).
+#[derive(Debug, Default)]
+pub(crate) struct ReadyList {
+    order: VecDeque<Qpn>,
+    members: HashSet<Qpn, BuildHasherDefault<QpnHasher>>,
+}
+
+impl ReadyList {
+    /// Queue `qpn` at the back unless it is queued already.
+    pub fn push(&mut self, qpn: Qpn) {
+        if self.members.insert(qpn) {
+            self.order.push_back(qpn);
+        }
+    }
+
+    fn front(&self) -> Option<Qpn> {
+        self.order.front().copied()
+    }
+
+    fn pop_front(&mut self) -> Option<Qpn> {
+        let q = self.order.pop_front()?;
+        self.members.remove(&q);
+        Some(q)
+    }
+
+    /// Move the front QP to the back (its turn is over, it still has work).
+    fn rotate(&mut self) {
+        if let Some(q) = self.order.pop_front() {
+            self.order.push_back(q);
+        }
+    }
+
+    fn remove(&mut self, qpn: Qpn) {
+        if self.members.remove(&qpn) {
+            self.order.retain(|q| *q != qpn);
+        }
+    }
+}
+
+/// Every QP's earliest timer deadline, ordered, so that the next deadline and the expired QPs are
+/// found in O(log n) instead of a scan over all QPs per call (the driver asks after every flush).
+#[derive(Debug, Default)]
+struct TimerIndex {
+    /// `(deadline, qpn)` for every QP with a timer armed.
+    by_time: BTreeSet<(Instant, Qpn)>,
+    /// Scratch list of expired QPs, kept to avoid an allocation per firing.
+    due: Vec<Qpn>,
+}
+
+impl TimerIndex {
+    /// Bring the index in line with `qp`'s timers after a call into it (cheap when they did not
+    /// change, which is the common case: only the first packet after idle, ACKs that make
+    /// progress and retries re-arm).
+    fn sync(&mut self, qp: &mut Qp) {
+        let next = qp.next_deadline();
+        if next != qp.indexed_deadline {
+            if let Some(old) = qp.indexed_deadline {
+                self.by_time.remove(&(old, qp.qpn));
+            }
+            if let Some(new) = next {
+                self.by_time.insert((new, qp.qpn));
+            }
+            qp.indexed_deadline = next;
+        }
+    }
+
+    fn remove(&mut self, qp: &Qp) {
+        if let Some(old) = qp.indexed_deadline {
+            self.by_time.remove(&(old, qp.qpn));
+        }
+    }
+}
+
+/// What the HCA keeps about its QPs besides the QPs themselves, brought up to date after every
+/// call into a QP.
+struct Bookkeeping<'a> {
+    timers: &'a mut TimerIndex,
+    busy_qps: &'a mut u32,
+    inflight: &'a mut u32,
+    held: &'a mut ReadyList,
+}
+
+impl Bookkeeping<'_> {
+    fn sync(&mut self, qp: &mut Qp) {
+        self.timers.sync(qp);
+        let inflight = if qp.init.qp_type == crate::attr::QpType::Rc && qp.state.can_send() {
+            qp.sq.sent_hw.diff(qp.sq.una).max(0) as u32
+        } else {
+            0
+        };
+        if inflight != qp.inflight {
+            *self.inflight = (*self.inflight - qp.inflight) + inflight;
+            qp.inflight = inflight;
+        }
+        let busy = qp.init.qp_type == crate::attr::QpType::Rc && qp.sq.len() > 0;
+        if busy != qp.busy {
+            qp.busy = busy;
+            if busy {
+                *self.busy_qps += 1;
+            } else {
+                *self.busy_qps -= 1;
+            }
+        }
+    }
+}
+
 /// A sans-IO HCA.
 pub struct Hca {
     config: Config,
@@ -172,7 +310,14 @@ pub struct Hca {
     queues: Queues,
     events: VecDeque<AsyncEvent>,
     stats: Counters,
-    ready: VecDeque<Qpn>,
+    ready: ReadyList,
+    timers: TimerIndex,
+    /// RC QPs with send work queued (they share `Config::device_inflight_packets`).
+    busy_qps: u32,
+    /// Packets in flight (sent, not acknowledged) over all RC QPs.
+    inflight: u32,
+    /// QPs held back by a full device budget, in the order they were refused.
+    held: ReadyList,
     next_qpn: u32,
     next_id: u32,
 }
@@ -186,7 +331,11 @@ impl Hca {
             queues: Queues::default(),
             events: VecDeque::new(),
             stats: Counters::default(),
-            ready: VecDeque::new(),
+            ready: ReadyList::default(),
+            timers: TimerIndex::default(),
+            busy_qps: 0,
+            inflight: 0,
+            held: ReadyList::default(),
             next_qpn: 0x11,
             next_id: 1,
         }
@@ -207,9 +356,33 @@ impl Hca {
         &mut self.stats
     }
 
-    fn ctx<'a>(&'a mut self, now: Instant, mem: &'a mut dyn MemoryAccess) -> (&'a mut BTreeMap<Qpn, Qp>, Ctx<'a>) {
-        let Hca { config, qps, queues, events, stats, ready, .. } = self;
-        (qps, Ctx { now, mem, queues, events, stats, config, ready })
+    fn ctx<'a>(
+        &'a mut self,
+        now: Instant,
+        mem: &'a mut dyn MemoryAccess,
+    ) -> (&'a mut BTreeMap<Qpn, Qp>, Bookkeeping<'a>, Ctx<'a>) {
+        let Hca { config, qps, queues, events, stats, ready, timers, busy_qps, inflight, held, .. } = self;
+        let (share, device_full) = match config.device_inflight_packets {
+            u32::MAX => (u32::MAX, false),
+            budget => ((budget / (*busy_qps).max(1)).max(Config::MIN_SHARE), *inflight >= budget),
+        };
+        let ctx = Ctx { now, mem, queues, events, stats, config, ready, share, device_full, held: false };
+        (qps, Bookkeeping { timers, busy_qps, inflight, held }, ctx)
+    }
+
+    /// Run `f` on QP `qpn`, then update the timer index with whatever `f` armed or stopped.
+    fn with_qp<R>(
+        &mut self,
+        qpn: Qpn,
+        now: Instant,
+        mem: &mut dyn MemoryAccess,
+        f: impl FnOnce(&mut Qp, &mut Ctx<'_>) -> Result<R, VerbsError>,
+    ) -> Result<R, VerbsError> {
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
+        let qp = qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?;
+        let r = f(qp, &mut ctx);
+        book.sync(qp);
+        r
     }
 
     // ---- CQ / SRQ ----------------------------------------------------------------------------
@@ -353,6 +526,12 @@ impl Hca {
     /// Destroy a QP (no completions are generated for what it held).
     pub fn destroy_qp(&mut self, qpn: Qpn) -> Result<(), VerbsError> {
         let qp = self.qps.remove(&qpn).ok_or(VerbsError::NoSuchObject)?;
+        self.timers.remove(&qp);
+        if qp.busy {
+            self.busy_qps -= 1;
+        }
+        self.inflight -= qp.inflight;
+        self.held.remove(qpn);
         for cq in [qp.init.send_cq, qp.init.recv_cq] {
             if let Some(c) = self.queues.cqs.get_mut(&cq) {
                 c.users -= 1;
@@ -361,7 +540,7 @@ impl Hca {
         if let Some(s) = qp.init.srq.and_then(|s| self.queues.srqs.get_mut(&s)) {
             s.users -= 1;
         }
-        self.ready.retain(|q| *q != qpn);
+        self.ready.remove(qpn);
         Ok(())
     }
 
@@ -373,13 +552,18 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
-        let (qps, mut ctx) = self.ctx(now, mem);
-        qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?.modify(attr, &mut ctx)
+        self.with_qp(qpn, now, mem, |qp, ctx| qp.modify(attr, ctx))
     }
 
     /// Query a QP.
     pub fn query_qp(&self, qpn: Qpn) -> Result<QpInfo, VerbsError> {
         self.qps.get(&qpn).map(|q| q.info()).ok_or(VerbsError::NoSuchObject)
+    }
+
+    /// The requester's smoothed round-trip time of QP `qpn`, from the ACKs of packets sent once
+    /// (`None` before the first sample or for an unknown QP). It sets the retry probe interval.
+    pub fn srtt(&self, qpn: Qpn) -> Option<core::time::Duration> {
+        self.qps.get(&qpn).and_then(|q| q.sq.rtt.srtt())
     }
 
     /// Post a send work request.
@@ -390,8 +574,7 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
-        let (qps, mut ctx) = self.ctx(now, mem);
-        qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?.post_send(wr, &mut ctx)
+        self.with_qp(qpn, now, mem, |qp, ctx| qp.post_send(wr, ctx))
     }
 
     /// Post a receive work request.
@@ -402,8 +585,7 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
-        let (qps, mut ctx) = self.ctx(now, mem);
-        qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?.post_recv(wr, &mut ctx)
+        self.with_qp(qpn, now, mem, |qp, ctx| qp.post_recv(wr, ctx))
     }
 
     // ---- packets and time --------------------------------------------------------------------
@@ -420,50 +602,72 @@ impl Hca {
             }
         };
         let qpn = pkt.bth().dest_qp();
-        let (qps, mut ctx) = self.ctx(now, mem);
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
         match qps.get_mut(&qpn) {
-            Some(qp) => qp.handle_packet(&pkt, &rx.grh, &mut ctx),
+            Some(qp) => {
+                qp.handle_packet(&pkt, &rx.grh, &mut ctx);
+                book.sync(qp);
+            }
             None => ctx.stats.drop_unknown_qp += 1,
         }
     }
 
-    /// Fire expired timers.
+    /// Fire expired timers: each QP with a deadline at or before `now` once, in deadline order.
     pub fn handle_timeout(&mut self, now: Instant, mem: &mut dyn MemoryAccess) {
-        let (qps, mut ctx) = self.ctx(now, mem);
-        for qp in qps.values_mut() {
-            if qp.next_deadline().is_some_and(|t| t <= now) {
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
+        let mut due = std::mem::take(&mut book.timers.due);
+        due.clear();
+        due.extend(book.timers.by_time.iter().take_while(|(at, _)| *at <= now).map(|(_, q)| *q));
+        for qpn in &due {
+            if let Some(qp) = qps.get_mut(qpn) {
                 qp.handle_timeout(&mut ctx);
+                book.sync(qp);
             }
         }
+        book.timers.due = due;
     }
 
     /// The earliest timer deadline.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.qps.values().filter_map(|q| q.next_deadline()).min()
+        self.timers.by_time.first().map(|(at, _)| *at)
     }
 
     /// Write the next packet to send into `buf` (at least MTU + 64 bytes long).
     pub fn poll_transmit(&mut self, now: Instant, mem: &mut dyn MemoryAccess, buf: &mut [u8]) -> Option<Transmit> {
         let burst = self.config.burst;
-        let (qps, mut ctx) = self.ctx(now, mem);
-        while let Some(&qpn) = ctx.ready.front() {
+        // Room in the device budget again: QPs held back take their turn, oldest first, as many as
+        // there are packets of room (each may fill its window; the budget check stops the rest).
+        let mut room = self.config.device_inflight_packets.saturating_sub(self.inflight);
+        while room > 0 {
+            let Some(q) = self.held.pop_front() else { break };
+            self.ready.push(q);
+            room -= 1;
+        }
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
+        while let Some(qpn) = ctx.ready.front() {
             let Some(qp) = qps.get_mut(&qpn) else {
                 ctx.ready.pop_front();
                 continue;
             };
-            match qp.poll_transmit(buf, &mut ctx) {
+            ctx.held = false;
+            let t = qp.poll_transmit(buf, &mut ctx);
+            book.sync(qp);
+            if ctx.held {
+                book.held.push(qpn);
+            }
+            match t {
                 Some(t) => {
                     qp.burst += 1;
                     if qp.burst >= burst {
                         qp.burst = 0;
-                        ctx.ready.retain(|q| *q != qpn);
-                        ctx.ready.push_back(qpn);
+                        // The QP is at the front (a QP is queued once): its turn is over.
+                        ctx.ready.rotate();
                     }
                     return Some(t);
                 }
                 None => {
                     qp.burst = 0;
-                    ctx.ready.retain(|q| *q != qpn);
+                    ctx.ready.pop_front();
                 }
             }
         }

@@ -189,7 +189,15 @@ impl Device {
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
-        let config = Config { port_mtu, max_rd_atomic, adaptive_window: true, ..Config::default() };
+        // Many QPs share the path and the peer's socket buffer: together they keep about four
+        // single-QP windows in flight (see `Config::device_inflight_packets`).
+        let config = Config {
+            port_mtu,
+            max_rd_atomic,
+            adaptive_window: true,
+            device_inflight_packets: 512,
+            ..Config::default()
+        };
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
         wake_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         wake_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;

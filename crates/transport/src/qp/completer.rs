@@ -16,10 +16,6 @@ use crate::wr::{Payload, SendOp};
 use softrdma_wire::opcode::Flags;
 use softrdma_wire::{IbPacket, NakCode, Psn, Syndrome};
 
-/// How long a retransmission round waits for progress before resending once more (adaptive
-/// window only; see `start_retry`). Several loopback or LAN round trips.
-const RETRY_PROBE: core::time::Duration = core::time::Duration::from_millis(2);
-
 /// What implicit acknowledgement found.
 enum Implicit {
     /// Everything before the PSN is complete.
@@ -93,6 +89,8 @@ impl Qp {
     fn progress(&mut self, una: Psn, ctx: &mut Ctx<'_>) {
         if una.after(self.sq.una) {
             self.sq.probe_armed = false;
+            self.sq.probes = 0;
+            self.sq.rtt.on_ack(una, ctx.now);
             let k = una.diff(self.sq.una) as u32;
             self.sq.on_acked(k, ctx.config);
             self.sq.una = una;
@@ -125,19 +123,29 @@ impl Qp {
         let una = self.sq.una;
         self.sq.retrying_from = Some(una);
         self.sq.rewind(una);
-        // With an adaptive window, a retransmission that is lost again is probed for after
-        // RETRY_PROBE instead of the whole local ACK timeout: the responder already NAKed that PSN
-        // and stays silent until it arrives (IBA 9.7.5.1.1), so nothing else would tell us.
-        let full = self.ack_timeout();
-        let at = match full {
-            Some(d) if ctx.config.adaptive_window && d > RETRY_PROBE => {
+        // With an adaptive window, a retransmission that is lost again is probed for after about
+        // a round trip (`rtt`) instead of the whole local ACK timeout: the responder already NAKed
+        // that PSN and stays silent until it arrives (IBA 9.7.5.1.1), so nothing else would tell us.
+        self.sq.probes = 0;
+        self.arm_probe_or_timeout(ctx);
+        ctx.mark_ready(self.qpn);
+    }
+
+    /// Arm the retransmit timer for the next probe of this round, or for the full local ACK timeout
+    /// once the probe interval (doubling with each probe) reaches it.
+    fn arm_probe_or_timeout(&mut self, ctx: &mut Ctx<'_>) {
+        let probe = self.sq.rtt.probe_interval(self.sq.probes);
+        let at = match self.ack_timeout() {
+            Some(full) if ctx.config.adaptive_window && full > probe => {
                 self.sq.probe_armed = true;
-                Some(ctx.now + RETRY_PROBE)
+                Some(ctx.now + probe)
             }
-            d => d.map(|d| ctx.now + d),
+            d => {
+                self.sq.probe_armed = false;
+                d.map(|d| ctx.now + d)
+            }
         };
         self.set_timer(Timer::Retransmit, at);
-        ctx.mark_ready(self.qpn);
     }
 
     /// The head WQE fails with `status`; the QP goes to ERR and flushes the rest.
@@ -154,12 +162,12 @@ impl Qp {
         }
         if std::mem::take(&mut self.sq.probe_armed) {
             // No progress since the retry began: resend from `una` once more, without spending the
-            // retry budget, then wait the full timeout.
+            // retry budget, and probe again after twice the interval (the full timeout at most).
             ctx.stats.retry_rounds += 1;
             let una = self.sq.una;
             self.sq.rewind(una);
-            let at = self.ack_timeout().map(|d| ctx.now + d);
-            self.set_timer(Timer::Retransmit, at);
+            self.sq.probes += 1;
+            self.arm_probe_or_timeout(ctx);
             ctx.mark_ready(self.qpn);
             return;
         }

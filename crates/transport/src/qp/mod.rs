@@ -9,6 +9,7 @@
 mod completer;
 mod requester;
 mod responder;
+mod rtt;
 
 use std::collections::VecDeque;
 
@@ -49,6 +50,12 @@ pub(crate) struct Qp {
     sqd_notify: bool,
     /// Packets sent in a row by this QP in the current turn (fairness between QPs).
     pub burst: u32,
+    /// The deadline under which the HCA's timer index holds this QP (kept by the HCA).
+    pub indexed_deadline: Option<Instant>,
+    /// Counted among the HCA's busy QPs (RC with send work; kept by the HCA).
+    pub busy: bool,
+    /// Packets in flight as counted in the HCA's total (kept by the HCA).
+    pub inflight: u32,
 }
 
 /// Current values of the modifiable attributes.
@@ -143,6 +150,9 @@ impl Qp {
             timers: [None; TIMERS],
             sqd_notify: false,
             burst: 0,
+            indexed_deadline: None,
+            busy: false,
+            inflight: 0,
         }
     }
 
@@ -271,8 +281,12 @@ impl Qp {
 
     /// Back to RESET: queues emptied without completions, as the verbs spec says.
     fn reset(&mut self) {
-        let (qpn, init) = (self.qpn, self.init);
+        let (qpn, init, indexed, busy, inflight) =
+            (self.qpn, self.init, self.indexed_deadline, self.busy, self.inflight);
         *self = Qp::new(qpn, init);
+        self.indexed_deadline = indexed;
+        self.busy = busy;
+        self.inflight = inflight;
     }
 
     pub fn post_send(&mut self, wr: SendWr, ctx: &mut Ctx<'_>) -> Result<(), VerbsError> {
