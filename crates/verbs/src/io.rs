@@ -120,9 +120,14 @@ impl UdpPort {
 /// Datagrams per `sendmmsg`/`recvmmsg` call.
 pub const BATCH: usize = 32;
 
-fn sockaddr_of(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: an all-zero sockaddr_storage is a valid value of the type.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+/// A socket address as the kernel reads and writes it: room for a `sockaddr_in6`, which also holds
+/// a `sockaddr_in` (both 4-byte aligned). Smaller than `sockaddr_storage` (28 bytes instead of 128),
+/// which matters for the arrays of a batch: they are cleared on every call.
+type RawAddr = libc::sockaddr_in6;
+
+fn sockaddr_of(addr: &SocketAddr) -> (RawAddr, libc::socklen_t) {
+    // SAFETY: an all-zero sockaddr_in6 is a valid value of the type.
+    let mut ss: RawAddr = unsafe { std::mem::zeroed() };
     let len = match addr {
         SocketAddr::V4(a) => {
             let sin = libc::sockaddr_in {
@@ -131,42 +136,39 @@ fn sockaddr_of(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
                 sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
                 sin_zero: [0; 8],
             };
-            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in.
+            // SAFETY: sockaddr_in6 is larger than sockaddr_in and has the same alignment (4).
             unsafe { std::ptr::write(&mut ss as *mut _ as *mut libc::sockaddr_in, sin) };
             std::mem::size_of::<libc::sockaddr_in>()
         }
         SocketAddr::V6(a) => {
-            let sin6 = libc::sockaddr_in6 {
+            ss = libc::sockaddr_in6 {
                 sin6_family: libc::AF_INET6 as libc::sa_family_t,
                 sin6_port: a.port().to_be(),
                 sin6_flowinfo: a.flowinfo(),
                 sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
                 sin6_scope_id: a.scope_id(),
             };
-            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in6.
-            unsafe { std::ptr::write(&mut ss as *mut _ as *mut libc::sockaddr_in6, sin6) };
             std::mem::size_of::<libc::sockaddr_in6>()
         }
     };
     (ss, len as libc::socklen_t)
 }
 
-fn socket_addr_of(ss: &libc::sockaddr_storage) -> Option<SocketAddr> {
-    match i32::from(ss.ss_family) {
+fn socket_addr_of(ss: &RawAddr) -> Option<SocketAddr> {
+    match i32::from(ss.sin6_family) {
         libc::AF_INET => {
-            // SAFETY: the kernel wrote a sockaddr_in for AF_INET.
+            // SAFETY: the kernel wrote a sockaddr_in for AF_INET; it fits a sockaddr_in6 and has
+            // the same alignment.
             let sin = unsafe { &*(ss as *const _ as *const libc::sockaddr_in) };
             let ip = Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
             Some(SocketAddr::new(IpAddr::V4(ip), u16::from_be(sin.sin_port)))
         }
         libc::AF_INET6 => {
-            // SAFETY: the kernel wrote a sockaddr_in6 for AF_INET6.
-            let sin6 = unsafe { &*(ss as *const _ as *const libc::sockaddr_in6) };
             let a = std::net::SocketAddrV6::new(
-                Ipv6Addr::from(sin6.sin6_addr.s6_addr),
-                u16::from_be(sin6.sin6_port),
-                sin6.sin6_flowinfo,
-                sin6.sin6_scope_id,
+                Ipv6Addr::from(ss.sin6_addr.s6_addr),
+                u16::from_be(ss.sin6_port),
+                ss.sin6_flowinfo,
+                ss.sin6_scope_id,
             );
             Some(SocketAddr::V6(a))
         }
@@ -241,7 +243,7 @@ impl UdpPort {
                 continue;
             };
             // SAFETY: all-zero values of these plain C structs are valid.
-            let mut addrs: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+            let mut addrs: [RawAddr; BATCH] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.
             let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.
@@ -346,48 +348,43 @@ pub fn recv_batch(sock: &UdpSocket, buf: &mut [u8], slot: usize, meta: &mut [RxM
     if n == 0 {
         return Ok(0);
     }
-    // SAFETY: all-zero values of these plain C structs are valid.
-    let mut addrs: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
-    let mut ctl = [[0u64; 8]; BATCH];
     let base = buf.as_mut_ptr();
-    let setup = |i: usize,
-                 iov: &mut libc::iovec,
-                 h: &mut libc::msghdr,
-                 addr: &mut libc::sockaddr_storage,
-                 ctl: &mut [u64; 8]| {
+    let setup = |i: usize, iov: &mut libc::iovec, h: &mut libc::msghdr, addr: &mut RawAddr, ctl: &mut [u64; 4]| {
         // SAFETY: i * slot + slot <= buf.len() by the choice of n.
         *iov = libc::iovec { iov_base: unsafe { base.add(i * slot) } as *mut libc::c_void, iov_len: slot };
         h.msg_name = addr as *mut _ as *mut libc::c_void;
-        h.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        h.msg_namelen = std::mem::size_of::<RawAddr>() as libc::socklen_t;
         h.msg_iov = iov;
         h.msg_iovlen = 1;
         h.msg_control = ctl.as_mut_ptr() as *mut libc::c_void;
-        h.msg_controllen = std::mem::size_of::<[u64; 8]>();
+        h.msg_controllen = std::mem::size_of::<[u64; 4]>();
     };
-    let done = |h: &libc::msghdr, len: usize, addr: &libc::sockaddr_storage| -> RxMeta {
+    let done = |h: &libc::msghdr, len: usize, addr: &RawAddr| -> RxMeta {
         let truncated = h.msg_flags & libc::MSG_TRUNC != 0;
         match (truncated, socket_addr_of(addr)) {
             (false, Some(src)) => Some((len, src, gro_size(h))),
             _ => None,
         }
     };
-    // SAFETY: as above.
-    let mut iov0: libc::iovec = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let mut h0: libc::msghdr = unsafe { std::mem::zeroed() };
-    {
-        let (a0, c0) = (&mut addrs[0], &mut ctl[0]);
-        setup(0, &mut iov0, &mut h0, a0, c0);
-    }
-    // SAFETY: h0 points at a live iovec over buf[..slot], an address and a control buffer.
+    // The first datagram: only what one recvmsg needs is set up (an empty busy poll ends here,
+    // so it must not pay for clearing the batch's arrays).
+    // SAFETY: all-zero values of these plain C structs are valid.
+    let (mut iov0, mut h0, mut a0): (libc::iovec, libc::msghdr, RawAddr) = unsafe { std::mem::zeroed() };
+    let mut c0 = [0u64; 4];
+    setup(0, &mut iov0, &mut h0, &mut a0, &mut c0);
+    // SAFETY: h0 points at a live iovec over buf[..slot], an address and a control buffer (32
+    // bytes: room for the UDP_GRO cmsg, CMSG_SPACE(4) = 24).
     let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut h0, 0) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    meta[0] = done(&h0, rc as usize, &addrs[0]);
+    meta[0] = done(&h0, rc as usize, &a0);
     if n == 1 {
         return Ok(1);
     }
+    // SAFETY: as above.
+    let mut addrs: [RawAddr; BATCH] = unsafe { std::mem::zeroed() };
+    let mut ctl = [[0u64; 4]; BATCH];
     // SAFETY: as above.
     let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
     // SAFETY: as above.

@@ -399,7 +399,9 @@ impl Device {
                 if st.cm.handle_packet(now, src.ip(), &ib) {
                     return;
                 }
-                let rx = RxInfo { grh: ud_grh_area(src.ip(), local.ip(), payload.len()) };
+                // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
+                let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
+                let rx = RxInfo { grh };
                 let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
                 match (st.qp_traffic.is_some(), qpn) {
                     (true, Some(qpn)) => {
