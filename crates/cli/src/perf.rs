@@ -32,7 +32,7 @@ use clap::{Args, ValueEnum};
 use softrdma_verbs::{
     devices, open_device, Access, AddressHandle, AhAttr, CompletionQueue, ConnectParams, Context, DeviceBuilder, Gid,
     MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, Qpn, QueuePair, RecvWr, SendFlags,
-    SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    SendOp, SendWr, SgeList, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// How a payload byte travels on the path these tests use, one entry per copy. Keep it in step
@@ -616,7 +616,7 @@ impl Side {
     fn post_recv(&mut self, i: usize) -> Result<(), String> {
         let sge = self.mr.sge(0, self.slot).map_err(|e| e.to_string())?;
         self.qps[i]
-            .post_recv(RecvWr { wr_id: i as u64, sgl: vec![sge] })
+            .post_recv(RecvWr { wr_id: i as u64, sgl: SgeList::one(sge) })
             .map_err(|e| format!("Couldn't post receive: {e}"))?;
         self.rx_posted[i] += 1;
         Ok(())
@@ -638,7 +638,7 @@ impl Side {
         Ok(SendWr {
             wr_id,
             op,
-            payload: Payload::Sgl(vec![sge]),
+            payload: Payload::Sgl(SgeList::one(sge)),
             flags: if signaled { SendFlags::SIGNALED } else { SendFlags::NONE },
             ud: self.ahs.get(i).map(|ah| ah.ud(Qpn::new(r.qpn), DEF_QKEY)),
         })

@@ -442,6 +442,12 @@ impl Hca {
         self.qps.values().filter_map(|q| q.next_deadline()).min()
     }
 
+    /// Whether a QP may have a packet to send: when false, [`Hca::poll_transmit`] returns `None`
+    /// (a caller can skip setting up a transmit batch).
+    pub fn transmit_pending(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
     /// Write the next packet to send into `buf` (at least MTU + 64 bytes long).
     pub fn poll_transmit(&mut self, now: Instant, mem: &mut dyn MemoryAccess, buf: &mut [u8]) -> Option<Transmit> {
         let burst = self.config.burst;

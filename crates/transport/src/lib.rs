@@ -33,4 +33,4 @@ pub use hca::{AsyncEvent, CqId, Hca, PdId, RxInfo, SrqId, Transmit};
 pub use memory::{Access, AtomicOp, KeyKind, MemError, MemoryAccess};
 pub use stats::Counters;
 pub use time::Instant;
-pub use wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
+pub use wr::{RecvWr, SendFlags, SendOp, SendWr, Sge, SgeList};

@@ -6,7 +6,7 @@ use crate::config::Config;
 use crate::hca::{Hca, PdId, RxInfo};
 use crate::memory::{Access, AtomicOp, KeyKind, MemError, MemoryAccess};
 use crate::time::Instant;
-use crate::wr::{RecvWr, Sge};
+use crate::wr::{RecvWr, Sge, SgeList};
 use crate::{WcOpcode, WcStatus};
 use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::bth::DEFAULT_PKEY;
@@ -146,7 +146,7 @@ impl Rig {
     }
 
     fn post_recv(&mut self, wr_id: u64, len: u32) {
-        let wr = RecvWr { wr_id, sgl: vec![Sge { addr: 0x1000 * wr_id, length: len, lkey: 1 }] };
+        let wr = RecvWr { wr_id, sgl: SgeList::one(Sge { addr: 0x1000 * wr_id, length: len, lkey: 1 }) };
         self.hca.post_recv(self.qpn, wr, self.now, &mut self.mem).unwrap();
     }
 }

@@ -103,12 +103,12 @@ fn connect_transfer_disconnect() {
     let sm = c.spd.reg_mr(8192, Access::LOCAL_WRITE.with(Access::REMOTE_WRITE)).unwrap();
     let cm = c.cpd.reg_mr(8192, Access::LOCAL_WRITE).unwrap();
     cm.write(0, &[7u8; 5000]).unwrap();
-    c.sqp.post_recv(RecvWr { wr_id: 1, sgl: vec![sm.sge(0, 8192).unwrap()] }).unwrap();
+    c.sqp.post_recv(RecvWr { wr_id: 1, sgl: vec![sm.sge(0, 8192).unwrap()].into() }).unwrap();
     c.cqp
         .post_send(SendWr {
             wr_id: 2,
             op: SendOp::Send,
-            payload: Payload::Sgl(vec![cm.sge(0, 5000).unwrap()]),
+            payload: Payload::Sgl(vec![cm.sge(0, 5000).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
@@ -117,7 +117,7 @@ fn connect_transfer_disconnect() {
         .post_send(SendWr {
             wr_id: 3,
             op: SendOp::Write { remote_addr: sm.addr() + 6000, rkey: sm.rkey() },
-            payload: Payload::Sgl(vec![cm.sge(0, 100).unwrap()]),
+            payload: Payload::Sgl(vec![cm.sge(0, 100).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
