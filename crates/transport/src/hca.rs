@@ -11,7 +11,7 @@ use crate::memory::MemoryAccess;
 use crate::qp::{Qp, QpInfo};
 use crate::stats::Counters;
 use crate::time::Instant;
-use crate::wr::{RecvWr, SendWr};
+use crate::wr::{RecvWr, SendWr, Sge};
 use softrdma_wire::{IbPacket, Qpn};
 
 pub use crate::qp::QpInfo as QueuePairInfo;
@@ -75,6 +75,35 @@ pub struct Transmit {
     pub src_qpn: Qpn,
     /// Destination QP.
     pub dest_qpn: Qpn,
+    /// The payload was left in registered memory (see [`crate::Config::defer_payload_min`]).
+    pub deferred: Option<DeferredPayload>,
+}
+
+/// A packet's payload left in registered memory: `buf[at..at + len]` is a hole the I/O layer fills
+/// (or sends around) with the pieces, in order. The keys, bounds and rights were checked when the
+/// packet was built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeferredPayload {
+    /// Offset of the payload in the packet.
+    pub at: usize,
+    /// Payload length (the sum of the pieces).
+    pub len: usize,
+    /// The protection domain the keys were checked in.
+    pub pd: PdId,
+    /// The pieces: `pieces[..n]` (`length` bytes at `addr` under local key `lkey`).
+    pub pieces: [Sge; DeferredPayload::MAX_PIECES],
+    /// Pieces used.
+    pub n: usize,
+}
+
+impl DeferredPayload {
+    /// Most pieces of one deferred payload; a packet whose payload spans more SGEs is copied.
+    pub const MAX_PIECES: usize = 2;
+
+    /// The pieces used.
+    pub fn pieces(&self) -> &[Sge] {
+        &self.pieces[..self.n]
+    }
 }
 
 /// A completion queue.

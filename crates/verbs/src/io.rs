@@ -211,6 +211,32 @@ pub fn gso_groups(meta: &[(usize, SocketAddr)], out: &mut [(usize, usize)]) -> u
     n
 }
 
+/// Most pieces of one datagram in [`UdpPort::send_batch`] (headers, two payload pieces, trailer).
+pub const MAX_PARTS: usize = 4;
+
+/// One datagram to send, in up to [`MAX_PARTS`] pieces the kernel gathers (`parts[..n]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Datagram<'a> {
+    /// The pieces, in order.
+    pub parts: [&'a [u8]; MAX_PARTS],
+    /// Pieces used.
+    pub n: usize,
+    /// Destination.
+    pub dst: SocketAddr,
+}
+
+impl<'a> Datagram<'a> {
+    /// A datagram in one piece.
+    pub fn one(buf: &'a [u8], dst: SocketAddr) -> Datagram<'a> {
+        Datagram { parts: [buf, &[], &[], &[]], n: 1, dst }
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.parts[..self.n].iter().map(|p| p.len()).sum()
+    }
+}
+
 impl UdpPort {
     /// Whether sends may use UDP GSO (`UDP_SEGMENT`).
     pub fn gso(&self) -> bool {
@@ -222,19 +248,19 @@ impl UdpPort {
     /// GSO send: the kernel cuts it into datagrams of the first one's size. A full socket buffer
     /// drops what did not fit, as [`UdpPort::send_to`] does; other refusals drop that message.
     /// Returns how many datagrams were refused.
-    pub fn send_batch(&self, pkts: &[(&[u8], SocketAddr)], groups: &[(usize, usize)]) -> usize {
+    pub fn send_batch(&self, pkts: &[Datagram<'_>], groups: &[(usize, usize)]) -> usize {
         let mut errors = 0;
         let mut g0 = 0;
         while g0 < groups.len() {
             // One run of groups of the same family goes through one socket and one sendmmsg.
-            let v4 = pkts[groups[g0].0].1.is_ipv4();
-            let g1 = g0 + groups[g0..].iter().take_while(|g| pkts[g.0].1.is_ipv4() == v4).count();
+            let v4 = pkts[groups[g0].0].dst.is_ipv4();
+            let g1 = g0 + groups[g0..].iter().take_while(|g| pkts[g.0].dst.is_ipv4() == v4).count();
             let run = &groups[g0..g1.min(g0 + BATCH)];
             g0 += run.len();
-            if run.len() == 1 && run[0].1 - run[0].0 == 1 {
-                // One datagram: a plain sendto, without setting up the batch arrays.
-                let (buf, dst) = pkts[run[0].0];
-                errors += usize::from(self.send_to(buf, dst).is_err());
+            if run.len() == 1 && run[0].1 - run[0].0 == 1 && pkts[run[0].0].n == 1 {
+                // One datagram in one piece: a plain sendto, without setting up the batch arrays.
+                let d = pkts[run[0].0];
+                errors += usize::from(self.send_to(d.parts[0], d.dst).is_err());
                 continue;
             }
             let s = if v4 { self.v4.as_ref() } else { self.v6.as_ref() };
@@ -245,23 +271,27 @@ impl UdpPort {
             // SAFETY: all-zero values of these plain C structs are valid.
             let mut addrs: [RawAddr; BATCH] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.
-            let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            let mut iovs: [libc::iovec; BATCH * MAX_PARTS] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut cmsgs = [[0u64; 4]; BATCH];
             let mut iov_at = 0;
             for (m, &(a, b)) in run.iter().enumerate() {
-                let (ss, len) = sockaddr_of(&pkts[a].1);
+                let (ss, len) = sockaddr_of(&pkts[a].dst);
                 addrs[m] = ss;
-                for (k, (buf, _)) in pkts[a..b].iter().enumerate() {
-                    iovs[iov_at + k] = libc::iovec { iov_base: buf.as_ptr() as *mut libc::c_void, iov_len: buf.len() };
+                let first = iov_at;
+                for d in &pkts[a..b] {
+                    for part in &d.parts[..d.n] {
+                        iovs[iov_at] =
+                            libc::iovec { iov_base: part.as_ptr() as *mut libc::c_void, iov_len: part.len() };
+                        iov_at += 1;
+                    }
                 }
                 let h = &mut msgs[m].msg_hdr;
                 h.msg_name = &mut addrs[m] as *mut _ as *mut libc::c_void;
                 h.msg_namelen = len;
-                h.msg_iov = &mut iovs[iov_at];
-                h.msg_iovlen = b - a;
-                iov_at += b - a;
+                h.msg_iov = &mut iovs[first];
+                h.msg_iovlen = iov_at - first;
                 if b - a > 1 {
                     // SAFETY: the control buffer is 32 bytes, enough for CMSG_SPACE(2) (24 on
                     // 64-bit Linux), aligned for cmsghdr; CMSG_FIRSTHDR/CMSG_DATA stay inside it.
@@ -272,7 +302,7 @@ impl UdpPort {
                         (*c).cmsg_level = libc::SOL_UDP;
                         (*c).cmsg_type = UDP_SEGMENT;
                         (*c).cmsg_len = libc::CMSG_LEN(2) as usize;
-                        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, pkts[a].0.len() as u16);
+                        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, pkts[a].len() as u16);
                     }
                 }
             }

@@ -22,8 +22,10 @@ use std::time::Duration;
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{
-    seal_udp_payload, seal_udp_payload_ident, ud_grh_area, verify_udp_payload_ident, UdpVerdict, VerifyStats,
+    seal_udp_payload, seal_udp_payload_ident, ud_grh_area, udp_payload_icrc_parts, verify_udp_payload_ident,
+    UdpVerdict, VerifyStats,
 };
+use softrdma_wire::ICRC_LEN;
 
 use crate::cm::CmState;
 use crate::error::{Error, Result};
@@ -83,6 +85,17 @@ fn add_delta(acc: &mut Counters, before: &Counters, after: &Counters) {
         ack_timeouts,
         cq_overflow
     );
+}
+
+/// Smallest payload the engine leaves in registered memory for the flush to send in place (an
+/// iovec into the region instead of a copy into the transmit slot); below it the copy is cheaper
+/// than the extra iovec entries and the ICRC in pieces. `SOFTRDMA_COPY_TX=1` copies every payload.
+fn defer_payload_min() -> usize {
+    if std::env::var_os("SOFTRDMA_COPY_TX").is_some() {
+        0
+    } else {
+        1024
+    }
 }
 
 /// Everything behind the device lock.
@@ -189,7 +202,13 @@ impl Device {
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
-        let config = Config { port_mtu, max_rd_atomic, adaptive_window: true, ..Config::default() };
+        let config = Config {
+            port_mtu,
+            max_rd_atomic,
+            adaptive_window: true,
+            defer_payload_min: defer_payload_min(),
+            ..Config::default()
+        };
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
         wake_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         wake_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
@@ -272,6 +291,8 @@ impl Device {
             let mut meta =
                 [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
             let mut slots = [0usize; udp::BATCH];
+            // Packets whose payload goes out from registered memory (`Config::defer_payload_min`).
+            let mut in_place = [None; udp::BATCH];
             let (mut n, mut k) = (0, 0);
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
@@ -289,6 +310,16 @@ impl Device {
                     *tx_errors += 1;
                     continue;
                 };
+                if let Some(d) = &t.deferred {
+                    match mem.in_place(d, slot) {
+                        Ok(ip) => in_place[k] = ip,
+                        // The engine checked the keys under this lock: cannot happen.
+                        Err(_) => {
+                            *tx_errors += 1;
+                            continue;
+                        }
+                    }
+                }
                 meta[k] = (t.len, dst, src);
                 slots[k] = i;
                 k += 1;
@@ -311,14 +342,31 @@ impl Device {
                 for j in a..b {
                     let (len, dst, src) = meta[j];
                     let pkt = &mut tx_buf[slots[j] * TX_SLOT..][..len];
-                    if seal_udp_payload_ident(src, dst, pkt, (j - a) as u16).is_err() {
+                    let sealed = match &in_place[j] {
+                        None => seal_udp_payload_ident(src, dst, pkt, (j - a) as u16),
+                        Some(ip) => {
+                            let (mut parts, np) = ip.parts(pkt);
+                            // The ICRC covers everything before its own four bytes.
+                            parts[np - 1] = &parts[np - 1][..parts[np - 1].len() - ICRC_LEN];
+                            udp_payload_icrc_parts(src, dst, &parts[..np], (j - a) as u16)
+                                .and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
+                        }
+                    };
+                    if sealed.is_err() {
                         ok[j] = false;
                     }
                 }
             }
-            let mut pkts: [(&[u8], SocketAddr); udp::BATCH] = [(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            let mut pkts = [udp::Datagram::one(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
             for j in 0..k {
-                pkts[j] = (&tx_buf[slots[j] * TX_SLOT..][..meta[j].0], meta[j].1);
+                let pkt = &tx_buf[slots[j] * TX_SLOT..][..meta[j].0];
+                pkts[j] = match &in_place[j] {
+                    None => udp::Datagram::one(pkt, meta[j].1),
+                    Some(ip) => {
+                        let (parts, n) = ip.parts(pkt);
+                        udp::Datagram { parts, n, dst: meta[j].1 }
+                    }
+                };
             }
             // A packet that could not be sealed is sent anyway (the peer drops it, the transport
             // retransmits) so the groups stay intact; it cannot happen for packets the engine built.

@@ -393,6 +393,19 @@ fn socket_icrc(
     ident: u16,
     df: bool,
 ) -> Result<u32> {
+    socket_icrc_parts(src, dst, &[covered], udp_payload_len, ident, df)
+}
+
+/// [`socket_icrc`] over `covered` given in parts (concatenated in order; the first holds at least
+/// the BTH).
+fn socket_icrc_parts(
+    src: SocketAddr,
+    dst: SocketAddr,
+    parts: &[&[u8]],
+    udp_payload_len: usize,
+    ident: u16,
+    df: bool,
+) -> Result<u32> {
     let mut b = [0u8; ONE_PASS];
     b[..MASKED_LRH.len()].copy_from_slice(&MASKED_LRH);
     let mut at = MASKED_LRH.len();
@@ -436,19 +449,23 @@ fn socket_icrc(
     u[6] = 0xff;
     u[7] = 0xff;
     at += udp::HEADER_LEN;
-    if covered.len() < BTH_LEN {
+    let (first, rest) = parts.split_first().ok_or(Error::Truncated)?;
+    if first.len() < BTH_LEN {
         return Err(Error::Truncated);
     }
     let mut h = Hasher::new();
-    if at + covered.len() <= ONE_PASS {
-        b[at..at + covered.len()].copy_from_slice(covered);
+    if rest.is_empty() && at + first.len() <= ONE_PASS {
+        b[at..at + first.len()].copy_from_slice(first);
         b[at + 4] = 0xff; // BTH resv8a
-        h.update(&b[..at + covered.len()]);
+        h.update(&b[..at + first.len()]);
     } else {
-        b[at..at + BTH_LEN].copy_from_slice(&covered[..BTH_LEN]);
+        b[at..at + BTH_LEN].copy_from_slice(&first[..BTH_LEN]);
         b[at + 4] = 0xff;
         h.update(&b[..at + BTH_LEN]);
-        h.update(&covered[BTH_LEN..]);
+        h.update(&first[BTH_LEN..]);
+        for p in rest {
+            h.update(p);
+        }
     }
     Ok(h.finalize())
 }
@@ -513,6 +530,15 @@ pub fn seal_udp_payload_ident(src: SocketAddr, dst: SocketAddr, ib: &mut [u8], i
     let (covered, _) = icrc::split(ib)?;
     let crc = socket_icrc(src, dst, covered, ib.len(), ident, true)?;
     icrc::store(ib, crc)
+}
+
+/// [`seal_udp_payload_ident`] for a packet given in parts, as a sender gathering it with an iovec
+/// has it: `parts` concatenated are the IB packet from the BTH up to (not including) the ICRC, the
+/// first part holding at least the BTH. Returns the ICRC for the packet's last four bytes
+/// (little-endian, as [`icrc::store`] writes it).
+pub fn udp_payload_icrc_parts(src: SocketAddr, dst: SocketAddr, parts: &[&[u8]], ident: u16) -> Result<u32> {
+    let covered: usize = parts.iter().map(|p| p.len()).sum();
+    socket_icrc_parts(src, dst, parts, covered + crate::ICRC_LEN, ident, true)
 }
 
 /// [`verify_udp_payload`] for a datagram expected to carry IPv4 identification `ident` with DF
@@ -778,6 +804,11 @@ mod tests {
                     let (h, ip_len) = socket_headers(src, dst, len + 4, ident, df).unwrap();
                     let want = icrc::roce_v2(&h[..ip_len], &h[ip_len..ip_len + udp::HEADER_LEN], &covered).unwrap();
                     assert_eq!(socket_icrc(src, dst, &covered, len + 4, ident, df).unwrap(), want, "{src} {len}");
+                    if df {
+                        let (a, rest) = covered.split_at(12 + (len - 12) / 3);
+                        let (b, c) = rest.split_at(rest.len() / 2);
+                        assert_eq!(udp_payload_icrc_parts(src, dst, &[a, b, c], ident).unwrap(), want);
+                    }
                 }
             }
         }
