@@ -235,6 +235,11 @@ impl<'a> Datagram<'a> {
     pub fn len(&self) -> usize {
         self.parts[..self.n].iter().map(|p| p.len()).sum()
     }
+
+    /// No bytes at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl UdpPort {
@@ -247,7 +252,9 @@ impl UdpPort {
     /// `groups` (from [`gso_groups`], or one group per datagram) says which datagrams go out as one
     /// GSO send: the kernel cuts it into datagrams of the first one's size. A full socket buffer
     /// drops what did not fit, as [`UdpPort::send_to`] does; other refusals drop that message.
-    /// Returns how many datagrams were refused.
+    /// Returns how many datagrams were refused. A datagram's pieces become consecutive iovec
+    /// entries (a GSO send's iovec holds all its datagrams' pieces; the kernel cuts by length, not
+    /// by entry).
     pub fn send_batch(&self, pkts: &[Datagram<'_>], groups: &[(usize, usize)]) -> usize {
         let mut errors = 0;
         let mut g0 = 0;
