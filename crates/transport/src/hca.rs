@@ -471,9 +471,9 @@ impl Hca {
         self.qps.values().filter_map(|q| q.next_deadline()).min()
     }
 
-    /// Whether a QP may have a packet to send: when false, [`Hca::poll_transmit`] returns `None`
-    /// (a caller can skip setting up a transmit batch).
-    pub fn transmit_pending(&self) -> bool {
+    /// Whether [`Hca::poll_transmit`] may have a packet: false means it would return `None` (a
+    /// driver polling in a tight loop skips setting up its transmit batch).
+    pub fn has_transmit(&self) -> bool {
         !self.ready.is_empty()
     }
 

@@ -287,7 +287,7 @@ impl Device {
         }
         let State { hca, mem, tx_buf, tx_errors, qp_traffic, .. } = &mut *st;
         let gso = self.port.gso();
-        while hca.transmit_pending() {
+        while hca.has_transmit() {
             let mut meta =
                 [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
             let mut slots = [0usize; udp::BATCH];
