@@ -454,7 +454,7 @@ impl Device {
                 match (st.qp_traffic.is_some(), qpn) {
                     (true, Some(qpn)) => {
                         let before = *st.hca.counters();
-                        st.hca.handle_packet(now, payload, &rx, &mut st.mem);
+                        st.hca.handle_parsed(now, &ib, &rx, &mut st.mem);
                         let after = *st.hca.counters();
                         if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
                             c.pkts[2] += 1;
@@ -462,7 +462,7 @@ impl Device {
                             add_delta(&mut c.engine, &before, &after);
                         }
                     }
-                    _ => st.hca.handle_packet(now, payload, &rx, &mut st.mem),
+                    _ => st.hca.handle_parsed(now, &ib, &rx, &mut st.mem),
                 }
             }
         }
