@@ -11,6 +11,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
+use std::mem::MaybeUninit;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
@@ -30,7 +31,7 @@ use softrdma_wire::ICRC_LEN;
 use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
-use crate::memory::MrTable;
+use crate::memory::{InPlace, MrTable};
 
 /// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
 const TX_SLOT: usize = 4096 + 512;
@@ -292,7 +293,9 @@ impl Device {
                 [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
             let mut slots = [0usize; udp::BATCH];
             // Packets whose payload goes out from registered memory (`Config::defer_payload_min`).
-            let mut in_place = [None; udp::BATCH];
+            // Entry j is written for every packet of the batch (j < k) before it is read, and left
+            // uninitialised beyond: the flush runs once per post, so idle entries must cost nothing.
+            let mut in_place = [const { MaybeUninit::<Option<InPlace>>::uninit() }; udp::BATCH];
             let (mut n, mut k) = (0, 0);
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
@@ -310,16 +313,18 @@ impl Device {
                     *tx_errors += 1;
                     continue;
                 };
-                if let Some(d) = &t.deferred {
-                    match mem.in_place(d, slot) {
-                        Ok(ip) => in_place[k] = ip,
+                let ip = match &t.deferred {
+                    None => None,
+                    Some(d) => match mem.in_place(d, slot) {
+                        Ok(ip) => ip,
                         // The engine checked the keys under this lock: cannot happen.
                         Err(_) => {
                             *tx_errors += 1;
                             continue;
                         }
-                    }
-                }
+                    },
+                };
+                in_place[k].write(ip);
                 meta[k] = (t.len, dst, src);
                 slots[k] = i;
                 k += 1;
@@ -337,6 +342,9 @@ impl Device {
                 }
                 k
             };
+            // SAFETY: entries 0..k were written in the loop above (every `k += 1` follows a write).
+            let in_place: &[Option<InPlace>] =
+                unsafe { std::slice::from_raw_parts(in_place.as_ptr() as *const Option<InPlace>, k) };
             let mut ok = [true; udp::BATCH];
             for &(a, b) in &groups[..ng] {
                 for j in a..b {
@@ -357,21 +365,25 @@ impl Device {
                     }
                 }
             }
-            let mut pkts = [udp::Datagram::one(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            // Uninitialised beyond k, as `in_place`.
+            let mut pkts = [const { MaybeUninit::<udp::Datagram<'_>>::uninit() }; udp::BATCH];
             for j in 0..k {
                 let pkt = &tx_buf[slots[j] * TX_SLOT..][..meta[j].0];
-                pkts[j] = match &in_place[j] {
+                pkts[j].write(match &in_place[j] {
                     None => udp::Datagram::one(pkt, meta[j].1),
                     Some(ip) => {
                         let (parts, n) = ip.parts(pkt);
                         udp::Datagram { parts, n, dst: meta[j].1 }
                     }
-                };
+                });
             }
+            // SAFETY: entries 0..k were written just above.
+            let pkts: &[udp::Datagram<'_>] =
+                unsafe { std::slice::from_raw_parts(pkts.as_ptr() as *const udp::Datagram<'_>, k) };
             // A packet that could not be sealed is sent anyway (the peer drops it, the transport
             // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
             *tx_errors += ok[..k].iter().filter(|o| !**o).count() as u64;
-            *tx_errors += self.port.send_batch(&pkts[..k], &groups[..ng]) as u64;
+            *tx_errors += self.port.send_batch(pkts, &groups[..ng]) as u64;
             if n < udp::BATCH {
                 break;
             }
