@@ -120,7 +120,6 @@ fn process_vm(pid: u32, addr: u64, local: *mut u8, len: usize, write: bool) -> c
     }
 }
 
-/// The device's region table: keys to buffers, with PD, bounds and rights.
 /// Hashes a region key for [`MrTable`]: one multiplication folded to 64 bits, instead of the
 /// standard library's SipHash (a keyed hash against collision attacks, ~100 instructions per
 /// lookup, and lookups are per packet). Only the device inserts keys, and it allocates them
@@ -148,6 +147,7 @@ impl std::hash::Hasher for KeyHasher {
 
 type KeyMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<KeyHasher>>;
 
+/// The device's region table: keys to buffers, with PD, bounds and rights.
 #[derive(Debug, Default)]
 pub(crate) struct MrTable {
     entries: KeyMap<Entry>,
