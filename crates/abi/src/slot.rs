@@ -18,7 +18,7 @@
 
 use softrdma_transport::wr::{Payload, UdDest};
 use softrdma_transport::{
-    AddressVector, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus, WorkCompletion,
+    AddressVector, RecvWr, SendFlags, SendOp, SendWr, Sge, SgeList, WcFlags, WcOpcode, WcStatus, WorkCompletion,
 };
 use softrdma_wire::Qpn;
 
@@ -71,7 +71,7 @@ fn put_sges(b: &mut [u8], at: usize, sgl: &[Sge]) {
     }
 }
 
-fn sges(b: &[u8], at: usize, n: usize) -> Vec<Sge> {
+fn sges(b: &[u8], at: usize, n: usize) -> SgeList {
     (0..n)
         .map(|i| {
             let o = at + i * SGE_LEN;
@@ -321,9 +321,11 @@ mod tests {
         ];
         let size = send_slot_size(4, 64) as usize;
         for op in ops {
-            for payload in
-                [Payload::Sgl(vec![sge(1), sge(2), sge(3)]), Payload::Inline(vec![0xab; 64]), Payload::Sgl(vec![])]
-            {
+            for payload in [
+                Payload::Sgl(vec![sge(1), sge(2), sge(3)].into()),
+                Payload::Inline(vec![0xab; 64]),
+                Payload::Sgl(vec![].into()),
+            ] {
                 for ud in [None, Some(UdDest { av, remote_qpn: Qpn::new(0x42), remote_qkey: 0x1111 })] {
                     let wr = SendWr {
                         wr_id: 0xfeed,
@@ -341,7 +343,7 @@ mod tests {
         let wr = SendWr {
             wr_id: 1,
             op: SendOp::Send,
-            payload: Payload::Sgl(vec![sge(1); 3]),
+            payload: Payload::Sgl(vec![sge(1); 3].into()),
             flags: SendFlags::NONE,
             ud: None,
         };
@@ -354,7 +356,7 @@ mod tests {
 
     #[test]
     fn recv_and_cqe_round_trip() {
-        let wr = RecvWr { wr_id: 3, sgl: vec![Sge { addr: 1, length: 2, lkey: 3 }] };
+        let wr = RecvWr { wr_id: 3, sgl: vec![Sge { addr: 1, length: 2, lkey: 3 }].into() };
         let mut slot = vec![0xee; recv_slot_size(2) as usize];
         encode_recv(&wr, &mut slot).unwrap();
         assert_eq!(decode_recv(&slot, 2).unwrap(), wr);

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use softrdma_verbs::{
     Access, CompletionQueue, ConnectParams, Context, DeviceBuilder, MemoryRegion, Mtu, Payload, ProtectionDomain, Psn,
-    QpCap, QpInitAttr, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
-    ROCE_PORT,
+    QpCap, QpInitAttr, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, Sge, SgeList, WcOpcode, WcStatus,
+    WorkCompletion, ROCE_PORT,
 };
 
 /// Options of `softrdma demo`.
@@ -63,7 +63,7 @@ fn wait(cq: &CompletionQueue, n: usize) -> Result<Vec<WorkCompletion>, String> {
 }
 
 fn wr(id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
-    SendWr { wr_id: id, op, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud: None }
+    SendWr { wr_id: id, op, payload: Payload::Sgl(sgl.into()), flags: SendFlags::SIGNALED, ud: None }
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -120,7 +120,7 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     // SEND with immediate.
     let data = pattern(4096, 1);
     a.mr.write(0, &data).map_err(|e| e.to_string())?;
-    b.qp.post_recv(RecvWr { wr_id: 100, sgl: vec![b.mr.sge(0, 8192).map_err(|e| e.to_string())?] })
+    b.qp.post_recv(RecvWr { wr_id: 100, sgl: [b.mr.sge(0, 8192).map_err(|e| e.to_string())?].into() })
         .map_err(|e| e.to_string())?;
     a.qp.post_send(wr(1, SendOp::SendWithImm(0xc0ffee), vec![a.mr.sge(0, 4096).map_err(|e| e.to_string())?]))
         .map_err(|e| e.to_string())?;
@@ -145,7 +145,7 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     // RDMA WRITE with immediate.
     let data = pattern(65536, 3);
     a.mr.write(0, &data).map_err(|e| e.to_string())?;
-    b.qp.post_recv(RecvWr { wr_id: 101, sgl: vec![] }).map_err(|e| e.to_string())?;
+    b.qp.post_recv(RecvWr { wr_id: 101, sgl: SgeList::new() }).map_err(|e| e.to_string())?;
     a.qp.post_send(wr(
         3,
         SendOp::WriteWithImm { remote_addr: b.mr.addr(), rkey: b.mr.rkey(), imm: 0x5eed },
@@ -238,7 +238,7 @@ fn demo(args: &DemoArgs) -> Result<(), String> {
     for i in 0..ITERS {
         for h in [&a, &b] {
             let sgl = vec![h.mr.sge(REGION - 64, 64).map_err(|e| e.to_string())?];
-            h.qp.post_recv(RecvWr { wr_id: 200 + i as u64, sgl }).map_err(|e| e.to_string())?;
+            h.qp.post_recv(RecvWr { wr_id: 200 + i as u64, sgl: sgl.into() }).map_err(|e| e.to_string())?;
         }
         let t = Instant::now();
         a.qp.post_send(wr(i as u64, SendOp::Send, vec![a.mr.sge(0, 64).map_err(|e| e.to_string())?]))

@@ -11,7 +11,7 @@
 //! Two figures perftest does not print follow the table:
 //! * CPU time per GB moved: user + system time of both sides (`getrusage(RUSAGE_SELF)` around each
 //!   size, the server's sent to the client over the TCP connection), divided by the payload bytes;
-//! * copies per payload byte, counted from the code path (see [`COPIES`]).
+//! * copies per payload byte, counted from the code path (see [`copies`]).
 //!
 //! Measurement follows perftest: bandwidth tests keep `-t` work requests in flight per QP and
 //! signal every `-Q`-th; the average is payload bytes over the time from the first post to the last
@@ -33,20 +33,29 @@ use clap::{Args, ValueEnum};
 use softrdma_verbs::{
     devices, open_device, Access, AddressHandle, AhAttr, CompletionQueue, ConnectParams, Context, DeviceBuilder, Gid,
     MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, Qpn, QueuePair, RecvWr, SendFlags,
-    SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    SendOp, SendWr, SgeList, WcOpcode, WcStatus, WorkCompletion,
 };
 
-/// How a payload byte travels on the path these tests use, one entry per copy. Keep it in step
-/// with the data path (crates/transport requester/responder, crates/verbs runtime/io):
-/// the requester gathers from registered memory into the packet buffer; `sendmsg` copies the
-/// datagram into a kernel buffer; `recvmsg` copies it out into the receive buffer; the responder
-/// scatters it into registered memory. The ICRC reads the payload once on each side (not copies).
-pub const COPIES: &[(&str, u32)] = &[
-    ("gather into the packet buffer", 1),
-    ("kernel sendmsg", 1),
-    ("kernel recvmsg", 1),
-    ("scatter into registered memory", 1),
-];
+/// Request payloads from this many bytes on leave from registered memory (the devices'
+/// `defer_payload_min`, crates/verbs runtime): `sendmsg` gathers them from the region itself.
+pub const IN_PLACE_FROM: u64 = 1024;
+
+/// How a payload byte of a `verb` message of `size` bytes travels, one entry per copy. Keep it in
+/// step with the data path (crates/transport requester/responder, crates/verbs runtime/io): the
+/// requester gathers from registered memory into the packet buffer, except for SEND and WRITE
+/// payloads from [`IN_PLACE_FROM`] bytes on (`sendmsg` then reads them from the region; READ
+/// responses are still gathered); `sendmsg` copies the datagram into a kernel buffer; `recvmsg`
+/// copies it out into the receive buffer; the responder scatters it into registered memory. The
+/// ICRC reads the payload once on each side (not copies).
+fn copies(verb: Verb, size: u64) -> [(&'static str, u32); 4] {
+    let in_place = matches!(verb, Verb::Write | Verb::Send) && size >= IN_PLACE_FROM;
+    [
+        ("gather into the packet buffer", u32::from(!in_place)),
+        ("kernel sendmsg", 1),
+        ("kernel recvmsg", 1),
+        ("scatter into registered memory", 1),
+    ]
+}
 
 const RESULT_LINE: &str = "---------------------------------------------------------------------------------------";
 const DEF_QKEY: u32 = 0x1111_1111;
@@ -640,7 +649,7 @@ impl Side {
     fn post_recv(&mut self, i: usize) -> Result<(), String> {
         let sge = self.mr.sge(0, self.slot).map_err(|e| e.to_string())?;
         self.qps[i]
-            .post_recv(RecvWr { wr_id: i as u64, sgl: vec![sge] })
+            .post_recv(RecvWr { wr_id: i as u64, sgl: SgeList::one(sge) })
             .map_err(|e| format!("Couldn't post receive: {e}"))?;
         self.rx_posted[i] += 1;
         Ok(())
@@ -662,7 +671,7 @@ impl Side {
         Ok(SendWr {
             wr_id,
             op,
-            payload: Payload::Sgl(vec![sge]),
+            payload: Payload::Sgl(SgeList::one(sge)),
             flags: if signaled { SendFlags::SIGNALED } else { SendFlags::NONE },
             ud: self.ahs.get(i).map(|ah| ah.ud(Qpn::new(r.qpn), DEF_QKEY)),
         })
@@ -1271,7 +1280,7 @@ struct CpuLine {
     bytes: u64,
 }
 
-fn print_extras(out: &Out, cpu: &[CpuLine]) {
+fn print_extras(out: &Out, verb: Verb, cpu: &[CpuLine]) {
     for c in cpu {
         let cpu = (c.user + c.sys).as_secs_f64();
         let gb = c.bytes as f64 / 1e9;
@@ -1284,8 +1293,10 @@ fn print_extras(out: &Out, cpu: &[CpuLine]) {
             gb
         ));
     }
-    let total: u32 = COPIES.iter().map(|c| c.1).sum();
-    let parts: Vec<String> = COPIES.iter().map(|(what, n)| format!("{what} {n}")).collect();
+    // Of the largest size run (with -a, smaller sizes may take the copying path).
+    let copies = copies(verb, cpu.iter().map(|c| c.size).max().unwrap_or(0));
+    let total: u32 = copies.iter().map(|c| c.1).sum();
+    let parts: Vec<String> = copies.iter().map(|(what, n)| format!("{what} {n}")).collect();
     out.line(&format!(
         " Copies per byte : {total} ({}; plus one ICRC pass over the payload on each side)",
         parts.join(", ")
@@ -1470,7 +1481,7 @@ fn run_side(
     }
     out.line(RESULT_LINE);
     if !passive_lat {
-        print_extras(out, &cpu);
+        print_extras(out, plan.test.verb(), &cpu);
     }
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());

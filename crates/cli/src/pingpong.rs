@@ -15,7 +15,7 @@ use softrdma_device::registry::{RegistryError, Source};
 use softrdma_device::Registry;
 use softrdma_verbs::{
     devices, open_device, Access, CompletionQueue, ConnectParams, Context, Gid, Mtu, Payload, Psn, QpCap, QpInitAttr,
-    QpType, Qpn, RecvWr, SendFlags, SendOp, SendWr, WcStatus, WorkCompletion,
+    QpType, Qpn, RecvWr, SendFlags, SendOp, SendWr, SgeList, WcStatus, WorkCompletion,
 };
 
 /// Flags of `ibv_rc_pingpong`.
@@ -192,7 +192,7 @@ fn pingpong(args: &PingpongArgs) -> Result<(), String> {
         .create_qp(&QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false })
         .map_err(|e| format!("Couldn't create QP: {e}"))?;
     qp.init(Access::NONE).map_err(|e| format!("Failed to modify QP to INIT: {e}"))?;
-    let recv = || RecvWr { wr_id: RECV_WRID, sgl: vec![mr.sge(0, args.size).expect("fits")] };
+    let recv = || RecvWr { wr_id: RECV_WRID, sgl: SgeList::one(mr.sge(0, args.size).expect("fits")) };
     for _ in 0..args.rx_depth {
         qp.post_recv(recv()).map_err(|e| format!("Couldn't post receive: {e}"))?;
     }
@@ -236,7 +236,7 @@ fn pingpong(args: &PingpongArgs) -> Result<(), String> {
     let send = || SendWr {
         wr_id: SEND_WRID,
         op: SendOp::Send,
-        payload: Payload::Sgl(vec![mr.sge(args.size, args.size).expect("fits")]),
+        payload: Payload::Sgl(SgeList::one(mr.sge(args.size, args.size).expect("fits"))),
         flags: SendFlags::SIGNALED,
         ud: None,
     };

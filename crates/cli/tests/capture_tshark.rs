@@ -340,7 +340,7 @@ fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
 
 fn post(h: &Host, qp: &QueuePair, op: SendOp, off: usize, len: usize, ud: Option<softrdma_verbs::UdDest>) {
     let sgl = vec![h.mr.sge(off, len).unwrap()];
-    qp.post_send(SendWr { wr_id: 1, op, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud }).unwrap();
+    qp.post_send(SendWr { wr_id: 1, op, payload: Payload::Sgl(sgl.into()), flags: SendFlags::SIGNALED, ud }).unwrap();
 }
 
 /// One of every operation between two devices; returns the packets both sent.
@@ -372,7 +372,7 @@ fn traffic(addr_a: Ipv4Addr, addr_b: Ipv4Addr) -> u64 {
     for len in [0usize, 8, 1024, 3000] {
         // SEND, SEND with immediate, WRITE with immediate: each consumes a receive.
         for _ in 0..3 {
-            b.rc.post_recv(RecvWr { wr_id: 2, sgl: vec![b.mr.sge(16 << 10, 4096).unwrap()] }).unwrap();
+            b.rc.post_recv(RecvWr { wr_id: 2, sgl: vec![b.mr.sge(16 << 10, 4096).unwrap()].into() }).unwrap();
         }
         post(&a, &a.rc, SendOp::Send, 0, len, None);
         post(&a, &a.rc, SendOp::SendWithImm(0x1234_5678), 0, len, None);
@@ -390,7 +390,7 @@ fn traffic(addr_a: Ipv4Addr, addr_b: Ipv4Addr) -> u64 {
     // UD: SEND only, and SEND only with immediate.
     let ah = a.pd.create_ah(&AhAttr::new(b.ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
     for op in [SendOp::Send, SendOp::SendWithImm(7)] {
-        b.ud.post_recv(RecvWr { wr_id: 3, sgl: vec![b.mr.sge(16 << 10, 40 + 512).unwrap()] }).unwrap();
+        b.ud.post_recv(RecvWr { wr_id: 3, sgl: vec![b.mr.sge(16 << 10, 40 + 512).unwrap()].into() }).unwrap();
         post(&a, &a.ud, op, 0, 512, Some(ah.ud(b.ud.qpn(), 0x1111_1111)));
         wait(&a.cq, 1);
         wait(&b.cq, 1);

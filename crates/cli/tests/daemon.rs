@@ -314,7 +314,13 @@ fn rc_qp(ctx: &Context) -> (ProtectionDomain, CompletionQueue, QueuePair) {
 }
 
 fn send(wr_id: u64, op: SendOp, mr: &MemoryRegion, off: usize, len: usize) -> SendWr {
-    SendWr { wr_id, op, payload: Payload::Sgl(vec![mr.sge(off, len).unwrap()]), flags: SendFlags::SIGNALED, ud: None }
+    SendWr {
+        wr_id,
+        op,
+        payload: Payload::Sgl(vec![mr.sge(off, len).unwrap()].into()),
+        flags: SendFlags::SIGNALED,
+        ud: None,
+    }
 }
 
 const MSGS: usize = 100;
@@ -336,7 +342,7 @@ fn rc_role(ctx: &Context) {
     read_area.write(0, &pattern(me, b'R', AREA)).unwrap();
     qp.init(RW).unwrap();
     for i in 0..=MSGS {
-        qp.post_recv(RecvWr { wr_id: 1000 + i as u64, sgl: vec![recv_mr.sge(i * MSG, MSG).unwrap()] }).unwrap();
+        qp.post_recv(RecvWr { wr_id: 1000 + i as u64, sgl: vec![recv_mr.sge(i * MSG, MSG).unwrap()].into() }).unwrap();
     }
     let gid = ctx.query_gid(1, 1).unwrap();
     out(&format!("{me} {} {} {} {}", write_area.addr(), write_area.rkey(), read_area.addr(), read_area.rkey()));
@@ -415,7 +421,7 @@ fn ud_role(ctx: &Context) {
         let mut p = pattern(me, i as u8, LEN);
         p[..4].copy_from_slice(&(i as u32).to_le_bytes());
         smr.write(i * LEN, &p).unwrap();
-        qp.post_recv(RecvWr { wr_id: i as u64, sgl: vec![rmr.sge(i * (LEN + 40), LEN + 40).unwrap()] }).unwrap();
+        qp.post_recv(RecvWr { wr_id: i as u64, sgl: vec![rmr.sge(i * (LEN + 40), LEN + 40).unwrap()].into() }).unwrap();
     }
     out(&me.to_string());
     let peer: u32 = input().parse().unwrap();
@@ -424,7 +430,7 @@ fn ud_role(ctx: &Context) {
         let wr = SendWr {
             wr_id: i as u64,
             op: SendOp::Send,
-            payload: Payload::Sgl(vec![smr.sge(i * LEN, LEN).unwrap()]),
+            payload: Payload::Sgl(vec![smr.sge(i * LEN, LEN).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: Some(ah.ud(softrdma_verbs::Qpn::new(peer), 0x1111_1111)),
         };
@@ -511,7 +517,7 @@ fn selftest_role(ctx: &Context) {
     let dst = pd.reg_mr(AREA, RW).unwrap();
     src.write(0, &pattern(1, b'X', AREA)).unwrap();
     b.init(RW).unwrap();
-    b.post_recv(RecvWr { wr_id: 7, sgl: vec![dst.sge(0, 4096).unwrap()] }).unwrap();
+    b.post_recv(RecvWr { wr_id: 7, sgl: vec![dst.sge(0, 4096).unwrap()].into() }).unwrap();
     a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
     b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
     a.post_send(send(1, SendOp::Send, &src, 0, 4096)).unwrap();
@@ -544,7 +550,7 @@ fn selftest_role(ctx: &Context) {
         })
         .unwrap();
     ud.bring_up_ud(9, Psn::new(0)).unwrap();
-    srq.post_recv(RecvWr { wr_id: 77, sgl: vec![dst.sge(0, 1024).unwrap()] }).unwrap();
+    srq.post_recv(RecvWr { wr_id: 77, sgl: vec![dst.sge(0, 1024).unwrap()].into() }).unwrap();
     ecq.req_notify(false).unwrap();
     let ah = pd.create_ah(&AhAttr::new(gid, 1)).unwrap();
     let wr = SendWr {
@@ -579,14 +585,14 @@ fn nopoll_role(ctx: &Context) {
     let mr = pd.reg_mr(64 * 128, Access::LOCAL_WRITE).unwrap();
     qp.bring_up_ud(7, Psn::new(0)).unwrap();
     for i in 0..32 {
-        qp.post_recv(RecvWr { wr_id: i, sgl: vec![mr.sge(i as usize * 128, 128).unwrap()] }).unwrap();
+        qp.post_recv(RecvWr { wr_id: i, sgl: vec![mr.sge(i as usize * 128, 128).unwrap()].into() }).unwrap();
     }
     let ah = pd.create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
     for i in 0..32 {
         let wr = SendWr {
             wr_id: i,
             op: SendOp::Send,
-            payload: Payload::Sgl(vec![mr.sge(32 * 128, 64).unwrap()]),
+            payload: Payload::Sgl(vec![mr.sge(32 * 128, 64).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: Some(ah.ud(qp.qpn(), 7)),
         };
@@ -663,7 +669,7 @@ fn cm_server_role(ctx: &Context) {
     let (pd, cq, qp) = rc_qp(ctx);
     let mr = pd.reg_mr(16384, RW).unwrap();
     qp.init(RW).unwrap();
-    qp.post_recv(RecvWr { wr_id: 1, sgl: vec![mr.sge(0, 8192).unwrap()] }).unwrap();
+    qp.post_recv(RecvWr { wr_id: 1, sgl: vec![mr.sge(0, 8192).unwrap()].into() }).unwrap();
     let req = ch.get_event(ctx, CM_WAIT).expect("connect request");
     assert!(matches!(req.kind, CmEventKind::ConnectRequest { .. }), "{req:?}");
     assert_eq!(&req.conn.private_data[..21], b"hello from the client");

@@ -45,7 +45,8 @@ fn loopback(test: &str, udp_port: u16, extra: &[&str]) -> String {
     assert!(out.contains(" remote address: LID 0000 QPN 0x"), "{out}");
     assert!(out.contains(" GID: 00:00:00:00:00:00:00:00:00:00:255:255:127:00:77:0"), "{out}");
     assert!(out.contains("\n CPU time per GB : "), "{out}");
-    assert!(out.contains("\n Copies per byte : 4 ("), "{out}");
+    // 3 for WRITE and SEND payloads sent from registered memory (64 KiB here), 4 otherwise.
+    assert!(out.contains("\n Copies per byte : 4 (") || out.contains("\n Copies per byte : 3 ("), "{out}");
     out
 }
 

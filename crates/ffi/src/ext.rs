@@ -9,7 +9,7 @@ use std::ffi::{c_int, c_uint, c_void};
 use std::ptr;
 
 use softrdma_transport::wr::Payload;
-use softrdma_transport::{SendFlags, SendOp, SendWr, Sge, WorkCompletion};
+use softrdma_transport::{SendFlags, SendOp, SendWr, Sge, SgeList, WorkCompletion};
 
 use crate::abi::*;
 use crate::device::{query_device_ex, query_port};
@@ -313,7 +313,13 @@ unsafe fn begin(qp: *mut IbvQpEx, op: SendOp) {
     // SAFETY: an extended QP of ours; the public fields are readable.
     let (q, wr_id, flags) = unsafe { (qpx(qp), (*qp).wr_id, (*qp).wr_flags) };
     let mut b = q.batch.lock().unwrap_or_else(|p| p.into_inner());
-    b.wrs.push(SendWr { wr_id, op, payload: Payload::Sgl(Vec::new()), flags: SendFlags::from_bits(flags), ud: None });
+    b.wrs.push(SendWr {
+        wr_id,
+        op,
+        payload: Payload::Sgl(SgeList::new()),
+        flags: SendFlags::from_bits(flags),
+        ud: None,
+    });
 }
 
 /// Record a builder error, reported by `ibv_wr_complete`.
@@ -416,7 +422,7 @@ unsafe extern "C" fn wr_set_sge(qp: *mut IbvQpEx, lkey: u32, addr: u64, length: 
     // SAFETY: forwarded.
     unsafe {
         with_last(qp, |w| {
-            w.payload = Payload::Sgl(vec![Sge { addr, length, lkey }]);
+            w.payload = Payload::Sgl(SgeList::one(Sge { addr, length, lkey }));
             Ok(())
         })
     }

@@ -9,7 +9,7 @@ use std::ffi::{c_int, c_uint};
 use std::ptr;
 
 use softrdma_transport::wr::{Payload, UdDest};
-use softrdma_transport::{RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WorkCompletion};
+use softrdma_transport::{RecvWr, SendFlags, SendOp, SendWr, Sge, SgeList, WcFlags, WorkCompletion};
 use softrdma_wire::Qpn;
 
 use crate::abi::*;
@@ -20,11 +20,11 @@ use crate::objects::{to_ah, to_cq, to_qp, to_srq, Qp};
 ///
 /// # Safety
 /// `sg_list` holds `num_sge` readable elements when `num_sge > 0`.
-pub unsafe fn sges(sg_list: *const IbvSge, num_sge: c_int) -> Result<Vec<Sge>, c_int> {
+pub unsafe fn sges(sg_list: *const IbvSge, num_sge: c_int) -> Result<SgeList, c_int> {
     if num_sge < 0 || (num_sge > 0 && sg_list.is_null()) {
         return Err(libc::EINVAL);
     }
-    let mut v = Vec::with_capacity(num_sge as usize);
+    let mut v = SgeList::new();
     for i in 0..num_sge as usize {
         // SAFETY: in bounds of the caller's array.
         let s = unsafe { *sg_list.add(i) };

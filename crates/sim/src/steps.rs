@@ -44,7 +44,7 @@ impl Mr {
 
 /// A send WR with `SIGNALED` over the given SGEs.
 pub fn wr(wr_id: u64, op: SendOp, sgl: &[Sge]) -> SendWr {
-    SendWr { wr_id, op, payload: Payload::Sgl(sgl.to_vec()), flags: SendFlags::SIGNALED, ud: None }
+    SendWr { wr_id, op, payload: Payload::Sgl(sgl.into()), flags: SendFlags::SIGNALED, ud: None }
 }
 
 /// The same WR without `SIGNALED`.
@@ -61,7 +61,7 @@ pub fn flagged(mut w: SendWr, flag: SendFlags) -> SendWr {
 
 /// A receive WR.
 pub fn recv(wr_id: u64, sgl: &[Sge]) -> RecvWr {
-    RecvWr { wr_id, sgl: sgl.to_vec() }
+    RecvWr { wr_id, sgl: sgl.into() }
 }
 
 /// What a completion must be: (wr_id, status, opcode, byte_len).

@@ -4,7 +4,9 @@
 use core::time::Duration;
 
 use softrdma_transport::wr::Payload;
-use softrdma_transport::{Access, QpType, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion};
+use softrdma_transport::{
+    Access, QpType, RecvWr, SendFlags, SendOp, SendWr, Sge, SgeList, WcOpcode, WcStatus, WorkCompletion,
+};
 
 use crate::net::Net;
 use crate::pair::Endpoint;
@@ -112,7 +114,7 @@ impl Workload {
                 } else {
                     vec![Sge { addr: b_addr + op.off, length: op.len.max(1), lkey: b_key }]
                 };
-                net.post_recv(b, RecvWr { wr_id: i as u64, sgl }).expect("post recv");
+                net.post_recv(b, RecvWr { wr_id: i as u64, sgl: sgl.into() }).expect("post recv");
             }
         }
         net.rng().clone_from(&rng);
@@ -141,7 +143,13 @@ impl Workload {
             OpKind::FetchAdd => SendOp::FetchAdd { remote_addr: remote, rkey, add: i as u64 },
             OpKind::CmpSwap => SendOp::CompareSwap { remote_addr: remote, rkey, compare: 0, swap: i as u64 },
         };
-        SendWr { wr_id: i as u64, op: op_, payload: Payload::Sgl(vec![local]), flags: SendFlags::SIGNALED, ud: None }
+        SendWr {
+            wr_id: i as u64,
+            op: op_,
+            payload: Payload::Sgl(SgeList::one(local)),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        }
     }
 
     /// Post everything (as the send queue has room) and run until all completions are in, or

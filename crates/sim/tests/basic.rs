@@ -20,14 +20,14 @@ fn every_operation_once() {
     net.nodes[0].mem.region_mut(ka).bytes[..5000].copy_from_slice(&data);
 
     // SEND with immediate, 5000 bytes = 5 packets at MTU 1024.
-    net.post_recv(&b, RecvWr { wr_id: 100, sgl: vec![Sge { addr: vb, length: 8192, lkey: kb }] }).unwrap();
+    net.post_recv(&b, RecvWr { wr_id: 100, sgl: vec![Sge { addr: vb, length: 8192, lkey: kb }].into() }).unwrap();
     let sgl = vec![Sge { addr: va, length: 5000, lkey: ka }];
     net.post_send(
         &a,
         SendWr {
             wr_id: 1,
             op: SendOp::SendWithImm(0x1122_3344),
-            payload: Payload::Sgl(sgl.clone()),
+            payload: Payload::Sgl(sgl.clone().into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
@@ -39,7 +39,7 @@ fn every_operation_once() {
         SendWr {
             wr_id: 2,
             op: SendOp::Write { remote_addr: vb + 8192, rkey: kb },
-            payload: Payload::Sgl(sgl.clone()),
+            payload: Payload::Sgl(sgl.clone().into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
@@ -51,7 +51,7 @@ fn every_operation_once() {
         SendWr {
             wr_id: 3,
             op: SendOp::Read { remote_addr: vb + 8192, rkey: kb },
-            payload: Payload::Sgl(vec![Sge { addr: va + 16384, length: 5000, lkey: ka }]),
+            payload: Payload::Sgl(vec![Sge { addr: va + 16384, length: 5000, lkey: ka }].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
@@ -64,7 +64,7 @@ fn every_operation_once() {
         SendWr {
             wr_id: 4,
             op: SendOp::FetchAdd { remote_addr: vb + 32768, rkey: kb, add: 2 },
-            payload: Payload::Sgl(vec![Sge { addr: va + 32768, length: 8, lkey: ka }]),
+            payload: Payload::Sgl(vec![Sge { addr: va + 32768, length: 8, lkey: ka }].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
@@ -75,14 +75,14 @@ fn every_operation_once() {
         SendWr {
             wr_id: 5,
             op: SendOp::CompareSwap { remote_addr: vb + 32768, rkey: kb, compare: 42, swap: 7 },
-            payload: Payload::Sgl(vec![Sge { addr: va + 32776, length: 8, lkey: ka }]),
+            payload: Payload::Sgl(vec![Sge { addr: va + 32776, length: 8, lkey: ka }].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         },
     )
     .unwrap();
     // WRITE with immediate needs a receive.
-    net.post_recv(&b, RecvWr { wr_id: 101, sgl: vec![] }).unwrap();
+    net.post_recv(&b, RecvWr { wr_id: 101, sgl: vec![].into() }).unwrap();
     net.post_send(
         &a,
         SendWr {

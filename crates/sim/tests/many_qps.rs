@@ -38,7 +38,7 @@ fn run(seed: u64, loss: f64, budget: u32, burst: u32) -> Net {
             let wr = SendWr {
                 wr_id: (q * WRITES + w) as u64,
                 op: SendOp::Write { remote_addr: vb + off, rkey: kb },
-                payload: Payload::Sgl(vec![Sge { addr: va + off, length: LEN as u32, lkey: ka }]),
+                payload: Payload::Sgl([Sge { addr: va + off, length: LEN as u32, lkey: ka }].into()),
                 flags: SendFlags::SIGNALED,
                 ud: None,
             };

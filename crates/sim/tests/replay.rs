@@ -58,7 +58,9 @@ use softrdma_sim::replay::{
     CapturedPacket, Replay, Setup, Tagged,
 };
 use softrdma_transport::wr::Payload;
-use softrdma_transport::{Access, Counters, RecvWr, SendFlags, SendOp, SendWr, Sge, WcFlags, WcOpcode, WcStatus};
+use softrdma_transport::{
+    Access, Counters, RecvWr, SendFlags, SendOp, SendWr, Sge, SgeList, WcFlags, WcOpcode, WcStatus,
+};
 use softrdma_wire::opcode::Flags;
 use softrdma_wire::Psn;
 
@@ -115,11 +117,11 @@ fn wcs(r: &mut Replay) -> Vec<Wc> {
         .collect()
 }
 
-fn sge(lkey: u32, addr: u64, length: usize) -> Vec<Sge> {
-    vec![Sge { addr, length: length as u32, lkey }]
+fn sge(lkey: u32, addr: u64, length: usize) -> SgeList {
+    SgeList::one(Sge { addr, length: length as u32, lkey })
 }
 
-fn signaled(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
+fn signaled(wr_id: u64, op: SendOp, sgl: SgeList) -> SendWr {
     SendWr { wr_id, op, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud: None }
 }
 

@@ -30,7 +30,7 @@ fn writes(net: &mut Net, a: &Endpoint, ma: (u32, u64), mb: (u32, u64), n: u64, l
         let wr = SendWr {
             wr_id: first_id + i,
             op: SendOp::Write { remote_addr: mb.1 + u64::from(len) * (i % 16), rkey: mb.0 },
-            payload: Payload::Sgl(vec![Sge { addr: ma.1, length: len, lkey: ma.0 }]),
+            payload: Payload::Sgl([Sge { addr: ma.1, length: len, lkey: ma.0 }].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         };
@@ -100,7 +100,7 @@ fn a_lost_retransmission_is_probed_after_about_a_round_trip() {
         let wr = SendWr {
             wr_id: 1000 + i,
             op: SendOp::Write { remote_addr: mb.1, rkey: mb.0 },
-            payload: Payload::Sgl(vec![Sge { addr: ma.1, length: 3000, lkey: ma.0 }]),
+            payload: Payload::Sgl([Sge { addr: ma.1, length: 3000, lkey: ma.0 }].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         };

@@ -27,6 +27,13 @@ pub struct Config {
     /// no progress is probed again after about a round trip (the requester's RTT estimate) rather
     /// than the local ACK timeout. Purely local: the peer sees the same packets, only fewer at once.
     pub adaptive_window: bool,
+    /// Leave the payload of request packets of at least this many bytes (0: never) out of the
+    /// transmit buffer: [`crate::Transmit::deferred`] then says where in registered memory it is, so
+    /// the I/O layer can send it from there (an iovec pointing into the region) instead of the engine
+    /// copying it into the buffer first. The engine still checks the keys and bounds; the buffer
+    /// keeps a hole of the payload's size, and the ICRC is left for the I/O layer to compute (it
+    /// seals every packet anyway).
+    pub defer_payload_min: usize,
     /// Work per `poll_transmit`-driven requester step: at most this many packets from one QP before
     /// another QP gets a turn.
     pub burst: u32,
@@ -59,6 +66,7 @@ impl Default for Config {
             burst: 16,
             adaptive_window: false,
             device_inflight_packets: u32::MAX,
+            defer_payload_min: 0,
         }
     }
 }

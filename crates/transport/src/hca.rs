@@ -12,7 +12,7 @@ use crate::memory::MemoryAccess;
 use crate::qp::{Qp, QpInfo};
 use crate::stats::Counters;
 use crate::time::Instant;
-use crate::wr::{RecvWr, SendWr};
+use crate::wr::{RecvWr, SendWr, Sge};
 use softrdma_wire::{IbPacket, Qpn};
 
 pub use crate::qp::QpInfo as QueuePairInfo;
@@ -76,6 +76,35 @@ pub struct Transmit {
     pub src_qpn: Qpn,
     /// Destination QP.
     pub dest_qpn: Qpn,
+    /// The payload was left in registered memory (see [`crate::Config::defer_payload_min`]).
+    pub deferred: Option<DeferredPayload>,
+}
+
+/// A packet's payload left in registered memory: `buf[at..at + len]` is a hole the I/O layer fills
+/// (or sends around) with the pieces, in order. The keys, bounds and rights were checked when the
+/// packet was built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeferredPayload {
+    /// Offset of the payload in the packet.
+    pub at: usize,
+    /// Payload length (the sum of the pieces).
+    pub len: usize,
+    /// The protection domain the keys were checked in.
+    pub pd: PdId,
+    /// The pieces: `pieces[..n]` (`length` bytes at `addr` under local key `lkey`).
+    pub pieces: [Sge; DeferredPayload::MAX_PIECES],
+    /// Pieces used.
+    pub n: usize,
+}
+
+impl DeferredPayload {
+    /// Most pieces of one deferred payload; a packet whose payload spans more SGEs is copied.
+    pub const MAX_PIECES: usize = 2;
+
+    /// The pieces used.
+    pub fn pieces(&self) -> &[Sge] {
+        &self.pieces[..self.n]
+    }
 }
 
 /// A completion queue.
@@ -214,6 +243,10 @@ impl ReadyList {
 
     fn front(&self) -> Option<Qpn> {
         self.order.front().copied()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
     }
 
     fn pop_front(&mut self) -> Option<Qpn> {
@@ -593,19 +626,24 @@ impl Hca {
     /// A received IB transport packet (BTH through ICRC; the ICRC was checked by the I/O layer).
     /// Malformed packets and packets for unknown QPs are counted and dropped.
     pub fn handle_packet(&mut self, now: Instant, bytes: &[u8], rx: &RxInfo, mem: &mut dyn MemoryAccess) {
-        self.stats.rcvd_pkts += 1;
-        let pkt = match IbPacket::new_checked(bytes) {
-            Ok(p) => p,
+        match IbPacket::new_checked(bytes) {
+            Ok(p) => self.handle_parsed(now, &p, rx, mem),
             Err(_) => {
+                self.stats.rcvd_pkts += 1;
                 self.stats.drop_malformed += 1;
-                return;
             }
-        };
+        }
+    }
+
+    /// [`Hca::handle_packet`] for a packet already checked with [`IbPacket::new_checked`] (the I/O
+    /// layer parses it to verify the ICRC; parsing it again costs ~100 instructions per packet).
+    pub fn handle_parsed(&mut self, now: Instant, pkt: &IbPacket<&[u8]>, rx: &RxInfo, mem: &mut dyn MemoryAccess) {
+        self.stats.rcvd_pkts += 1;
         let qpn = pkt.bth().dest_qp();
         let (qps, mut book, mut ctx) = self.ctx(now, mem);
         match qps.get_mut(&qpn) {
             Some(qp) => {
-                qp.handle_packet(&pkt, &rx.grh, &mut ctx);
+                qp.handle_packet(pkt, &rx.grh, &mut ctx);
                 book.sync(qp);
             }
             None => ctx.stats.drop_unknown_qp += 1,
@@ -630,6 +668,12 @@ impl Hca {
     /// The earliest timer deadline.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.timers.by_time.first().map(|(at, _)| *at)
+    }
+
+    /// Whether [`Hca::poll_transmit`] may have a packet: false means it would return `None` (a
+    /// driver polling in a tight loop skips setting up its transmit batch).
+    pub fn has_transmit(&self) -> bool {
+        !self.ready.is_empty()
     }
 
     /// Write the next packet to send into `buf` (at least MTU + 64 bytes long).

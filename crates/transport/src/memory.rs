@@ -160,6 +160,38 @@ pub fn gather(mem: &dyn MemoryAccess, pd: PdId, sgl: &[Sge], offset: u64, out: &
     walk(sgl, offset, len, |s, addr, r| mem.read(pd, s.lkey, KeyKind::Local, addr, &mut out[r]))
 }
 
+/// The pieces of registered memory holding bytes `[offset, offset+len)` of the message described by
+/// `sgl`, each checked for a local read as [`gather`] would read it, written into `out`: `Some(n)`
+/// for `out[..n]`, `None` when they are more than `out` holds (nothing is checked then; gather
+/// instead).
+pub fn pieces(
+    mem: &dyn MemoryAccess,
+    pd: PdId,
+    sgl: &[Sge],
+    offset: u64,
+    len: usize,
+    out: &mut [Sge],
+) -> Result<Option<usize>, MemError> {
+    let mut n = 0;
+    let mut overflow = false;
+    walk(sgl, offset, len, |s, addr, r| {
+        if n < out.len() {
+            out[n] = Sge { addr, length: r.len() as u32, lkey: s.lkey };
+        } else {
+            overflow = true;
+        }
+        n += 1;
+        Ok(())
+    })?;
+    if overflow {
+        return Ok(None);
+    }
+    for p in &out[..n] {
+        mem.check(pd, p.lkey, KeyKind::Local, p.addr, u64::from(p.length), Access::NONE)?;
+    }
+    Ok(Some(n))
+}
+
 /// Scatter `data` into the buffers of `sgl` starting at byte `offset` of the message.
 pub fn scatter(mem: &mut dyn MemoryAccess, pd: PdId, sgl: &[Sge], offset: u64, data: &[u8]) -> Result<(), MemError> {
     walk(sgl, offset, data.len(), |s, addr, r| mem.write(pd, s.lkey, KeyKind::Local, addr, &data[r]))

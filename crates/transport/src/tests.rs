@@ -6,7 +6,7 @@ use crate::config::Config;
 use crate::hca::{Hca, PdId, RxInfo};
 use crate::memory::{Access, AtomicOp, KeyKind, MemError, MemoryAccess};
 use crate::time::Instant;
-use crate::wr::{RecvWr, Sge};
+use crate::wr::{RecvWr, Sge, SgeList};
 use crate::{WcOpcode, WcStatus};
 use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::bth::DEFAULT_PKEY;
@@ -146,7 +146,7 @@ impl Rig {
     }
 
     fn post_recv(&mut self, wr_id: u64, len: u32) {
-        let wr = RecvWr { wr_id, sgl: vec![Sge { addr: 0x1000 * wr_id, length: len, lkey: 1 }] };
+        let wr = RecvWr { wr_id, sgl: SgeList::one(Sge { addr: 0x1000 * wr_id, length: len, lkey: 1 }) };
         self.hca.post_recv(self.qpn, wr, self.now, &mut self.mem).unwrap();
     }
 }
@@ -293,4 +293,104 @@ fn comm_established_on_the_first_packet_in_rtr() {
     r.send(base::SEND_ONLY, EPSN + 1, true, 1);
     assert_eq!(r.hca.poll_event(), Some(crate::AsyncEvent::CommEstablished(r.qpn)));
     assert_eq!(r.hca.poll_event(), None);
+}
+
+/// A requester with `defer_payload_min` set leaves payloads of that size in memory: the holes, filled
+/// from the pieces it names, give exactly the packets a copying requester builds.
+#[test]
+fn deferred_payload_names_the_bytes_a_gather_copies() {
+    let build = |defer: usize| {
+        let mut hca = Hca::new(Config { defer_payload_min: defer, ..Config::default() });
+        let cq = hca.create_cq(64);
+        let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 4, max_recv_sge: 1, max_inline_data: 0 };
+        let qpn = hca
+            .create_qp(QpInit {
+                qp_type: QpType::Rc,
+                pd: PdId(1),
+                send_cq: cq,
+                recv_cq: cq,
+                srq: None,
+                cap,
+                sq_sig_all: false,
+            })
+            .unwrap();
+        let mut mem = Flat((0..1 << 16).map(|i| (i * 7 + 3) as u8).collect());
+        let now = Instant::ZERO;
+        let steps = [
+            ModifyQp {
+                state: Some(QpState::Init),
+                pkey_index: Some(0),
+                port: Some(1),
+                access: Some(Access::NONE),
+                ..Default::default()
+            },
+            ModifyQp {
+                state: Some(QpState::Rtr),
+                av: Some(AddressVector::default()),
+                path_mtu: Some(Mtu::M256),
+                dest_qpn: Some(PEER),
+                rq_psn: Some(Psn::new(1)),
+                max_dest_rd_atomic: Some(1),
+                min_rnr_timer: Some(12),
+                ..Default::default()
+            },
+            ModifyQp {
+                state: Some(QpState::Rts),
+                sq_psn: Some(Psn::new(5)),
+                timeout: Some(14),
+                retry_cnt: Some(7),
+                rnr_retry: Some(7),
+                max_rd_atomic: Some(1),
+                ..Default::default()
+            },
+        ];
+        for m in &steps {
+            hca.modify_qp(qpn, m, now, &mut mem).unwrap();
+        }
+        // 700 bytes from two SGEs (300 + 400): packets of 256, 256 and 188 bytes; the second packet
+        // spans both SGEs. Then a 3-SGE message of 3 × 100 bytes: its first packet has three pieces,
+        // more than a deferred payload holds, so it is copied; its last (44 bytes) is below the
+        // threshold.
+        let sgl2 = [Sge { addr: 0x100, length: 300, lkey: 1 }, Sge { addr: 0x2000, length: 400, lkey: 1 }];
+        let sgl3 = [
+            Sge { addr: 0x10, length: 100, lkey: 1 },
+            Sge { addr: 0x3000, length: 100, lkey: 1 },
+            Sge { addr: 0x500, length: 100, lkey: 1 },
+        ];
+        for (id, sgl) in [(1u64, &sgl2[..]), (2, &sgl3[..])] {
+            let wr = crate::SendWr {
+                wr_id: id,
+                op: crate::SendOp::Write { remote_addr: 0x9000, rkey: 7 },
+                payload: crate::wr::Payload::Sgl(sgl.into()),
+                flags: crate::SendFlags::SIGNALED,
+                ud: None,
+            };
+            hca.post_send(qpn, wr, now, &mut mem).unwrap();
+        }
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 4096 + 64];
+        while let Some(t) = hca.poll_transmit(now, &mut mem, &mut buf) {
+            let mut pkt = buf[..t.len].to_vec();
+            let mut pieces = 0;
+            if let Some(d) = t.deferred {
+                let mut at = d.at;
+                for p in d.pieces() {
+                    mem.read(d.pd, p.lkey, KeyKind::Local, p.addr, &mut pkt[at..at + p.length as usize]).unwrap();
+                    at += p.length as usize;
+                }
+                assert_eq!(at, d.at + d.len);
+                pieces = d.n;
+            }
+            out.push((pkt, pieces));
+        }
+        out
+    };
+    let copied = build(0);
+    let deferred = build(100);
+    assert_eq!(copied.len(), 5);
+    assert!(copied.iter().all(|(_, n)| *n == 0));
+    assert_eq!(deferred.iter().map(|(_, n)| *n).collect::<Vec<_>>(), [1, 2, 1, 0, 0]);
+    for ((a, _), (b, _)) in copied.iter().zip(&deferred) {
+        assert_eq!(a, b);
+    }
 }

@@ -120,9 +120,14 @@ impl UdpPort {
 /// Datagrams per `sendmmsg`/`recvmmsg` call.
 pub const BATCH: usize = 32;
 
-fn sockaddr_of(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: an all-zero sockaddr_storage is a valid value of the type.
-    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+/// A socket address as the kernel reads and writes it: room for a `sockaddr_in6`, which also holds
+/// a `sockaddr_in` (both 4-byte aligned). Smaller than `sockaddr_storage` (28 bytes instead of 128),
+/// which matters for the arrays of a batch: they are cleared on every call.
+type RawAddr = libc::sockaddr_in6;
+
+fn sockaddr_of(addr: &SocketAddr) -> (RawAddr, libc::socklen_t) {
+    // SAFETY: an all-zero sockaddr_in6 is a valid value of the type.
+    let mut ss: RawAddr = unsafe { std::mem::zeroed() };
     let len = match addr {
         SocketAddr::V4(a) => {
             let sin = libc::sockaddr_in {
@@ -131,42 +136,39 @@ fn sockaddr_of(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
                 sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
                 sin_zero: [0; 8],
             };
-            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in.
+            // SAFETY: sockaddr_in6 is larger than sockaddr_in and has the same alignment (4).
             unsafe { std::ptr::write(&mut ss as *mut _ as *mut libc::sockaddr_in, sin) };
             std::mem::size_of::<libc::sockaddr_in>()
         }
         SocketAddr::V6(a) => {
-            let sin6 = libc::sockaddr_in6 {
+            ss = libc::sockaddr_in6 {
                 sin6_family: libc::AF_INET6 as libc::sa_family_t,
                 sin6_port: a.port().to_be(),
                 sin6_flowinfo: a.flowinfo(),
                 sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
                 sin6_scope_id: a.scope_id(),
             };
-            // SAFETY: sockaddr_storage is larger than and suitably aligned for sockaddr_in6.
-            unsafe { std::ptr::write(&mut ss as *mut _ as *mut libc::sockaddr_in6, sin6) };
             std::mem::size_of::<libc::sockaddr_in6>()
         }
     };
     (ss, len as libc::socklen_t)
 }
 
-fn socket_addr_of(ss: &libc::sockaddr_storage) -> Option<SocketAddr> {
-    match i32::from(ss.ss_family) {
+fn socket_addr_of(ss: &RawAddr) -> Option<SocketAddr> {
+    match i32::from(ss.sin6_family) {
         libc::AF_INET => {
-            // SAFETY: the kernel wrote a sockaddr_in for AF_INET.
+            // SAFETY: the kernel wrote a sockaddr_in for AF_INET; it fits a sockaddr_in6 and has
+            // the same alignment.
             let sin = unsafe { &*(ss as *const _ as *const libc::sockaddr_in) };
             let ip = Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
             Some(SocketAddr::new(IpAddr::V4(ip), u16::from_be(sin.sin_port)))
         }
         libc::AF_INET6 => {
-            // SAFETY: the kernel wrote a sockaddr_in6 for AF_INET6.
-            let sin6 = unsafe { &*(ss as *const _ as *const libc::sockaddr_in6) };
             let a = std::net::SocketAddrV6::new(
-                Ipv6Addr::from(sin6.sin6_addr.s6_addr),
-                u16::from_be(sin6.sin6_port),
-                sin6.sin6_flowinfo,
-                sin6.sin6_scope_id,
+                Ipv6Addr::from(ss.sin6_addr.s6_addr),
+                u16::from_be(ss.sin6_port),
+                ss.sin6_flowinfo,
+                ss.sin6_scope_id,
             );
             Some(SocketAddr::V6(a))
         }
@@ -209,6 +211,37 @@ pub fn gso_groups(meta: &[(usize, SocketAddr)], out: &mut [(usize, usize)]) -> u
     n
 }
 
+/// Most pieces of one datagram in [`UdpPort::send_batch`] (headers, two payload pieces, trailer).
+pub const MAX_PARTS: usize = 4;
+
+/// One datagram to send, in up to [`MAX_PARTS`] pieces the kernel gathers (`parts[..n]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Datagram<'a> {
+    /// The pieces, in order.
+    pub parts: [&'a [u8]; MAX_PARTS],
+    /// Pieces used.
+    pub n: usize,
+    /// Destination.
+    pub dst: SocketAddr,
+}
+
+impl<'a> Datagram<'a> {
+    /// A datagram in one piece.
+    pub fn one(buf: &'a [u8], dst: SocketAddr) -> Datagram<'a> {
+        Datagram { parts: [buf, &[], &[], &[]], n: 1, dst }
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.parts[..self.n].iter().map(|p| p.len()).sum()
+    }
+
+    /// No bytes at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 impl UdpPort {
     /// Whether sends may use UDP GSO (`UDP_SEGMENT`).
     pub fn gso(&self) -> bool {
@@ -219,20 +252,22 @@ impl UdpPort {
     /// `groups` (from [`gso_groups`], or one group per datagram) says which datagrams go out as one
     /// GSO send: the kernel cuts it into datagrams of the first one's size. A full socket buffer
     /// drops what did not fit, as [`UdpPort::send_to`] does; other refusals drop that message.
-    /// Returns how many datagrams were refused.
-    pub fn send_batch(&self, pkts: &[(&[u8], SocketAddr)], groups: &[(usize, usize)]) -> usize {
+    /// Returns how many datagrams were refused. A datagram's pieces become consecutive iovec
+    /// entries (a GSO send's iovec holds all its datagrams' pieces; the kernel cuts by length, not
+    /// by entry).
+    pub fn send_batch(&self, pkts: &[Datagram<'_>], groups: &[(usize, usize)]) -> usize {
         let mut errors = 0;
         let mut g0 = 0;
         while g0 < groups.len() {
             // One run of groups of the same family goes through one socket and one sendmmsg.
-            let v4 = pkts[groups[g0].0].1.is_ipv4();
-            let g1 = g0 + groups[g0..].iter().take_while(|g| pkts[g.0].1.is_ipv4() == v4).count();
+            let v4 = pkts[groups[g0].0].dst.is_ipv4();
+            let g1 = g0 + groups[g0..].iter().take_while(|g| pkts[g.0].dst.is_ipv4() == v4).count();
             let run = &groups[g0..g1.min(g0 + BATCH)];
             g0 += run.len();
-            if run.len() == 1 && run[0].1 - run[0].0 == 1 {
-                // One datagram: a plain sendto, without setting up the batch arrays.
-                let (buf, dst) = pkts[run[0].0];
-                errors += usize::from(self.send_to(buf, dst).is_err());
+            if run.len() == 1 && run[0].1 - run[0].0 == 1 && pkts[run[0].0].n == 1 {
+                // One datagram in one piece: a plain sendto, without setting up the batch arrays.
+                let d = pkts[run[0].0];
+                errors += usize::from(self.send_to(d.parts[0], d.dst).is_err());
                 continue;
             }
             let s = if v4 { self.v4.as_ref() } else { self.v6.as_ref() };
@@ -241,25 +276,29 @@ impl UdpPort {
                 continue;
             };
             // SAFETY: all-zero values of these plain C structs are valid.
-            let mut addrs: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+            let mut addrs: [RawAddr; BATCH] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.
-            let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            let mut iovs: [libc::iovec; BATCH * MAX_PARTS] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut cmsgs = [[0u64; 4]; BATCH];
             let mut iov_at = 0;
             for (m, &(a, b)) in run.iter().enumerate() {
-                let (ss, len) = sockaddr_of(&pkts[a].1);
+                let (ss, len) = sockaddr_of(&pkts[a].dst);
                 addrs[m] = ss;
-                for (k, (buf, _)) in pkts[a..b].iter().enumerate() {
-                    iovs[iov_at + k] = libc::iovec { iov_base: buf.as_ptr() as *mut libc::c_void, iov_len: buf.len() };
+                let first = iov_at;
+                for d in &pkts[a..b] {
+                    for part in &d.parts[..d.n] {
+                        iovs[iov_at] =
+                            libc::iovec { iov_base: part.as_ptr() as *mut libc::c_void, iov_len: part.len() };
+                        iov_at += 1;
+                    }
                 }
                 let h = &mut msgs[m].msg_hdr;
                 h.msg_name = &mut addrs[m] as *mut _ as *mut libc::c_void;
                 h.msg_namelen = len;
-                h.msg_iov = &mut iovs[iov_at];
-                h.msg_iovlen = b - a;
-                iov_at += b - a;
+                h.msg_iov = &mut iovs[first];
+                h.msg_iovlen = iov_at - first;
                 if b - a > 1 {
                     // SAFETY: the control buffer is 32 bytes, enough for CMSG_SPACE(2) (24 on
                     // 64-bit Linux), aligned for cmsghdr; CMSG_FIRSTHDR/CMSG_DATA stay inside it.
@@ -270,7 +309,7 @@ impl UdpPort {
                         (*c).cmsg_level = libc::SOL_UDP;
                         (*c).cmsg_type = UDP_SEGMENT;
                         (*c).cmsg_len = libc::CMSG_LEN(2) as usize;
-                        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, pkts[a].0.len() as u16);
+                        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, pkts[a].len() as u16);
                     }
                 }
             }
@@ -346,48 +385,43 @@ pub fn recv_batch(sock: &UdpSocket, buf: &mut [u8], slot: usize, meta: &mut [RxM
     if n == 0 {
         return Ok(0);
     }
-    // SAFETY: all-zero values of these plain C structs are valid.
-    let mut addrs: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
-    let mut ctl = [[0u64; 8]; BATCH];
     let base = buf.as_mut_ptr();
-    let setup = |i: usize,
-                 iov: &mut libc::iovec,
-                 h: &mut libc::msghdr,
-                 addr: &mut libc::sockaddr_storage,
-                 ctl: &mut [u64; 8]| {
+    let setup = |i: usize, iov: &mut libc::iovec, h: &mut libc::msghdr, addr: &mut RawAddr, ctl: &mut [u64; 4]| {
         // SAFETY: i * slot + slot <= buf.len() by the choice of n.
         *iov = libc::iovec { iov_base: unsafe { base.add(i * slot) } as *mut libc::c_void, iov_len: slot };
         h.msg_name = addr as *mut _ as *mut libc::c_void;
-        h.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        h.msg_namelen = std::mem::size_of::<RawAddr>() as libc::socklen_t;
         h.msg_iov = iov;
         h.msg_iovlen = 1;
         h.msg_control = ctl.as_mut_ptr() as *mut libc::c_void;
-        h.msg_controllen = std::mem::size_of::<[u64; 8]>();
+        h.msg_controllen = std::mem::size_of::<[u64; 4]>();
     };
-    let done = |h: &libc::msghdr, len: usize, addr: &libc::sockaddr_storage| -> RxMeta {
+    let done = |h: &libc::msghdr, len: usize, addr: &RawAddr| -> RxMeta {
         let truncated = h.msg_flags & libc::MSG_TRUNC != 0;
         match (truncated, socket_addr_of(addr)) {
             (false, Some(src)) => Some((len, src, gro_size(h))),
             _ => None,
         }
     };
-    // SAFETY: as above.
-    let mut iov0: libc::iovec = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let mut h0: libc::msghdr = unsafe { std::mem::zeroed() };
-    {
-        let (a0, c0) = (&mut addrs[0], &mut ctl[0]);
-        setup(0, &mut iov0, &mut h0, a0, c0);
-    }
-    // SAFETY: h0 points at a live iovec over buf[..slot], an address and a control buffer.
+    // The first datagram: only what one recvmsg needs is set up (an empty busy poll ends here,
+    // so it must not pay for clearing the batch's arrays).
+    // SAFETY: all-zero values of these plain C structs are valid.
+    let (mut iov0, mut h0, mut a0): (libc::iovec, libc::msghdr, RawAddr) = unsafe { std::mem::zeroed() };
+    let mut c0 = [0u64; 4];
+    setup(0, &mut iov0, &mut h0, &mut a0, &mut c0);
+    // SAFETY: h0 points at a live iovec over buf[..slot], an address and a control buffer (32
+    // bytes: room for the UDP_GRO cmsg, CMSG_SPACE(4) = 24).
     let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut h0, 0) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    meta[0] = done(&h0, rc as usize, &addrs[0]);
+    meta[0] = done(&h0, rc as usize, &a0);
     if n == 1 {
         return Ok(1);
     }
+    // SAFETY: as above.
+    let mut addrs: [RawAddr; BATCH] = unsafe { std::mem::zeroed() };
+    let mut ctl = [[0u64; 4]; BATCH];
     // SAFETY: as above.
     let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
     // SAFETY: as above.

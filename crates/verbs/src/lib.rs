@@ -43,7 +43,7 @@ pub use softrdma_device::{DeviceAttr, DeviceInfo, Gid, PortAttr};
 pub use softrdma_transport::wr::{Payload, UdDest};
 pub use softrdma_transport::{
     Access, AddressVector, AsyncEvent, ModifyQp, Mtu, QpCap, QpState, QpType, RecvWr, SendFlags, SendOp, SendWr, Sge,
-    WcFlags, WcOpcode, WcStatus, WorkCompletion,
+    SgeList, WcFlags, WcOpcode, WcStatus, WorkCompletion,
 };
 pub use softrdma_wire::{Psn, Qpn};
 pub use verbs::{

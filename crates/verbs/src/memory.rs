@@ -12,7 +12,7 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
 
-use softrdma_transport::{Access, AtomicOp, KeyKind, MemError, MemoryAccess, PdId, Sge};
+use softrdma_transport::{Access, AtomicOp, DeferredPayload, KeyKind, MemError, MemoryAccess, PdId, Sge};
 
 use crate::error::{Error, Result};
 use crate::verbs::Dev;
@@ -120,10 +120,37 @@ fn process_vm(pid: u32, addr: u64, local: *mut u8, len: usize, write: bool) -> c
     }
 }
 
+/// Hashes a region key for [`MrTable`]: one multiplication folded to 64 bits, instead of the
+/// standard library's SipHash (a keyed hash against collision attacks, ~100 instructions per
+/// lookup, and lookups are per packet). Only the device inserts keys, and it allocates them
+/// sequentially, so a peer cannot fill a bucket; a peer's unknown key costs one probe sequence.
+#[derive(Debug, Default, Clone, Copy)]
+struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(u64::from(v));
+    }
+    fn write_u64(&mut self, v: u64) {
+        let p = u128::from(self.0 ^ v) * 0x9e37_79b9_7f4a_7c15;
+        self.0 = (p as u64) ^ ((p >> 64) as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type KeyMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<KeyHasher>>;
+
 /// The device's region table: keys to buffers, with PD, bounds and rights.
 #[derive(Debug, Default)]
 pub(crate) struct MrTable {
-    entries: HashMap<u32, Entry>,
+    entries: KeyMap<Entry>,
     next_index: u32,
 }
 
@@ -180,6 +207,72 @@ impl MrTable {
         }
         // SAFETY: addr - start < e.len, so the offset stays inside the allocation.
         Ok(Loc::Local(unsafe { e.ptr.add((addr - start) as usize) }))
+    }
+}
+
+/// A packet whose payload stays in registered memory of this process (the engine deferred it, see
+/// `Config::defer_payload_min`): sent as an iovec of the headers in the transmit slot, the payload
+/// pieces where they are, and the slot's tail (pad and ICRC). Saves the copy into the slot.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InPlace {
+    at: usize,
+    len: usize,
+    n: usize,
+    ptrs: [(*const u8, usize); DeferredPayload::MAX_PIECES],
+}
+
+impl InPlace {
+    /// The packet `pkt` (its slot, `len` bytes: headers, the hole, the tail) as gather pieces:
+    /// headers, payload pieces, tail.
+    ///
+    /// The payload slices point into registered regions. They stay valid while the device lock is
+    /// held (deregistration takes it); the caller sends them before releasing it.
+    pub(crate) fn parts<'a>(&self, pkt: &'a [u8]) -> ([&'a [u8]; 4], usize) {
+        let mut parts: [&[u8]; 4] = [&pkt[..self.at], &[], &[], &[]];
+        for (i, &(p, l)) in self.ptrs[..self.n].iter().enumerate() {
+            // SAFETY: `MrTable::in_place` resolved (p, l) inside a live registered buffer of this
+            // process; it stays registered while the device lock is held (see above). The bytes may
+            // be changed by the application meanwhile, as a NIC's DMA may read changing memory; they
+            // are plain bytes, any value is valid.
+            parts[1 + i] = unsafe { std::slice::from_raw_parts(p, l) };
+        }
+        parts[1 + self.n] = &pkt[self.at + self.len..];
+        (parts, 2 + self.n)
+    }
+}
+
+impl MrTable {
+    /// Resolve a deferred payload to pointers into this process's memory. A region of another
+    /// process (daemon mode) cannot be sent from in place: the payload is copied into the hole in
+    /// `pkt` instead and `Ok(None)` returned.
+    pub(crate) fn in_place(
+        &self,
+        d: &DeferredPayload,
+        pkt: &mut [u8],
+    ) -> core::result::Result<Option<InPlace>, MemError> {
+        let mut ip =
+            InPlace { at: d.at, len: d.len, n: d.n, ptrs: [(std::ptr::null(), 0); DeferredPayload::MAX_PIECES] };
+        for (slot, s) in ip.ptrs.iter_mut().zip(d.pieces()) {
+            match self.resolve(d.pd, s.lkey, s.addr, u64::from(s.length), Access::NONE)? {
+                Loc::Local(p) => *slot = (p as *const u8, s.length as usize),
+                Loc::Remote(..) => {
+                    let mut at = d.at;
+                    for s in d.pieces() {
+                        let end = at + s.length as usize;
+                        self.read(
+                            d.pd,
+                            s.lkey,
+                            KeyKind::Local,
+                            s.addr,
+                            pkt.get_mut(at..end).ok_or(MemError::OutOfBounds)?,
+                        )?;
+                        at = end;
+                    }
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some(ip))
     }
 }
 

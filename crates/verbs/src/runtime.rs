@@ -11,6 +11,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
+use std::mem::MaybeUninit;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
@@ -22,13 +23,15 @@ use std::time::Duration;
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{
-    seal_udp_payload, seal_udp_payload_ident, ud_grh_area, verify_udp_payload_ident, UdpVerdict, VerifyStats,
+    seal_udp_payload, seal_udp_payload_ident, ud_grh_area, udp_payload_icrc_parts, verify_udp_payload_ident,
+    UdpVerdict, VerifyStats,
 };
+use softrdma_wire::ICRC_LEN;
 
 use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
-use crate::memory::MrTable;
+use crate::memory::{InPlace, MrTable};
 
 /// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
 const TX_SLOT: usize = 4096 + 512;
@@ -83,6 +86,17 @@ fn add_delta(acc: &mut Counters, before: &Counters, after: &Counters) {
         ack_timeouts,
         cq_overflow
     );
+}
+
+/// Smallest payload the engine leaves in registered memory for the flush to send in place (an
+/// iovec into the region instead of a copy into the transmit slot); below it the copy is cheaper
+/// than the extra iovec entries and the ICRC in pieces. `SOFTRDMA_COPY_TX=1` copies every payload.
+fn defer_payload_min() -> usize {
+    if std::env::var_os("SOFTRDMA_COPY_TX").is_some() {
+        0
+    } else {
+        1024
+    }
 }
 
 /// Everything behind the device lock.
@@ -196,6 +210,7 @@ impl Device {
             max_rd_atomic,
             adaptive_window: true,
             device_inflight_packets: 512,
+            defer_payload_min: defer_payload_min(),
             ..Config::default()
         };
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
@@ -276,10 +291,14 @@ impl Device {
         }
         let State { hca, mem, tx_buf, tx_errors, qp_traffic, .. } = &mut *st;
         let gso = self.port.gso();
-        loop {
+        while hca.has_transmit() {
             let mut meta =
                 [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
             let mut slots = [0usize; udp::BATCH];
+            // Packets whose payload goes out from registered memory (`Config::defer_payload_min`).
+            // Entry j is written for every packet of the batch (j < k) before it is read, and left
+            // uninitialised beyond: the flush runs once per post, so idle entries must cost nothing.
+            let mut in_place = [const { MaybeUninit::<Option<InPlace>>::uninit() }; udp::BATCH];
             let (mut n, mut k) = (0, 0);
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
@@ -297,6 +316,18 @@ impl Device {
                     *tx_errors += 1;
                     continue;
                 };
+                let ip = match &t.deferred {
+                    None => None,
+                    Some(d) => match mem.in_place(d, slot) {
+                        Ok(ip) => ip,
+                        // The engine checked the keys under this lock: cannot happen.
+                        Err(_) => {
+                            *tx_errors += 1;
+                            continue;
+                        }
+                    },
+                };
+                in_place[k].write(ip);
                 meta[k] = (t.len, dst, src);
                 slots[k] = i;
                 k += 1;
@@ -314,24 +345,48 @@ impl Device {
                 }
                 k
             };
+            // SAFETY: entries 0..k were written in the loop above (every `k += 1` follows a write).
+            let in_place: &[Option<InPlace>] =
+                unsafe { std::slice::from_raw_parts(in_place.as_ptr() as *const Option<InPlace>, k) };
             let mut ok = [true; udp::BATCH];
             for &(a, b) in &groups[..ng] {
                 for j in a..b {
                     let (len, dst, src) = meta[j];
                     let pkt = &mut tx_buf[slots[j] * TX_SLOT..][..len];
-                    if seal_udp_payload_ident(src, dst, pkt, (j - a) as u16).is_err() {
+                    let sealed = match &in_place[j] {
+                        None => seal_udp_payload_ident(src, dst, pkt, (j - a) as u16),
+                        Some(ip) => {
+                            let (mut parts, np) = ip.parts(pkt);
+                            // The ICRC covers everything before its own four bytes.
+                            parts[np - 1] = &parts[np - 1][..parts[np - 1].len() - ICRC_LEN];
+                            udp_payload_icrc_parts(src, dst, &parts[..np], (j - a) as u16)
+                                .and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
+                        }
+                    };
+                    if sealed.is_err() {
                         ok[j] = false;
                     }
                 }
             }
-            let mut pkts: [(&[u8], SocketAddr); udp::BATCH] = [(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            // Uninitialised beyond k, as `in_place`.
+            let mut pkts = [const { MaybeUninit::<udp::Datagram<'_>>::uninit() }; udp::BATCH];
             for j in 0..k {
-                pkts[j] = (&tx_buf[slots[j] * TX_SLOT..][..meta[j].0], meta[j].1);
+                let pkt = &tx_buf[slots[j] * TX_SLOT..][..meta[j].0];
+                pkts[j].write(match &in_place[j] {
+                    None => udp::Datagram::one(pkt, meta[j].1),
+                    Some(ip) => {
+                        let (parts, n) = ip.parts(pkt);
+                        udp::Datagram { parts, n, dst: meta[j].1 }
+                    }
+                });
             }
+            // SAFETY: entries 0..k were written just above.
+            let pkts: &[udp::Datagram<'_>] =
+                unsafe { std::slice::from_raw_parts(pkts.as_ptr() as *const udp::Datagram<'_>, k) };
             // A packet that could not be sealed is sent anyway (the peer drops it, the transport
             // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
             *tx_errors += ok[..k].iter().filter(|o| !**o).count() as u64;
-            *tx_errors += self.port.send_batch(&pkts[..k], &groups[..ng]) as u64;
+            *tx_errors += self.port.send_batch(pkts, &groups[..ng]) as u64;
             if n < udp::BATCH {
                 break;
             }
@@ -410,12 +465,14 @@ impl Device {
                 if st.cm.handle_packet(now, src.ip(), &ib) {
                     return;
                 }
-                let rx = RxInfo { grh: ud_grh_area(src.ip(), local.ip(), payload.len()) };
+                // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
+                let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
+                let rx = RxInfo { grh };
                 let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
                 match (st.qp_traffic.is_some(), qpn) {
                     (true, Some(qpn)) => {
                         let before = *st.hca.counters();
-                        st.hca.handle_packet(now, payload, &rx, &mut st.mem);
+                        st.hca.handle_parsed(now, &ib, &rx, &mut st.mem);
                         let after = *st.hca.counters();
                         if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
                             c.pkts[2] += 1;
@@ -423,7 +480,7 @@ impl Device {
                             add_delta(&mut c.engine, &before, &after);
                         }
                     }
-                    _ => st.hca.handle_packet(now, payload, &rx, &mut st.mem),
+                    _ => st.hca.handle_parsed(now, &ib, &rx, &mut st.mem),
                 }
             }
         }

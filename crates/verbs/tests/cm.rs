@@ -103,12 +103,12 @@ fn connect_transfer_disconnect() {
     let sm = c.spd.reg_mr(8192, Access::LOCAL_WRITE.with(Access::REMOTE_WRITE)).unwrap();
     let cm = c.cpd.reg_mr(8192, Access::LOCAL_WRITE).unwrap();
     cm.write(0, &[7u8; 5000]).unwrap();
-    c.sqp.post_recv(RecvWr { wr_id: 1, sgl: vec![sm.sge(0, 8192).unwrap()] }).unwrap();
+    c.sqp.post_recv(RecvWr { wr_id: 1, sgl: [sm.sge(0, 8192).unwrap()].into() }).unwrap();
     c.cqp
         .post_send(SendWr {
             wr_id: 2,
             op: SendOp::Send,
-            payload: Payload::Sgl(vec![cm.sge(0, 5000).unwrap()]),
+            payload: Payload::Sgl(vec![cm.sge(0, 5000).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
@@ -117,7 +117,7 @@ fn connect_transfer_disconnect() {
         .post_send(SendWr {
             wr_id: 3,
             op: SendOp::Write { remote_addr: sm.addr() + 6000, rkey: sm.rkey() },
-            payload: Payload::Sgl(vec![cm.sge(0, 100).unwrap()]),
+            payload: Payload::Sgl(vec![cm.sge(0, 100).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
@@ -295,7 +295,7 @@ fn application_owned_qps_with_init_qp_attr_and_establish() {
     assert!(cid.init_qp_attr(CmQpState::Rtr).is_err());
     cid.modify_qp(&cqp, CmQpState::Init).unwrap();
     let cmr = cpd.reg_mr(8192, Access::LOCAL_WRITE.with(Access::REMOTE_WRITE)).unwrap();
-    cqp.post_recv(RecvWr { wr_id: 10, sgl: vec![cmr.sge(4096, 4096).unwrap()] }).unwrap();
+    cqp.post_recv(RecvWr { wr_id: 10, sgl: [cmr.sge(4096, 4096).unwrap()].into() }).unwrap();
     let mut p = CmConnParam::new(cqp.qpn());
     p.drive_qp = false;
     p.private_data = b"own qp".to_vec();
@@ -315,7 +315,7 @@ fn application_owned_qps_with_init_qp_attr_and_establish() {
     sid.modify_qp(&sqp, CmQpState::Init).unwrap();
     let smr = spd.reg_mr(8192, Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ)).unwrap();
     smr.write(0, &pattern(8192, 7)).unwrap();
-    sqp.post_recv(RecvWr { wr_id: 1, sgl: vec![smr.sge(4096, 4096).unwrap()] }).unwrap();
+    sqp.post_recv(RecvWr { wr_id: 1, sgl: [smr.sge(4096, 4096).unwrap()].into() }).unwrap();
     let srtr = sid.init_qp_attr(CmQpState::Rtr).unwrap();
     assert_eq!(srtr.dest_qpn, Some(cqp.qpn()));
     assert_eq!((srtr.max_dest_rd_atomic, srtr.min_rnr_timer, srtr.hop_limit), (Some(4), Some(0), 64));
@@ -355,7 +355,7 @@ fn application_owned_qps_with_init_qp_attr_and_establish() {
     let cbuf = pattern(4096, 3);
     cmr.write(0, &cbuf).unwrap();
     let send = |qp: &QueuePair, wr_id, op, sge| {
-        qp.post_send(SendWr { wr_id, op, payload: Payload::Sgl(vec![sge]), flags: SendFlags::SIGNALED, ud: None })
+        qp.post_send(SendWr { wr_id, op, payload: Payload::Sgl([sge].into()), flags: SendFlags::SIGNALED, ud: None })
             .unwrap()
     };
     send(&cqp, 2, SendOp::Send, cmr.sge(0, 3000).unwrap());
@@ -451,11 +451,11 @@ fn ipv6_loopback_connection() {
     let smr = spd.reg_mr(4096, Access::LOCAL_WRITE).unwrap();
     let data = pattern(3000, 9);
     mr.write(0, &data).unwrap();
-    sqp.post_recv(RecvWr { wr_id: 1, sgl: vec![smr.sge(0, 4096).unwrap()] }).unwrap();
+    sqp.post_recv(RecvWr { wr_id: 1, sgl: [smr.sge(0, 4096).unwrap()].into() }).unwrap();
     cqp.post_send(SendWr {
         wr_id: 2,
         op: SendOp::Send,
-        payload: Payload::Sgl(vec![mr.sge(0, 3000).unwrap()]),
+        payload: Payload::Sgl([mr.sge(0, 3000).unwrap()].into()),
         flags: SendFlags::SIGNALED,
         ud: None,
     })

@@ -108,12 +108,12 @@ fn rc_every_operation_and_size() {
         let data = pattern(len, i as u8);
         ma.write(0, &data).unwrap();
         // SEND with immediate.
-        b.qp.post_recv(RecvWr { wr_id: 10, sgl: vec![mb.sge(0, BIG).unwrap()] }).unwrap();
+        b.qp.post_recv(RecvWr { wr_id: 10, sgl: vec![mb.sge(0, BIG).unwrap()].into() }).unwrap();
         let sgl = vec![ma.sge(0, len).unwrap()];
         a.qp.post_send(SendWr {
             wr_id: 1,
             op: SendOp::SendWithImm(0xabcd),
-            payload: Payload::Sgl(sgl.clone()),
+            payload: Payload::Sgl(sgl.clone().into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
@@ -128,7 +128,7 @@ fn rc_every_operation_and_size() {
         a.qp.post_send(SendWr {
             wr_id: 2,
             op: SendOp::Write { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() },
-            payload: Payload::Sgl(sgl.clone()),
+            payload: Payload::Sgl(sgl.clone().into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
@@ -136,7 +136,7 @@ fn rc_every_operation_and_size() {
         a.qp.post_send(SendWr {
             wr_id: 3,
             op: SendOp::Read { remote_addr: mb.addr() + BIG as u64, rkey: mb.rkey() },
-            payload: Payload::Sgl(vec![ma.sge(BIG, len).unwrap()]),
+            payload: Payload::Sgl(vec![ma.sge(BIG, len).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
@@ -150,11 +150,11 @@ fn rc_every_operation_and_size() {
         assert!(mb.to_vec(BIG, len).unwrap() == data, "write data, len {len}");
         assert!(ma.to_vec(BIG, len).unwrap() == data, "read data, len {len}");
         // WRITE with immediate.
-        b.qp.post_recv(RecvWr { wr_id: 11, sgl: vec![] }).unwrap();
+        b.qp.post_recv(RecvWr { wr_id: 11, sgl: vec![].into() }).unwrap();
         a.qp.post_send(SendWr {
             wr_id: 4,
             op: SendOp::WriteWithImm { remote_addr: mb.addr(), rkey: mb.rkey(), imm: 7 },
-            payload: Payload::Sgl(sgl),
+            payload: Payload::Sgl(sgl.into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         })
@@ -169,7 +169,7 @@ fn rc_every_operation_and_size() {
     a.qp.post_send(SendWr {
         wr_id: 5,
         op: SendOp::FetchAdd { remote_addr: mb.addr() + 64, rkey: mb.rkey(), add: 5 },
-        payload: Payload::Sgl(vec![ma.sge(0, 8).unwrap()]),
+        payload: Payload::Sgl(vec![ma.sge(0, 8).unwrap()].into()),
         flags: SendFlags::SIGNALED,
         ud: None,
     })
@@ -177,7 +177,7 @@ fn rc_every_operation_and_size() {
     a.qp.post_send(SendWr {
         wr_id: 6,
         op: SendOp::CompareSwap { remote_addr: mb.addr() + 64, rkey: mb.rkey(), compare: 105, swap: 1 },
-        payload: Payload::Sgl(vec![ma.sge(8, 8).unwrap()]),
+        payload: Payload::Sgl(vec![ma.sge(8, 8).unwrap()].into()),
         flags: SendFlags::SIGNALED,
         ud: None,
     })
@@ -210,12 +210,12 @@ fn ud_send_with_grh() {
     let mb = b.pd.reg_mr(4096, rights()).unwrap();
     let data = pattern(512, 9);
     ma.write(0, &data).unwrap();
-    b.qp.post_recv(RecvWr { wr_id: 1, sgl: vec![mb.sge(0, 40 + 512).unwrap()] }).unwrap();
+    b.qp.post_recv(RecvWr { wr_id: 1, sgl: vec![mb.sge(0, 40 + 512).unwrap()].into() }).unwrap();
     let ah = a.pd.create_ah(&AhAttr::new(b.ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
     a.qp.post_send(SendWr {
         wr_id: 2,
         op: SendOp::SendWithImm(5),
-        payload: Payload::Sgl(vec![ma.sge(0, 512).unwrap()]),
+        payload: Payload::Sgl(vec![ma.sge(0, 512).unwrap()].into()),
         flags: SendFlags::SIGNALED,
         ud: Some(ah.ud(b.qp.qpn(), 0x1111_1111)),
     })

@@ -527,7 +527,7 @@ impl Side<'_> {
             }
             if m.consumes_recv() {
                 let sgl = if m.op == Op::WriteImm { vec![] } else { vec![self.ep.sge(at, m.len + GUARD)] };
-                self.ep.qp.post_recv(RecvWr { wr_id: i as u64, sgl }).unwrap();
+                self.ep.qp.post_recv(RecvWr { wr_id: i as u64, sgl: sgl.into() }).unwrap();
             }
         }
     }
@@ -549,7 +549,8 @@ impl Side<'_> {
                 Op::CmpSwap => SendOp::CompareSwap { remote_addr: remote, rkey, compare: m.arg1, swap: m.arg2 },
             };
             let sgl = vec![self.ep.sge(m.off, m.len)];
-            let wr = SendWr { wr_id: i as u64, op, payload: Payload::Sgl(sgl), flags: SendFlags::SIGNALED, ud: None };
+            let wr =
+                SendWr { wr_id: i as u64, op, payload: Payload::Sgl(sgl.into()), flags: SendFlags::SIGNALED, ud: None };
             self.ep.qp.post_send(wr).expect("post_send");
             self.posted += 1;
         }

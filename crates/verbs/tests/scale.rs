@@ -87,14 +87,14 @@ fn ten_thousand_rc_qps_on_one_device() {
     for (k, &p) in pairs.iter().enumerate() {
         let base = k * 3 * LEN;
         let back = mr.sge(base + 2 * LEN, LEN).unwrap();
-        qps[2 * p].post_recv(RecvWr { wr_id: k as u64, sgl: vec![back] }).unwrap();
+        qps[2 * p].post_recv(RecvWr { wr_id: k as u64, sgl: [back].into() }).unwrap();
     }
     for (k, &p) in pairs.iter().enumerate() {
         let base = k * 3 * LEN;
         let write = SendWr {
             wr_id: k as u64,
             op: SendOp::Write { remote_addr: mr.addr() + (base + LEN) as u64, rkey: mr.rkey() },
-            payload: Payload::Sgl(vec![mr.sge(base, LEN).unwrap()]),
+            payload: Payload::Sgl([mr.sge(base, LEN).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         };
@@ -102,7 +102,7 @@ fn ten_thousand_rc_qps_on_one_device() {
         let send = SendWr {
             wr_id: (SAMPLE + k) as u64,
             op: SendOp::Send,
-            payload: Payload::Sgl(vec![mr.sge(base, LEN).unwrap()]),
+            payload: Payload::Sgl([mr.sge(base, LEN).unwrap()].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         };

@@ -305,7 +305,7 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
         for (i, imm) in [None, Some(0x5eed_0000 | k as u32)].into_iter().enumerate() {
             ep.mr.write(0, &vec![CANARY; len + GUARD]).unwrap();
             let id = ids.next().unwrap();
-            ep.qp.post_recv(RecvWr { wr_id: id, sgl: vec![ep.sge(0, BIG + GUARD)] }).unwrap();
+            ep.qp.post_recv(RecvWr { wr_id: id, sgl: vec![ep.sge(0, BIG + GUARD)].into() }).unwrap();
             ctl.send("RECV_POSTED");
             ctl.expect("SENT");
             let wc = wait_one(&ep.cq, id);
@@ -325,7 +325,7 @@ fn responder(ep: &Endpoint, ctl: &mut Ctl, dir: u32) {
             let id = ids.next().unwrap();
             if imm.is_some() {
                 // A WRITE with immediate consumes a receive; its (empty) buffer is not touched.
-                ep.qp.post_recv(RecvWr { wr_id: id, sgl: vec![] }).unwrap();
+                ep.qp.post_recv(RecvWr { wr_id: id, sgl: vec![].into() }).unwrap();
             }
             ctl.send("READY");
             ctl.expect("DONE");

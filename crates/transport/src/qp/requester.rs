@@ -13,7 +13,7 @@ use super::{send_wc_opcode, Qp, QpAttrs, Timer};
 use crate::attr::{QpState, QpType};
 use crate::config::Config;
 use crate::cq::{WcOpcode, WcStatus};
-use crate::hca::{Ctx, Transmit};
+use crate::hca::{Ctx, DeferredPayload, Transmit};
 use crate::memory::{self, Access};
 use crate::wr::{Payload, SendFlags, SendOp, SendWr};
 use softrdma_wire::aeth::rnr_timer_micros;
@@ -448,10 +448,23 @@ impl Qp {
         }
         let len = repr.emit(buf).ok()?;
         let range = repr.payload_range();
+        let mut deferred = None;
+        let defer_min = ctx.config.defer_payload_min;
         let gathered = match &w.wr.payload {
             Payload::Inline(d) => {
                 buf[range].copy_from_slice(&d[offset..offset + plen]);
                 Ok(())
+            }
+            Payload::Sgl(sgl) if defer_min > 0 && plen >= defer_min => {
+                let mut pieces = [crate::wr::Sge::EMPTY; DeferredPayload::MAX_PIECES];
+                match memory::pieces(ctx.mem, self.init.pd, sgl, offset as u64, plen, &mut pieces) {
+                    Ok(Some(n)) => {
+                        deferred = Some(DeferredPayload { at: range.start, len: plen, pd: self.init.pd, pieces, n });
+                        Ok(())
+                    }
+                    Ok(None) => memory::gather(ctx.mem, self.init.pd, sgl, offset as u64, &mut buf[range]),
+                    Err(e) => Err(e),
+                }
             }
             Payload::Sgl(sgl) => memory::gather(ctx.mem, self.init.pd, sgl, offset as u64, &mut buf[range]),
         };
@@ -504,7 +517,7 @@ impl Qp {
                 }
             }
         }
-        Some(Transmit { len, av, src_qpn: self.qpn, dest_qpn: dest_qp })
+        Some(Transmit { len, av, src_qpn: self.qpn, dest_qpn: dest_qp, deferred })
     }
 
     /// Complete WQEs at the head that are finished: a local error, or (UC/UD) fully sent.

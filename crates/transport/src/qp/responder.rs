@@ -598,7 +598,7 @@ impl Qp {
             }
         };
         ctx.stats.sent_pkts += 1;
-        Some(Transmit { len, av: self.attr.av, src_qpn: self.qpn, dest_qpn: self.attr.dest_qpn })
+        Some(Transmit { len, av: self.attr.av, src_qpn: self.qpn, dest_qpn: self.attr.dest_qpn, deferred: None })
     }
 }
 

@@ -55,7 +55,7 @@ impl Endpoint {
         let wr = SendWr {
             wr_id,
             op,
-            payload: Payload::Sgl(vec![self.sge(offset, len)]),
+            payload: Payload::Sgl(vec![self.sge(offset, len)].into()),
             flags: SendFlags::SIGNALED,
             ud: None,
         };
