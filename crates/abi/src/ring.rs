@@ -187,6 +187,26 @@ impl Producer {
         true
     }
 
+    /// The next free slot, to build an entry in place (no staging copy); `None` if the ring is
+    /// full. Nothing is published until [`Producer::publish`]; taking the slot again without
+    /// publishing returns the same slot.
+    pub fn slot_mut(&mut self) -> Option<&mut [u8]> {
+        if self.free() == 0 {
+            return None;
+        }
+        // SAFETY: the slot lies inside the mapping (`slot_ptr` masks the index) and is
+        // `slot_size` bytes long. It is ours until we publish it: the consumer reads only slots
+        // below the producer index, and `free` checked that the consumer released this one. The
+        // borrow of `self` keeps the mapping's owner (which outlives `self`) in place.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ring.slot_ptr(self.next), self.ring.slot_size as usize) })
+    }
+
+    /// Publish the slot [`Producer::slot_mut`] gave (one release store).
+    pub fn publish(&mut self) {
+        self.next = self.next.wrapping_add(1);
+        self.ring.word(PRODUCER).store(self.next, Ordering::Release);
+    }
+
     /// After publishing: whether the consumer asked for a doorbell; clears the request.
     pub fn take_doorbell_request(&self) -> bool {
         fence(Ordering::SeqCst);
@@ -237,6 +257,24 @@ impl Consumer {
         // decode, so a producer rewriting the slot meanwhile can only garble its own request.
         unsafe { ptr::copy_nonoverlapping(self.ring.slot_ptr(self.next), out.as_mut_ptr(), n) };
         Ok(true)
+    }
+
+    /// The oldest entry in place (the whole slot, `slot_size` bytes), without copying or consuming
+    /// it; `None` if the ring is empty.
+    ///
+    /// The slot is ours until [`Consumer::advance`]: the producer writes only slots it has not
+    /// published or that we released. A producer that breaks that rule and rewrites the slot while
+    /// we read it can only garble its own entry's contents, as with [`Consumer::peek`] it could
+    /// before the copy: the slice's bounds are ours, so a reader that treats the bytes as untrusted
+    /// input (checks every length it reads from them against the slice) stays in bounds.
+    pub fn front(&self) -> Result<Option<&[u8]>, RingCorrupt> {
+        if self.pending()? == 0 {
+            return Ok(None);
+        }
+        // SAFETY: the slot lies inside the mapping (`slot_ptr` masks the index), `slot_size` bytes;
+        // the acquire load in `pending` ordered the producer's writes of it before our reads; the
+        // borrow of `self` ends before `advance` can release the slot.
+        Ok(Some(unsafe { std::slice::from_raw_parts(self.ring.slot_ptr(self.next), self.ring.slot_size as usize) }))
     }
 
     /// Release the oldest entry.
@@ -307,6 +345,32 @@ mod tests {
         assert!(p.take_doorbell_request());
         assert!(!p.take_doorbell_request(), "cleared");
         assert!(!c.request_doorbell(), "not empty");
+    }
+
+    #[test]
+    fn in_place_slots() {
+        let mut mem = Mem([0; 256 + 128]);
+        ring(&mut mem).init();
+        let mut p = Producer::new(ring(&mut mem));
+        let c = Consumer::new(ring(&mut mem));
+        let mut c = c;
+        assert_eq!(c.front().unwrap(), None);
+        for round in 0..3u8 {
+            for i in 0..4u8 {
+                let s = p.slot_mut().expect("free slot");
+                assert_eq!(s.len(), 32);
+                s[0] = round;
+                s[1] = i;
+                p.publish();
+            }
+            assert!(p.slot_mut().is_none(), "full");
+            for i in 0..4u8 {
+                let s = c.front().unwrap().expect("entry");
+                assert_eq!(&s[..2], &[round, i]);
+                c.advance();
+            }
+            assert_eq!(c.front().unwrap(), None);
+        }
     }
 
     #[test]

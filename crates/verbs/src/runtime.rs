@@ -24,11 +24,13 @@ use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, 
 use softrdma_wire::roce::{
     seal_udp_payload, seal_udp_payload_ident, ud_grh_area, verify_udp_payload_ident, UdpVerdict, VerifyStats,
 };
+use softrdma_wire::IbPacket;
 
 use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
 use crate::memory::MrTable;
+use crate::same_host::Link;
 
 /// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
 const TX_SLOT: usize = 4096 + 512;
@@ -106,6 +108,12 @@ pub(crate) struct State {
     pub qp_traffic: Option<HashMap<softrdma_wire::Qpn, QpTraffic>>,
     /// The connection manager of the device (QP1).
     pub cm: CmState,
+    /// The same-host link (shared-memory lanes to other softrdma devices on this host).
+    pub link: Link,
+    /// When the UDP sockets are due for a receive while inbound lanes are busy (see `progress_at`),
+    /// and whether the last receive found datagrams (then they are polled every time).
+    udp_due: Instant,
+    udp_busy: bool,
     tx_buf: Vec<u8>,
     rx_buf: Vec<u8>,
 }
@@ -182,10 +190,18 @@ fn cm_agent(info: &DeviceInfo, port: &UdpPort) -> softrdma_cm::CmAgent {
 }
 
 impl Device {
-    /// Bind the UDP endpoint and build the engine for `info`.
-    pub fn new(info: DeviceInfo, v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>, udp_port: u16) -> Result<Device> {
+    /// Bind the UDP endpoint (and the same-host link's listeners if `same_host`) and build the
+    /// engine for `info`.
+    pub fn new(
+        info: DeviceInfo,
+        v4: Option<Ipv4Addr>,
+        v6: Option<Ipv6Addr>,
+        udp_port: u16,
+        same_host: bool,
+    ) -> Result<Device> {
         let port = UdpPort::bind(v4, v6, udp_port)?;
         let cm = CmState::new(cm_agent(&info, &port));
+        let link = Link::new(same_host, port.sockets().map(|(_, a)| *a));
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
@@ -207,6 +223,9 @@ impl Device {
             next_pd: 1,
             qp_traffic: None,
             cm,
+            link,
+            udp_due: Instant::from_nanos(0),
+            udp_busy: false,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
         };
@@ -253,20 +272,26 @@ impl Device {
         // (a multi-packet message's middle and last packets, for instance); the kernel numbers the
         // IPv4 identifications of the segments 0, 1, 2, ..., so packet k of a group is sealed for
         // identification k.
+        //
+        // A packet for another softrdma device on this host goes on its same-host lane instead
+        // (see same_host.rs), unsealed. The engine builds each packet straight into the free slot
+        // of the lane the previous packet went to: a burst goes to one peer, so the payload is
+        // copied once, from registered memory into the ring. When the guess is wrong the packet is
+        // copied to where it belongs (the transmit slot, or another lane).
         {
-            let st = &mut *st;
-            st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
+            let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
+            cm.drain(hca, mem, now, |dgid, pkt| {
                 let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
-                let sent = self
-                    .port
-                    .local_for(&dst)
-                    .is_some_and(|src| seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok());
+                let sent = self.port.local_for(&dst).is_some_and(|src| match link.lane_for(dst, src, now) {
+                    Some(li) => link.push(li, pkt),
+                    None => seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok(),
+                });
                 if !sent {
-                    st.tx_errors += 1;
+                    *tx_errors += 1;
                 }
             });
         }
-        let State { hca, mem, tx_buf, tx_errors, qp_traffic, .. } = &mut *st;
+        let State { hca, mem, tx_buf, tx_errors, qp_traffic, link, .. } = &mut *st;
         let gso = self.port.gso();
         loop {
             let mut meta =
@@ -277,7 +302,16 @@ impl Device {
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
                 // a batch's send errors are not attributed).
                 let before = qp_traffic.is_some().then(|| *hca.counters());
-                let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
+                let (t, built_in) = match link.spec_slot() {
+                    Some((li, buf)) => {
+                        let Some(t) = hca.poll_transmit(now, &mut *mem, buf) else { break };
+                        (t, Some(li))
+                    }
+                    None => {
+                        let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
+                        (t, None)
+                    }
+                };
                 n += 1;
                 if let (Some(before), Some(q)) = (before, qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn))) {
                     add_delta(&mut q.engine, &before, hca.counters());
@@ -289,9 +323,26 @@ impl Device {
                     *tx_errors += 1;
                     continue;
                 };
-                meta[k] = (t.len, dst, src);
-                slots[k] = i;
-                k += 1;
+                match (link.lane_for(dst, src, now), built_in) {
+                    (Some(li), Some(bi)) if li == bi => link.publish(li, t.len),
+                    (Some(li), _) => {
+                        if let Some(bi) = built_in {
+                            link.copy_unpublished(bi, &mut slot[..t.len]);
+                        }
+                        // A full ring drops the packet (counted by the link), as a full socket
+                        // buffer does.
+                        link.push(li, &slot[..t.len]);
+                    }
+                    (None, _) => {
+                        if let Some(bi) = built_in {
+                            link.copy_unpublished(bi, &mut slot[..t.len]);
+                        }
+                        link.clear_spec();
+                        meta[k] = (t.len, dst, src);
+                        slots[k] = i;
+                        k += 1;
+                    }
+                }
             }
             let mut groups = [(0usize, 0usize); udp::BATCH];
             let ng = if gso {
@@ -323,11 +374,14 @@ impl Device {
             // A packet that could not be sealed is sent anyway (the peer drops it, the transport
             // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
             *tx_errors += ok[..k].iter().filter(|o| !**o).count() as u64;
-            *tx_errors += self.port.send_batch(&pkts[..k], &groups[..ng]) as u64;
+            if k > 0 {
+                *tx_errors += self.port.send_batch(&pkts[..k], &groups[..ng]) as u64;
+            }
             if n < udp::BATCH {
                 break;
             }
         }
+        link.ring_doorbells();
         while let Some(cq) = st.hca.poll_cq_event() {
             if let Some(ch) = st.channels.get(&cq) {
                 ch.notify(cq);
@@ -396,25 +450,52 @@ impl Device {
             }
             Ok((ib, verdict)) => {
                 st.verify.record(verdict);
-                if st.cm.handle_packet(now, src.ip(), &ib) {
-                    return;
-                }
-                let rx = RxInfo { grh: ud_grh_area(src.ip(), local.ip(), payload.len()) };
-                let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
-                match (st.qp_traffic.is_some(), qpn) {
-                    (true, Some(qpn)) => {
-                        let before = *st.hca.counters();
-                        st.hca.handle_packet(now, payload, &rx, &mut st.mem);
-                        let after = *st.hca.counters();
-                        if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
-                            c.pkts[2] += 1;
-                            c.pkts[3] += payload.len() as u64;
-                            add_delta(&mut c.engine, &before, &after);
-                        }
-                    }
-                    _ => st.hca.handle_packet(now, payload, &rx, &mut st.mem),
+                self.deliver(st, now, payload, &ib, src, local);
+            }
+        }
+    }
+
+    /// One packet from a same-host lane: as a datagram from `src` to `local`, without the ICRC
+    /// check (shared memory does not corrupt it; the sender did not compute it).
+    fn receive_local(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr) {
+        match IbPacket::new_checked(payload) {
+            Err(_) => {
+                let counters = st.hca.counters_mut();
+                counters.rcvd_pkts += 1;
+                counters.drop_malformed += 1;
+            }
+            Ok(ib) => self.deliver(st, now, payload, &ib, src, local),
+        }
+    }
+
+    /// A received packet that parsed (and passed its ICRC check, if it had one): to the CM if it
+    /// is a MAD for it, else to the engine.
+    fn deliver(
+        &self,
+        st: &mut State,
+        now: Instant,
+        payload: &[u8],
+        ib: &IbPacket<&[u8]>,
+        src: SocketAddr,
+        local: SocketAddr,
+    ) {
+        if st.cm.handle_packet(now, src.ip(), ib) {
+            return;
+        }
+        let rx = RxInfo { grh: ud_grh_area(src.ip(), local.ip(), payload.len()) };
+        let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
+        match (st.qp_traffic.is_some(), qpn) {
+            (true, Some(qpn)) => {
+                let before = *st.hca.counters();
+                st.hca.handle_packet(now, payload, &rx, &mut st.mem);
+                let after = *st.hca.counters();
+                if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
+                    c.pkts[2] += 1;
+                    c.pkts[3] += payload.len() as u64;
+                    add_delta(&mut c.engine, &before, &after);
                 }
             }
+            _ => st.hca.handle_packet(now, payload, &rx, &mut st.mem),
         }
     }
 
@@ -424,10 +505,37 @@ impl Device {
     pub fn progress(&self, st: &mut State) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
-        self.progress_at(st, now);
+        self.progress_at(st, now, false);
     }
 
-    fn progress_at(&self, st: &mut State, now: Instant) {
+    /// One round of progress. Same-host lanes come first: they cost no system call when empty.
+    /// While a lane is up, the UDP sockets (one `recvmmsg` per empty poll, a microsecond or more
+    /// that a busy-polling ping-pong would pay per iteration) are read only every [`UDP_EVERY`],
+    /// or every time while they keep delivering, or when `full` (the I/O thread woke up): remote
+    /// peers and UDP-only devices are slowed by at most that period, never starved.
+    fn progress_at(&self, st: &mut State, now: Instant, full: bool) {
+        st.link.maintain(now, full);
+        if st.link.has_inbound() {
+            let mut link = std::mem::take(&mut st.link);
+            link.receive(|pkt, src, local| self.receive_local(st, now, pkt, src, local));
+            st.link = link;
+        }
+        if full || st.udp_busy || now >= st.udp_due || !st.link.has_inbound() {
+            st.udp_due = now + UDP_EVERY;
+            st.udp_busy = self.receive_udp(st, now) > 0;
+        }
+        if st.hca.poll_timeout().is_some_and(|t| t <= now) {
+            st.hca.handle_timeout(now, &mut st.mem);
+        }
+        if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
+            st.cm.agent.handle_timeout(now);
+        }
+        self.flush(st, now);
+    }
+
+    /// Receive what waits on the UDP sockets; returns how many datagrams.
+    fn receive_udp(&self, st: &mut State, now: Instant) -> usize {
+        let mut got = 0;
         let mut buf = std::mem::take(&mut st.rx_buf);
         let mut meta = [None; udp::BATCH];
         for (sock, local) in self.port.sockets() {
@@ -435,6 +543,7 @@ impl Device {
             for _ in 0..256 / udp::BATCH {
                 match udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) {
                     Ok(k) => {
+                        got += k;
                         for (i, m) in meta.iter().take(k).enumerate() {
                             match m {
                                 &Some((n, src, seg)) => {
@@ -466,26 +575,14 @@ impl Device {
             }
         }
         st.rx_buf = buf;
-        if st.hca.poll_timeout().is_some_and(|t| t <= now) {
-            st.hca.handle_timeout(now, &mut st.mem);
-        }
-        if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
-            st.cm.agent.handle_timeout(now);
-        }
-        self.flush(st, now);
+        got
     }
 
     /// The I/O loop: receive, fire timers, send; until stopped.
     fn io_loop(&self) {
         let mut buf = [0u8; 64];
-        let mut fds: Vec<libc::pollfd> = self
-            .port
-            .sockets()
-            .map(|(s, _)| s.as_raw_fd())
-            .chain(std::iter::once(self.wake_rx.as_raw_fd()))
-            .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
-            .collect();
-        let nsock = fds.len() - 1;
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut wake_fd = [libc::pollfd { fd: self.wake_rx.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
         let mut port_up = self.info.netdev.is_link_up();
         let mut link_checked = std::time::Instant::now();
         while !self.stop.load(Ordering::Acquire) {
@@ -499,8 +596,8 @@ impl Device {
             // busy threads as cores that competition costs milliseconds of preemption.
             if self.app_polling() {
                 let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
-                // SAFETY: one live pollfd (the wake-up socket, the last entry); `ts` outlives the call.
-                unsafe { libc::ppoll(fds[nsock..].as_mut_ptr(), 1, &ts, std::ptr::null()) };
+                // SAFETY: one live pollfd (the wake-up socket); `ts` outlives the call.
+                unsafe { libc::ppoll(wake_fd.as_mut_ptr(), 1, &ts, std::ptr::null()) };
                 while self.wake_rx.recv(&mut buf).is_ok() {}
                 if self.app_polling() {
                     continue;
@@ -512,7 +609,17 @@ impl Device {
                 let idle = now + IDLE_WAIT;
                 let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
                 st.io_wake_at = Some(wake_at);
-                wake_at.saturating_since(now)
+                fds.clear();
+                let pfd = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                fds.extend(self.port.sockets().map(|(s, _)| pfd(s.as_raw_fd())));
+                fds.push(pfd(self.wake_rx.as_raw_fd()));
+                // Lane entries already waiting: no sleep (but still one pass through ppoll, which
+                // then returns at once, to keep one code path).
+                if st.link.sleep_prepare(&mut fds) {
+                    wake_at.saturating_since(now)
+                } else {
+                    Duration::ZERO
+                }
             };
             let ts =
                 libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
@@ -520,11 +627,9 @@ impl Device {
             unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
             while self.wake_rx.recv(&mut buf).is_ok() {}
             let mut st = self.lock();
+            st.link.sleep_done();
             let now = self.now();
-            self.progress_at(&mut st, now);
-            for f in fds.iter_mut() {
-                f.revents = 0;
-            }
+            self.progress_at(&mut st, now, true);
         }
     }
 
@@ -550,6 +655,9 @@ impl Device {
         while self.wake_rx.recv(&mut buf).is_ok() {}
     }
 }
+
+/// While same-host lanes are up, how often a busy-polling thread also reads the UDP sockets.
+const UDP_EVERY: Duration = Duration::from_micros(50);
 
 /// The longest the I/O thread sleeps without a deadline (it also rechecks `stop` this often).
 const IDLE_WAIT: Duration = Duration::from_millis(200);
