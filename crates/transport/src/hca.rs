@@ -442,6 +442,12 @@ impl Hca {
         self.qps.values().filter_map(|q| q.next_deadline()).min()
     }
 
+    /// Whether [`Hca::poll_transmit`] may have a packet: false means it would return `None` (a
+    /// driver polling in a tight loop skips setting up its transmit batch).
+    pub fn has_transmit(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
     /// Write the next packet to send into `buf` (at least MTU + 64 bytes long).
     pub fn poll_transmit(&mut self, now: Instant, mem: &mut dyn MemoryAccess, buf: &mut [u8]) -> Option<Transmit> {
         let burst = self.config.burst;

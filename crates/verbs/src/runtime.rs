@@ -115,6 +115,7 @@ pub(crate) struct State {
     udp_due: Instant,
     udp_busy: bool,
     tx_buf: Vec<u8>,
+    tx_meta: Vec<(usize, SocketAddr, SocketAddr, usize)>,
     rx_buf: Vec<u8>,
 }
 
@@ -227,6 +228,7 @@ impl Device {
             udp_due: Instant::from_nanos(0),
             udp_busy: false,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
+            tx_meta: Vec::with_capacity(udp::BATCH),
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
         };
         Ok(Device {
@@ -291,13 +293,13 @@ impl Device {
                 }
             });
         }
-        let State { hca, mem, tx_buf, tx_errors, qp_traffic, link, .. } = &mut *st;
-        let gso = self.port.gso();
-        loop {
-            let mut meta =
-                [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
-            let mut slots = [0usize; udp::BATCH];
-            let (mut n, mut k) = (0, 0);
+        let State { hca, mem, tx_buf, tx_meta, tx_errors, qp_traffic, link, .. } = &mut *st;
+        // Busy polling calls this on every empty poll: nothing is set up while the engine has
+        // nothing to send, and the UDP batch only when a packet goes to UDP.
+        while hca.has_transmit() {
+            // (length, destination, source, transmit slot) of the packets for UDP.
+            tx_meta.clear();
+            let mut n = 0;
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
                 // a batch's send errors are not attributed).
@@ -338,44 +340,12 @@ impl Device {
                             link.copy_unpublished(bi, &mut slot[..t.len]);
                         }
                         link.clear_spec();
-                        meta[k] = (t.len, dst, src);
-                        slots[k] = i;
-                        k += 1;
+                        tx_meta.push((t.len, dst, src, i));
                     }
                 }
             }
-            let mut groups = [(0usize, 0usize); udp::BATCH];
-            let ng = if gso {
-                let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
-                for (l, m) in lens.iter_mut().zip(&meta[..k]) {
-                    *l = (m.0, m.1);
-                }
-                udp::gso_groups(&lens[..k], &mut groups)
-            } else {
-                for (i, g) in groups.iter_mut().enumerate().take(k) {
-                    *g = (i, i + 1);
-                }
-                k
-            };
-            let mut ok = [true; udp::BATCH];
-            for &(a, b) in &groups[..ng] {
-                for j in a..b {
-                    let (len, dst, src) = meta[j];
-                    let pkt = &mut tx_buf[slots[j] * TX_SLOT..][..len];
-                    if seal_udp_payload_ident(src, dst, pkt, (j - a) as u16).is_err() {
-                        ok[j] = false;
-                    }
-                }
-            }
-            let mut pkts: [(&[u8], SocketAddr); udp::BATCH] = [(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
-            for j in 0..k {
-                pkts[j] = (&tx_buf[slots[j] * TX_SLOT..][..meta[j].0], meta[j].1);
-            }
-            // A packet that could not be sealed is sent anyway (the peer drops it, the transport
-            // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
-            *tx_errors += ok[..k].iter().filter(|o| !**o).count() as u64;
-            if k > 0 {
-                *tx_errors += self.port.send_batch(&pkts[..k], &groups[..ng]) as u64;
+            if !tx_meta.is_empty() {
+                *tx_errors += self.send_udp(tx_buf, tx_meta);
             }
             if n < udp::BATCH {
                 break;
@@ -398,6 +368,41 @@ impl Device {
         while let Some(ev) = st.hca.poll_event() {
             self.post_async(st, ev);
         }
+    }
+
+    /// Seal and send the packets `meta` lists (length, destination, source, slot of `tx_buf`) with
+    /// as few system calls as GSO and `sendmmsg` allow; returns how many were refused.
+    fn send_udp(&self, tx_buf: &mut [u8], meta: &[(usize, SocketAddr, SocketAddr, usize)]) -> u64 {
+        let k = meta.len();
+        let mut groups = [(0usize, 0usize); udp::BATCH];
+        let ng = if self.port.gso() {
+            let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            for (l, m) in lens.iter_mut().zip(meta) {
+                *l = (m.0, m.1);
+            }
+            udp::gso_groups(&lens[..k], &mut groups)
+        } else {
+            for (i, g) in groups.iter_mut().enumerate().take(k) {
+                *g = (i, i + 1);
+            }
+            k
+        };
+        let mut bad = 0;
+        for &(a, b) in &groups[..ng] {
+            for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
+                let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
+                if seal_udp_payload_ident(src, dst, pkt, (j - a) as u16).is_err() {
+                    bad += 1;
+                }
+            }
+        }
+        let mut pkts: [(&[u8], SocketAddr); udp::BATCH] = [(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+        for (p, &(len, dst, _, slot)) in pkts.iter_mut().zip(meta) {
+            *p = (&tx_buf[slot * TX_SLOT..][..len], dst);
+        }
+        // A packet that could not be sealed is sent anyway (the peer drops it, the transport
+        // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
+        bad + self.port.send_batch(&pkts[..k], &groups[..ng]) as u64
     }
 
     /// Queue an async event for the application and wake whoever waits for one.
@@ -508,29 +513,52 @@ impl Device {
         self.progress_at(st, now, false);
     }
 
+    /// [`Device::progress`] for a thread busy polling an embedded device's CQ: when no packet
+    /// arrived and no timer fired the engine is as the last flush left it (every verbs call that
+    /// changes it flushes on its way out, see [`Device::run`]), so the flush is skipped. That
+    /// keeps an empty poll to a clock read, a look at each lane's producer index and the timer
+    /// check.
+    pub fn poll_progress(&self, st: &mut State) {
+        let now = self.now();
+        self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
+        if self.receive_at(st, now, false) {
+            self.flush(st, now);
+        }
+    }
+
     /// One round of progress. Same-host lanes come first: they cost no system call when empty.
     /// While a lane is up, the UDP sockets (one `recvmmsg` per empty poll, a microsecond or more
     /// that a busy-polling ping-pong would pay per iteration) are read only every [`UDP_EVERY`],
     /// or every time while they keep delivering, or when `full` (the I/O thread woke up): remote
     /// peers and UDP-only devices are slowed by at most that period, never starved.
     fn progress_at(&self, st: &mut State, now: Instant, full: bool) {
-        st.link.maintain(now, full);
+        self.receive_at(st, now, full);
+        self.flush(st, now);
+    }
+
+    /// The receiving half of [`Device::progress_at`]: lanes, sockets, timers. Returns whether
+    /// anything happened (a packet, a timer, a lane opened or closed).
+    fn receive_at(&self, st: &mut State, now: Instant, full: bool) -> bool {
+        let mut work = st.link.maintain(now, full);
         if st.link.has_inbound() {
-            let mut link = std::mem::take(&mut st.link);
-            link.receive(|pkt, src, local| self.receive_local(st, now, pkt, src, local));
-            st.link = link;
+            let mut lanes = st.link.take_inbound();
+            work |= lanes.receive(|pkt, src, local| self.receive_local(st, now, pkt, src, local)) > 0;
+            st.link.put_inbound(lanes);
         }
         if full || st.udp_busy || now >= st.udp_due || !st.link.has_inbound() {
             st.udp_due = now + UDP_EVERY;
             st.udp_busy = self.receive_udp(st, now) > 0;
+            work |= st.udp_busy;
         }
         if st.hca.poll_timeout().is_some_and(|t| t <= now) {
             st.hca.handle_timeout(now, &mut st.mem);
+            work = true;
         }
         if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
             st.cm.agent.handle_timeout(now);
+            work = true;
         }
-        self.flush(st, now);
+        work
     }
 
     /// Receive what waits on the UDP sockets; returns how many datagrams.

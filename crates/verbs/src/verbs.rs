@@ -494,7 +494,7 @@ impl CompletionQueue {
         if n > 0 || max == 0 {
             return Ok(n);
         }
-        dev.progress(&mut st);
+        dev.poll_progress(&mut st);
         Ok(st.hca.poll_cq(id, max, out)?)
     }
 
