@@ -295,12 +295,17 @@ impl Device {
         }
         let State { hca, mem, tx_buf, tx_meta, tx_errors, qp_traffic, link, .. } = &mut *st;
         // Busy polling calls this on every empty poll: nothing is set up while the engine has
-        // nothing to send, and the UDP batch only when a packet goes to UDP.
-        while hca.has_transmit() {
+        // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
+        // full stops the building: the packets stay in the engine until the receiver made room.
+        let mut congested = link.flush_pending();
+        while hca.has_transmit() && !congested {
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
             let mut n = 0;
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
+                if congested {
+                    break;
+                }
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
                 // a batch's send errors are not attributed).
                 let before = qp_traffic.is_some().then(|| *hca.counters());
@@ -331,9 +336,9 @@ impl Device {
                         if let Some(bi) = built_in {
                             link.copy_unpublished(bi, &mut slot[..t.len]);
                         }
-                        // A full ring drops the packet (counted by the link), as a full socket
-                        // buffer does.
+                        // A full ring keeps the packet aside and stops the building.
                         link.push(li, &slot[..t.len]);
+                        congested = link.congested();
                     }
                     (None, _) => {
                         if let Some(bi) = built_in {
@@ -521,7 +526,7 @@ impl Device {
     pub fn poll_progress(&self, st: &mut State) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
-        if self.receive_at(st, now, false) {
+        if self.receive_at(st, now, false) || st.link.congested() {
             self.flush(st, now);
         }
     }
@@ -643,10 +648,13 @@ impl Device {
                 fds.push(pfd(self.wake_rx.as_raw_fd()));
                 // Lane entries already waiting: no sleep (but still one pass through ppoll, which
                 // then returns at once, to keep one code path).
-                if st.link.sleep_prepare(&mut fds) {
-                    wake_at.saturating_since(now)
-                } else {
+                if !st.link.sleep_prepare(&mut fds) {
                     Duration::ZERO
+                } else if st.link.congested() {
+                    // Nothing tells us when the receiver makes room: look again soon.
+                    wake_at.saturating_since(now).min(crate::same_host::CONGESTED_WAIT)
+                } else {
+                    wake_at.saturating_since(now)
                 }
             };
             let ts =

@@ -36,9 +36,12 @@
 //! [`SameHostStats::ring_corrupt`] and the lane dropped), slot lengths against the slot
 //! ([`SameHostStats::rx_malformed`]), and the engine parses the packet as it parses the network's.
 //!
-//! A full ring drops the packet, as a full socket buffer does (the transport retransmits); it is
-//! sized for several QPs' full windows ([`DEFAULT_SLOTS`]). Falling back to UDP for that packet
-//! instead would reorder it behind the ring.
+//! A full ring does not drop: the packet that found it full waits in the lane's one-packet
+//! overflow buffer and the runtime stops taking packets from the engine ([`Link::congested`])
+//! until the receiver made room, so the link is lossless like a socket buffer that is never
+//! full. That matters for UC and UD, which do not retransmit: a UC sender with 128 WRs of 64 KiB
+//! in flight puts 2,048 packets in a row on the lane. Falling back to UDP for that packet instead
+//! would reorder it behind the ring.
 //!
 //! # Doorbells and hang-up
 //!
@@ -83,6 +86,8 @@ pub(crate) const DEFAULT_SLOTS: u32 = 512;
 const MAX_SLOTS: u32 = 1 << 14;
 /// How long a destination that refused a lane (or hung one up) keeps using UDP before we try again.
 pub(crate) const RETRY: Duration = Duration::from_secs(1);
+/// How long the I/O thread sleeps at most while the link is [`Link::congested`].
+pub(crate) const CONGESTED_WAIT: Duration = Duration::from_micros(50);
 /// Connection housekeeping period on the busy-polling path.
 pub(crate) const MAINTAIN_EVERY: Duration = Duration::from_millis(1);
 /// Entries taken from one lane per progress call (bounded work per call).
@@ -108,8 +113,11 @@ pub struct SameHostStats {
     pub rx_pkts: u64,
     /// See `rx_pkts`.
     pub rx_bytes: u64,
-    /// Packets dropped because the lane's ring was full.
+    /// Times a lane's ring was full (the packet waited for room; nothing is lost).
     pub tx_ring_full: u64,
+    /// Packets dropped: the ring was full and a packet was already waiting for room (does not
+    /// happen while the runtime stops at congestion; counted in case).
+    pub tx_dropped: u64,
     /// Slots whose length did not fit the slot (dropped).
     pub rx_malformed: u64,
     /// Lanes dropped because the peer broke the ring's indices.
@@ -161,6 +169,9 @@ fn set_nonblocking(fd: RawFd) -> io::Result<()> {
 /// Our half of a lane we send on.
 struct OutLane {
     prod: Producer,
+    /// A packet that found the ring full (`pending_len` bytes; 0: none), allocated with the lane.
+    pending: Vec<u8>,
+    pending_len: usize,
     conn: Conn,
     /// Keeps the ring's memory mapped; declared after `prod`.
     _shm: Shm,
@@ -287,17 +298,57 @@ impl Link {
         }
     }
 
-    /// Copy `pkt` into lane `i` and publish it; false (counted) if the ring is full or the packet
-    /// too large.
+    /// Copy `pkt` into lane `i` and publish it. A full ring keeps it in the lane's overflow
+    /// buffer (the link is then [`Link::congested`]); false (counted) if that is taken too, or the
+    /// packet is too large.
     pub fn push(&mut self, i: usize, pkt: &[u8]) -> bool {
         let Some(lane) = self.outbound[i].lane.as_mut() else { return false };
-        let Some(s) = lane.prod.slot_mut().filter(|_| pkt.len() <= MAX_PACKET) else {
-            self.stats.tx_ring_full += 1;
+        if pkt.len() > MAX_PACKET {
             return false;
-        };
-        s[SLOT_HEADER..][..pkt.len()].copy_from_slice(pkt);
-        self.publish(i, pkt.len());
-        true
+        }
+        if lane.pending_len == 0 {
+            if let Some(s) = lane.prod.slot_mut() {
+                s[SLOT_HEADER..][..pkt.len()].copy_from_slice(pkt);
+                self.publish(i, pkt.len());
+                return true;
+            }
+            lane.pending[..pkt.len()].copy_from_slice(pkt);
+            lane.pending_len = pkt.len();
+            self.stats.tx_ring_full += 1;
+            return true;
+        }
+        self.stats.tx_dropped += 1;
+        false
+    }
+
+    /// Move the packets waiting in overflow buffers into their rings where there is room now.
+    /// Returns whether the link is still [`Link::congested`].
+    pub fn flush_pending(&mut self) -> bool {
+        let mut congested = false;
+        for (i, o) in self.outbound.iter_mut().enumerate() {
+            let Some(lane) = o.lane.as_mut().filter(|l| l.pending_len > 0) else { continue };
+            let len = lane.pending_len;
+            match lane.prod.slot_mut() {
+                Some(s) => {
+                    s[SLOT_HEADER..][..len].copy_from_slice(&lane.pending[..len]);
+                    s[..4].copy_from_slice(&(len as u32).to_le_bytes());
+                    lane.prod.publish_tagged();
+                    lane.dirty = true;
+                    lane.pending_len = 0;
+                    self.stats.tx_pkts += 1;
+                    self.stats.tx_bytes += len as u64;
+                    self.spec = Some(i);
+                }
+                None => congested = true,
+            }
+        }
+        congested
+    }
+
+    /// Whether a lane's ring is full with a packet waiting: the runtime takes no more packets
+    /// from the engine (they stay queued there) and comes back soon ([`CONGESTED_WAIT`]).
+    pub fn congested(&self) -> bool {
+        self.outbound.iter().any(|o| o.lane.as_ref().is_some_and(|l| l.pending_len > 0))
     }
 
     /// The next packets go to UDP: build them in the transmit buffer.
@@ -556,7 +607,14 @@ fn connect(src: SocketAddr, dst: SocketAddr, slots: u32) -> io::Result<OutLane> 
     ring.init();
     let hello = format!("{HELLO} {src} {dst} {slots} {SLOT_SIZE}");
     conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()])?;
-    Ok(OutLane { prod: Producer::new(ring), conn, _shm: shm, dirty: false })
+    Ok(OutLane {
+        prod: Producer::new(ring),
+        pending: vec![0; MAX_PACKET],
+        pending_len: 0,
+        conn,
+        _shm: shm,
+        dirty: false,
+    })
 }
 
 /// Check a connection's hello and map its ring.

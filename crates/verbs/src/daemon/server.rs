@@ -681,7 +681,13 @@ impl SvcDevice {
             let idle = now + Duration::from_millis(200);
             let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
             st.io_wake_at = Some(wake_at);
-            wake_at.saturating_since(now)
+            let wait = wake_at.saturating_since(now);
+            // A full same-host lane: nothing tells us when the receiver makes room.
+            if st.link.congested() {
+                wait.min(crate::same_host::CONGESTED_WAIT)
+            } else {
+                wait
+            }
         };
         let ts =
             libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
