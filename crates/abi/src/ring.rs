@@ -326,6 +326,14 @@ impl Consumer {
         Some(unsafe { std::slice::from_raw_parts(self.ring.slot_ptr(self.next), self.ring.slot_size as usize) })
     }
 
+    /// For a tagged ring: whether the producer index is plausible. The producer stores the tag
+    /// before the index, so a consumer going by tags may be one entry ahead of the index for a
+    /// moment; anything else further than `capacity` from our index is a broken ring.
+    pub fn tagged_index_ok(&self) -> bool {
+        let prod = self.ring.word(PRODUCER).load(Ordering::Acquire);
+        prod.wrapping_sub(self.next) <= self.ring.capacity || self.next.wrapping_sub(prod) <= 1
+    }
+
     /// Release the oldest entry.
     pub fn advance(&mut self) {
         self.next = self.next.wrapping_add(1);

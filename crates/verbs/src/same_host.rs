@@ -406,7 +406,7 @@ impl Link {
         // more. Hang up (the peer falls back to UDP). Checked here rather than per packet: the
         // receive path reads the slots' tags only, not the index the producer keeps writing.
         let n = self.inbound.len();
-        self.inbound.retain(|l| l.cons.pending().is_ok());
+        self.inbound.retain(|l| l.cons.tagged_index_ok());
         self.stats.ring_corrupt += (n - self.inbound.len()) as u64;
         self.stats.lanes_in = self.inbound.len() as u64;
         self.next_maintain = now + MAINTAIN_EVERY;
