@@ -194,6 +194,9 @@ struct Inbound {
     /// The sender's UDP address (from its hello) and ours.
     src: SocketAddr,
     local: SocketAddr,
+    /// The sender hung up: deliver what is left in the ring (its last packets, a DREQ, are as
+    /// good as datagrams still in a socket buffer), then drop the lane.
+    closing: bool,
 }
 
 /// The same-host link of one device (behind the device lock).
@@ -414,7 +417,9 @@ impl Link {
         pfds.clear();
         let ev = |fd: RawFd, events: libc::c_short| libc::pollfd { fd, events, revents: 0 };
         pfds.extend(self.listeners.iter().map(|(l, _)| ev(l.as_raw_fd(), libc::POLLIN)));
-        pfds.extend(self.inbound.iter().map(|l| ev(l.conn.as_raw_fd(), libc::POLLIN)));
+        // A closing lane's socket stays readable (end of file): leave it out, or poll would never wait.
+        let open: Vec<usize> = (0..self.inbound.len()).filter(|&i| !self.inbound[i].closing).collect();
+        pfds.extend(open.iter().map(|&i| ev(self.inbound[i].conn.as_raw_fd(), libc::POLLIN)));
         pfds.extend(self.outbound.iter().filter_map(|o| o.lane.as_ref()).map(|l| ev(l.conn.as_raw_fd(), 0)));
         if pfds.is_empty() {
             self.pfds = pfds;
@@ -423,7 +428,7 @@ impl Link {
         // SAFETY: `pfds` is a live array of pollfd of the length given; a zero timeout never waits.
         let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 0) };
         if n > 0 {
-            let (nl, ni) = (self.listeners.len(), self.inbound.len());
+            let (nl, ni) = (self.listeners.len(), open.len());
             let hup = libc::POLLHUP | libc::POLLERR | libc::POLLNVAL;
             // Outbound lanes first (their indices are stable: entries are never removed).
             let mut k = nl + ni;
@@ -442,22 +447,17 @@ impl Link {
             if self.spec.is_some_and(|i| self.outbound[i].lane.is_none()) {
                 self.spec = None;
             }
-            let mut gone = vec![false; ni];
-            for (i, lane) in self.inbound.iter().enumerate() {
-                let r = pfds[nl + i].revents;
+            for (k, &i) in open.iter().enumerate() {
+                let r = pfds[nl + k].revents;
+                let lane = &mut self.inbound[i];
+                let mut gone = r & hup != 0;
                 if r & libc::POLLIN != 0 {
-                    gone[i] |= !drain(lane.conn.as_raw_fd());
+                    gone |= !drain(lane.conn.as_raw_fd());
                 }
-                gone[i] |= r & hup != 0;
-            }
-            if gone.iter().any(|g| *g) {
-                let mut i = 0;
-                self.inbound.retain(|_| {
-                    i += 1;
-                    !gone[i - 1]
-                });
-                self.stats.peer_gone += gone.iter().filter(|g| **g).count() as u64;
-                self.stats.lanes_in = self.inbound.len() as u64;
+                if gone {
+                    lane.closing = true;
+                    self.stats.peer_gone += 1;
+                }
             }
             for (li, p) in pfds[..nl].iter().enumerate() {
                 if p.revents & libc::POLLIN != 0 {
@@ -497,6 +497,11 @@ impl Link {
         fds.extend(self.outbound.iter().filter_map(|o| o.lane.as_ref()).map(|l| ev(l.conn.as_raw_fd(), 0)));
         let mut empty = true;
         for l in &self.inbound {
+            if l.closing {
+                // Entries left to deliver: do not sleep; its socket is at end of file.
+                empty &= l.cons.front_tagged().is_none();
+                continue;
+            }
             fds.push(ev(l.conn.as_raw_fd(), libc::POLLIN));
             empty &= l.cons.request_doorbell();
         }
@@ -539,6 +544,9 @@ impl Lanes {
                 }
                 lane.cons.advance();
             }
+        }
+        if self.lanes.iter().any(|l| l.closing) {
+            self.lanes.retain(|l| !l.closing || l.cons.front_tagged().is_some());
         }
         got
     }
@@ -651,5 +659,5 @@ fn accept(conn: Conn, local: SocketAddr) -> io::Result<Inbound> {
     }
     conn.set_read_timeout(None)?;
     set_nonblocking(conn.as_raw_fd())?;
-    Ok(Inbound { cons: Consumer::new(ring), conn, _shm: shm, src, local })
+    Ok(Inbound { cons: Consumer::new(ring), conn, _shm: shm, src, local, closing: false })
 }
