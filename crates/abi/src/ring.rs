@@ -407,7 +407,8 @@ mod tests {
     #[test]
     fn in_place_slots() {
         let mut mem = Mem([0; 256 + 128]);
-        ring(&mut mem).init();
+        let r = ring(&mut mem);
+        r.init();
         let mut p = Producer::new(ring(&mut mem));
         let c = Consumer::new(ring(&mut mem));
         let mut c = c;
@@ -439,6 +440,16 @@ mod tests {
             c.advance();
         }
         assert!(c.front_tagged().is_none());
+        // The consumer may run one entry ahead of the producer index (tag stored first), no more.
+        assert!(c.tagged_index_ok());
+        let prod = r.word(PRODUCER).load(Ordering::Relaxed);
+        r.word(PRODUCER).store(prod.wrapping_sub(1), Ordering::Relaxed);
+        assert!(c.tagged_index_ok());
+        r.word(PRODUCER).store(prod.wrapping_sub(2), Ordering::Relaxed);
+        assert!(!c.tagged_index_ok());
+        r.word(PRODUCER).store(prod.wrapping_add(5), Ordering::Relaxed);
+        assert!(!c.tagged_index_ok());
+        r.word(PRODUCER).store(prod, Ordering::Relaxed);
     }
 
     #[test]
