@@ -1,6 +1,7 @@
 //! The embedded device at run time: the engine ([`Hca`]) and region table behind one lock, the UDP
-//! endpoint, and the I/O thread that receives packets, fires timers and sends what the engine
-//! produces.
+//! endpoint, the same-host link (shared-memory lanes to other softrdma devices on this host, see
+//! `same_host.rs`: packets for such a device go there instead of the socket), and the I/O thread
+//! that receives packets, fires timers and sends what the engine produces.
 //!
 //! Verbs calls run on the caller's thread: they take the lock, act on the engine, and send any
 //! packets it produced right away (no hand-over to the I/O thread on the send path). The I/O thread
