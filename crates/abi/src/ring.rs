@@ -38,6 +38,9 @@ const PRODUCER: usize = 64;
 const CONSUMER: usize = 128;
 const FLAGS: usize = 192;
 
+/// Where a tagged ring keeps each slot's sequence number (see [`Producer::publish_tagged`]).
+pub const TAG_AT: usize = 4;
+
 /// Work queue flag: the consumer sleeps; ring the doorbell after posting.
 pub const NEED_DOORBELL: u32 = 1;
 /// Completion queue flag: an event on the next completion.
@@ -133,6 +136,15 @@ impl Ring {
         self.word(FLAGS)
     }
 
+    /// The 4-byte word at byte `at` of slot `index`, as an atomic.
+    fn slot_word(&self, index: u32, at: usize) -> &AtomicU32 {
+        assert!(at.is_multiple_of(4) && at + 4 <= self.slot_size as usize && self.slot_size.is_multiple_of(4));
+        // SAFETY: the word lies inside the slot (checked above), so inside the mapping; it is
+        // 4-byte aligned (the base is 64-byte aligned, slot sizes and `at` multiples of 4); both
+        // sides access it only atomically; the mapping outlives `self`.
+        unsafe { AtomicU32::from_ptr(self.slot_ptr(index).add(at) as *mut u32) }
+    }
+
     fn slot_ptr(&self, index: u32) -> *mut u8 {
         let i = (index & (self.capacity - 1)) as usize;
         // SAFETY: i < capacity, so the slot lies within the mapping.
@@ -145,12 +157,16 @@ impl Ring {
 pub struct Producer {
     ring: Ring,
     next: u32,
+    /// Slots known to be free without reading the consumer index again (used by `slot_mut`: the
+    /// consumer's index lives in a cache line the consumer keeps writing, so reading it on every
+    /// entry would cost a cache miss per entry).
+    room: u32,
 }
 
 impl Producer {
     /// The producer of `ring` (which must be freshly initialised, or only ever produced by us).
     pub fn new(ring: Ring) -> Producer {
-        Producer { ring, next: 0 }
+        Producer { ring, next: 0, room: 0 }
     }
 
     /// The ring.
@@ -177,6 +193,7 @@ impl Producer {
         if self.free() == 0 {
             return false;
         }
+        self.room = 0;
         let n = slot.len().min(self.ring.slot_size as usize);
         // SAFETY: the destination is a slot inside the mapping (`slot_ptr`), `n` ≤ slot_size, the
         // source is a distinct local buffer. The consumer does not read this slot until the
@@ -185,6 +202,42 @@ impl Producer {
         self.next = self.next.wrapping_add(1);
         self.ring.word(PRODUCER).store(self.next, Ordering::Release);
         true
+    }
+
+    /// The next free slot, to build an entry in place (no staging copy); `None` if the ring is
+    /// full. Nothing is published until [`Producer::publish`]; taking the slot again without
+    /// publishing returns the same slot.
+    pub fn slot_mut(&mut self) -> Option<&mut [u8]> {
+        if self.room == 0 {
+            self.room = self.free();
+            if self.room == 0 {
+                return None;
+            }
+        }
+        // SAFETY: the slot lies inside the mapping (`slot_ptr` masks the index) and is
+        // `slot_size` bytes long. It is ours until we publish it: the consumer reads only slots
+        // below the producer index, and `free` checked that the consumer released this one. The
+        // borrow of `self` keeps the mapping's owner (which outlives `self`) in place.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ring.slot_ptr(self.next), self.ring.slot_size as usize) })
+    }
+
+    /// Publish the slot [`Producer::slot_mut`] gave (one release store).
+    pub fn publish(&mut self) {
+        self.room = self.room.saturating_sub(1);
+        self.next = self.next.wrapping_add(1);
+        self.ring.word(PRODUCER).store(self.next, Ordering::Release);
+    }
+
+    /// Publish the slot [`Producer::slot_mut`] gave in a *tagged* ring: the slot's word at
+    /// [`TAG_AT`] gets the entry's sequence number (its index plus one) with a release store,
+    /// then the producer index is updated as by [`Producer::publish`]. A consumer using
+    /// [`Consumer::front_tagged`] learns of the entry from the slot itself, so a small entry
+    /// costs one cache-line transfer between the cores instead of two (the slot and the index).
+    /// The entry's own bytes must leave [`TAG_AT`]..+4 alone.
+    pub fn publish_tagged(&mut self) {
+        let tag = self.next.wrapping_add(1);
+        self.ring.slot_word(self.next, TAG_AT).store(tag, Ordering::Release);
+        self.publish();
     }
 
     /// After publishing: whether the consumer asked for a doorbell; clears the request.
@@ -237,6 +290,48 @@ impl Consumer {
         // decode, so a producer rewriting the slot meanwhile can only garble its own request.
         unsafe { ptr::copy_nonoverlapping(self.ring.slot_ptr(self.next), out.as_mut_ptr(), n) };
         Ok(true)
+    }
+
+    /// The oldest entry in place (the whole slot, `slot_size` bytes), without copying or consuming
+    /// it; `None` if the ring is empty.
+    ///
+    /// The slot is ours until [`Consumer::advance`]: the producer writes only slots it has not
+    /// published or that we released. A producer that breaks that rule and rewrites the slot while
+    /// we read it can only garble its own entry's contents, as with [`Consumer::peek`] it could
+    /// before the copy: the slice's bounds are ours, so a reader that treats the bytes as untrusted
+    /// input (checks every length it reads from them against the slice) stays in bounds.
+    pub fn front(&self) -> Result<Option<&[u8]>, RingCorrupt> {
+        if self.pending()? == 0 {
+            return Ok(None);
+        }
+        // SAFETY: the slot lies inside the mapping (`slot_ptr` masks the index), `slot_size` bytes;
+        // the acquire load in `pending` ordered the producer's writes of it before our reads; the
+        // borrow of `self` ends before `advance` can release the slot.
+        Ok(Some(unsafe { std::slice::from_raw_parts(self.ring.slot_ptr(self.next), self.ring.slot_size as usize) }))
+    }
+
+    /// The oldest entry of a tagged ring (see [`Producer::publish_tagged`]) in place, judged by
+    /// the slot's tag alone: `Some` if the slot carries the sequence number of the entry we expect
+    /// next. A tag the producer did not write (garbage, a stale lap) reads as "not yet"; the
+    /// producer index is not read (check [`Consumer::pending`] now and then to notice a broken
+    /// one). The slot is borrowed as in [`Consumer::front`].
+    pub fn front_tagged(&self) -> Option<&[u8]> {
+        let tag = self.ring.slot_word(self.next, TAG_AT).load(Ordering::Acquire);
+        if tag != self.next.wrapping_add(1) {
+            return None;
+        }
+        // SAFETY: as in `front`: the slot lies inside the mapping; the acquire load of its tag
+        // ordered the producer's writes of the slot before our reads; the borrow of `self` ends
+        // before `advance` can release it.
+        Some(unsafe { std::slice::from_raw_parts(self.ring.slot_ptr(self.next), self.ring.slot_size as usize) })
+    }
+
+    /// For a tagged ring: whether the producer index is plausible. The producer stores the tag
+    /// before the index, so a consumer going by tags may be one entry ahead of the index for a
+    /// moment; anything else further than `capacity` from our index is a broken ring.
+    pub fn tagged_index_ok(&self) -> bool {
+        let prod = self.ring.word(PRODUCER).load(Ordering::Acquire);
+        prod.wrapping_sub(self.next) <= self.ring.capacity || self.next.wrapping_sub(prod) <= 1
     }
 
     /// Release the oldest entry.
@@ -307,6 +402,54 @@ mod tests {
         assert!(p.take_doorbell_request());
         assert!(!p.take_doorbell_request(), "cleared");
         assert!(!c.request_doorbell(), "not empty");
+    }
+
+    #[test]
+    fn in_place_slots() {
+        let mut mem = Mem([0; 256 + 128]);
+        let r = ring(&mut mem);
+        r.init();
+        let mut p = Producer::new(ring(&mut mem));
+        let c = Consumer::new(ring(&mut mem));
+        let mut c = c;
+        assert_eq!(c.front().unwrap(), None);
+        for round in 0..3u8 {
+            for i in 0..4u8 {
+                let s = p.slot_mut().expect("free slot");
+                assert_eq!(s.len(), 32);
+                s[0] = round;
+                s[1] = i;
+                p.publish();
+            }
+            assert!(p.slot_mut().is_none(), "full");
+            for i in 0..4u8 {
+                let s = c.front().unwrap().expect("entry");
+                assert_eq!(&s[..2], &[round, i]);
+                c.advance();
+            }
+            assert_eq!(c.front().unwrap(), None);
+        }
+        // Tagged: the consumer goes by the slots' tags.
+        for round in 0..6u8 {
+            assert!(c.front_tagged().is_none());
+            let s = p.slot_mut().expect("free slot");
+            s[0] = round;
+            p.publish_tagged();
+            let s = c.front_tagged().expect("entry");
+            assert_eq!(s[0], round);
+            c.advance();
+        }
+        assert!(c.front_tagged().is_none());
+        // The consumer may run one entry ahead of the producer index (tag stored first), no more.
+        assert!(c.tagged_index_ok());
+        let prod = r.word(PRODUCER).load(Ordering::Relaxed);
+        r.word(PRODUCER).store(prod.wrapping_sub(1), Ordering::Relaxed);
+        assert!(c.tagged_index_ok());
+        r.word(PRODUCER).store(prod.wrapping_sub(2), Ordering::Relaxed);
+        assert!(!c.tagged_index_ok());
+        r.word(PRODUCER).store(prod.wrapping_add(5), Ordering::Relaxed);
+        assert!(!c.tagged_index_ok());
+        r.word(PRODUCER).store(prod, Ordering::Relaxed);
     }
 
     #[test]

@@ -57,6 +57,13 @@ fn copies(verb: Verb, size: u64) -> [(&'static str, u32); 4] {
     ]
 }
 
+/// [`copies`] on the same-host link (crates/verbs same_host.rs), which carries the packets when
+/// both devices are softrdma devices on this host: the requester builds each packet straight into
+/// the slot of the shared-memory ring, and the responder scatters from that slot in place. No ICRC
+/// is computed or checked on that link.
+pub const COPIES_SAME_HOST: &[(&str, u32)] =
+    &[("gather into the shared-memory ring slot", 1), ("scatter from the slot into registered memory", 1)];
+
 const RESULT_LINE: &str = "---------------------------------------------------------------------------------------";
 const DEF_QKEY: u32 = 0x1111_1111;
 const UD_GRH: usize = 40;
@@ -1280,7 +1287,7 @@ struct CpuLine {
     bytes: u64,
 }
 
-fn print_extras(out: &Out, verb: Verb, cpu: &[CpuLine]) {
+fn print_extras(out: &Out, verb: Verb, cpu: &[CpuLine], same_host: bool) {
     for c in cpu {
         let cpu = (c.user + c.sys).as_secs_f64();
         let gb = c.bytes as f64 / 1e9;
@@ -1293,14 +1300,18 @@ fn print_extras(out: &Out, verb: Verb, cpu: &[CpuLine]) {
             gb
         ));
     }
-    // Of the largest size run (with -a, smaller sizes may take the copying path).
-    let copies = copies(verb, cpu.iter().map(|c| c.size).max().unwrap_or(0));
+    let (copies, icrc) = if same_host {
+        (COPIES_SAME_HOST.to_vec(), "same-host link, no ICRC")
+    } else {
+        // Of the largest size run (with -a, smaller sizes may take the copying path).
+        (
+            copies(verb, cpu.iter().map(|c| c.size).max().unwrap_or(0)).to_vec(),
+            "plus one ICRC pass over the payload on each side",
+        )
+    };
     let total: u32 = copies.iter().map(|c| c.1).sum();
     let parts: Vec<String> = copies.iter().map(|(what, n)| format!("{what} {n}")).collect();
-    out.line(&format!(
-        " Copies per byte : {total} ({}; plus one ICRC pass over the payload on each side)",
-        parts.join(", ")
-    ));
+    out.line(&format!(" Copies per byte : {total} ({}; {icrc})", parts.join(", ")));
 }
 
 // ---- one side, end to end ---------------------------------------------------------------------
@@ -1481,7 +1492,11 @@ fn run_side(
     }
     out.line(RESULT_LINE);
     if !passive_lat {
-        print_extras(out, plan.test.verb(), &cpu);
+        // The path the packets took: the same-host link if this device used a lane and received
+        // nothing over UDP.
+        let (link, icrc) = (side.ctx.same_host_stats(), side.ctx.icrc_stats());
+        let same_host = link.tx_pkts + link.rx_pkts > 0 && icrc.verified + icrc.recovered + icrc.bad == 0;
+        print_extras(out, plan.test.verb(), &cpu, same_host);
     }
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());

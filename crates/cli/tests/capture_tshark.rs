@@ -314,7 +314,13 @@ struct Host {
 }
 
 fn host(name: &str, ip: Ipv4Addr) -> Host {
-    let ctx = DeviceBuilder::new(name, "lo").addr(IpAddr::V4(ip)).udp_port(ROCE_PORT).open().expect("open device");
+    // The same-host link off: the packets must go on the wire to be captured.
+    let ctx = DeviceBuilder::new(name, "lo")
+        .addr(IpAddr::V4(ip))
+        .udp_port(ROCE_PORT)
+        .same_host(false)
+        .open()
+        .expect("open device");
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(256, None).unwrap();
     let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };

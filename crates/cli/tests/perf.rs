@@ -45,9 +45,21 @@ fn loopback(test: &str, udp_port: u16, extra: &[&str]) -> String {
     assert!(out.contains(" remote address: LID 0000 QPN 0x"), "{out}");
     assert!(out.contains(" GID: 00:00:00:00:00:00:00:00:00:00:255:255:127:00:77:0"), "{out}");
     assert!(out.contains("\n CPU time per GB : "), "{out}");
-    // 3 for WRITE and SEND payloads sent from registered memory (64 KiB here), 4 otherwise.
-    assert!(out.contains("\n Copies per byte : 4 (") || out.contains("\n Copies per byte : 3 ("), "{out}");
+    // Two devices of one process on one host: the same-host link carries the packets.
+    assert!(out.contains("\n Copies per byte : 2 (gather into the shared-memory ring slot 1, "), "{out}");
     out
+}
+
+#[test]
+fn copies_over_udp_with_the_same_host_link_off() {
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(["perf", "write-bw", "--loopback", "--udp-port", "47320", "-n", "50"])
+        .env("SOFTRDMA_SAME_HOST", "0")
+        .output()
+        .expect("run softrdma");
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    assert!(out.contains("\n Copies per byte : 4 (gather into the packet buffer 1, kernel sendmsg 1, "), "{out}");
 }
 
 fn bw(test: &str, title: &str, udp_port: u16, size: f64) {

@@ -46,6 +46,7 @@ pub fn open_device(name: &str) -> Result<Context> {
 pub struct DeviceBuilder {
     config: DeviceConfig,
     udp_port: u16,
+    same_host: bool,
 }
 
 impl DeviceBuilder {
@@ -57,7 +58,7 @@ impl DeviceBuilder {
     /// A device from a registry entry.
     pub fn from_config(config: DeviceConfig) -> DeviceBuilder {
         let udp_port = std::env::var("SOFTRDMA_UDP_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(ROCE_PORT);
-        DeviceBuilder { config, udp_port }
+        DeviceBuilder { config, udp_port, same_host: crate::same_host::enabled_by_env() }
     }
 
     /// Use only this address of the interface (e.g. 127.0.0.2 on `lo`).
@@ -72,11 +73,18 @@ impl DeviceBuilder {
         self
     }
 
+    /// Whether packets to other softrdma devices on this host go through shared memory (the
+    /// same-host link) rather than UDP. Default: on, unless `SOFTRDMA_SAME_HOST=0`.
+    pub fn same_host(mut self, on: bool) -> DeviceBuilder {
+        self.same_host = on;
+        self
+    }
+
     /// Open the device: resolve the interface, bind the UDP port, start the I/O thread.
     pub fn open(self) -> Result<Context> {
         let info = DeviceInfo::open(&self.config)?;
         let (v4, v6) = bind_addrs(&info);
-        let dev = Device::new(info, v4, v6, self.udp_port)?;
+        let dev = Device::new(info, v4, v6, self.udp_port, self.same_host)?;
         Ok(Context::new(Arc::new(DeviceHandle::start(dev)?)))
     }
 }

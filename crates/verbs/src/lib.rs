@@ -16,11 +16,14 @@
 //!   a wrong SGE ends in a `LOC_PROT_ERR` completion, never a wild access.
 //!
 //! The only `unsafe` code is in [`memory`] (copies to and from registered buffers, allocation and
-//! `mlock`) and [`io`] (socket options without a safe wrapper); each block says why it is sound.
+//! `mlock`), [`io`] (socket options without a safe wrapper), the runtime's I/O loop (`ppoll`) and
+//! the same-host link (Unix sockets, doorbells); each block says why it is sound.
 //!
 //! A device runs *embedded*: its engine and I/O thread live in this process and own a UDP socket on
 //! port 4791 of the device's address (configurable for tests). Two processes on one host use two
-//! devices on two loopback addresses.
+//! devices on two loopback addresses; packets between two softrdma devices on one host (and in one
+//! network namespace) go through shared-memory rings instead of UDP (the same-host link,
+//! `same_host.rs`; `SOFTRDMA_SAME_HOST=0` turns it off, [`Context::same_host_stats`] counts it).
 
 pub mod cm;
 pub mod daemon;
@@ -29,12 +32,14 @@ pub mod error;
 pub mod io;
 pub mod memory;
 mod runtime;
+mod same_host;
 pub mod verbs;
 
 pub use cm::{modify_for_attr as cm_modify_for_attr, CmEvent, CmEventChannel, CmId};
 pub use device::{devices, open_device, DeviceBuilder};
 pub use error::Error;
 pub use memory::MemoryRegion;
+pub use same_host::SameHostStats;
 pub use softrdma_cm::{
     status as cm_status, ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace, QpAttr as CmQpAttr,
     QpAttrState as CmQpState,

@@ -242,6 +242,18 @@ impl InPlace {
 }
 
 impl MrTable {
+    /// Copy a deferred payload into its hole in `pkt` (a packet that does not go out by `sendmsg`
+    /// from registered memory: a region of another process, or the same-host link).
+    pub(crate) fn fill(&self, d: &DeferredPayload, pkt: &mut [u8]) -> core::result::Result<(), MemError> {
+        let mut at = d.at;
+        for s in d.pieces() {
+            let end = at + s.length as usize;
+            self.read(d.pd, s.lkey, KeyKind::Local, s.addr, pkt.get_mut(at..end).ok_or(MemError::OutOfBounds)?)?;
+            at = end;
+        }
+        Ok(())
+    }
+
     /// Resolve a deferred payload to pointers into this process's memory. A region of another
     /// process (daemon mode) cannot be sent from in place: the payload is copied into the hole in
     /// `pkt` instead and `Ok(None)` returned.
@@ -256,18 +268,7 @@ impl MrTable {
             match self.resolve(d.pd, s.lkey, s.addr, u64::from(s.length), Access::NONE)? {
                 Loc::Local(p) => *slot = (p as *const u8, s.length as usize),
                 Loc::Remote(..) => {
-                    let mut at = d.at;
-                    for s in d.pieces() {
-                        let end = at + s.length as usize;
-                        self.read(
-                            d.pd,
-                            s.lkey,
-                            KeyKind::Local,
-                            s.addr,
-                            pkt.get_mut(at..end).ok_or(MemError::OutOfBounds)?,
-                        )?;
-                        at = end;
-                    }
+                    self.fill(d, pkt)?;
                     return Ok(None);
                 }
             }

@@ -1,6 +1,7 @@
 //! The embedded device at run time: the engine ([`Hca`]) and region table behind one lock, the UDP
-//! endpoint, and the I/O thread that receives packets, fires timers and sends what the engine
-//! produces.
+//! endpoint, the same-host link (shared-memory lanes to other softrdma devices on this host, see
+//! `same_host.rs`: packets for such a device go there instead of the socket), and the I/O thread
+//! that receives packets, fires timers and sends what the engine produces.
 //!
 //! Verbs calls run on the caller's thread: they take the lock, act on the engine, and send any
 //! packets it produced right away (no hand-over to the I/O thread on the send path). The I/O thread
@@ -11,7 +12,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
-use std::mem::MaybeUninit;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixDatagram;
@@ -26,12 +26,13 @@ use softrdma_wire::roce::{
     seal_udp_payload, seal_udp_payload_ident, ud_grh_area, udp_payload_icrc_parts, verify_udp_payload_ident,
     UdpVerdict, VerifyStats,
 };
-use softrdma_wire::ICRC_LEN;
+use softrdma_wire::{IbPacket, ICRC_LEN};
 
 use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
 use crate::memory::{InPlace, MrTable};
+use crate::same_host::Link;
 
 /// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
 const TX_SLOT: usize = 4096 + 512;
@@ -120,7 +121,14 @@ pub(crate) struct State {
     pub qp_traffic: Option<HashMap<softrdma_wire::Qpn, QpTraffic>>,
     /// The connection manager of the device (QP1).
     pub cm: CmState,
+    /// The same-host link (shared-memory lanes to other softrdma devices on this host).
+    pub link: Link,
+    /// When the UDP sockets are due for a receive while inbound lanes are busy (see `progress_at`),
+    /// and whether the last receive found datagrams (then they are polled every time).
+    udp_due: Instant,
+    udp_busy: bool,
     tx_buf: Vec<u8>,
+    tx_meta: Vec<(usize, SocketAddr, SocketAddr, usize)>,
     rx_buf: Vec<u8>,
 }
 
@@ -196,10 +204,18 @@ fn cm_agent(info: &DeviceInfo, port: &UdpPort) -> softrdma_cm::CmAgent {
 }
 
 impl Device {
-    /// Bind the UDP endpoint and build the engine for `info`.
-    pub fn new(info: DeviceInfo, v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>, udp_port: u16) -> Result<Device> {
+    /// Bind the UDP endpoint (and the same-host link's listeners if `same_host`) and build the
+    /// engine for `info`.
+    pub fn new(
+        info: DeviceInfo,
+        v4: Option<Ipv4Addr>,
+        v6: Option<Ipv6Addr>,
+        udp_port: u16,
+        same_host: bool,
+    ) -> Result<Device> {
         let port = UdpPort::bind(v4, v6, udp_port)?;
         let cm = CmState::new(cm_agent(&info, &port));
+        let link = Link::new(same_host, port.sockets().map(|(_, a)| *a));
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
@@ -230,7 +246,11 @@ impl Device {
             next_pd: 1,
             qp_traffic: None,
             cm,
+            link,
+            udp_due: Instant::from_nanos(0),
+            udp_busy: false,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
+            tx_meta: Vec::with_capacity(udp::BATCH),
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
         };
         Ok(Device {
@@ -276,35 +296,63 @@ impl Device {
         // (a multi-packet message's middle and last packets, for instance); the kernel numbers the
         // IPv4 identifications of the segments 0, 1, 2, ..., so packet k of a group is sealed for
         // identification k.
+        //
+        // A packet for another softrdma device on this host goes on its same-host lane instead
+        // (see same_host.rs), unsealed. The engine builds each packet straight into the free slot
+        // of the lane the previous packet went to: a burst goes to one peer, so the payload is
+        // copied once, from registered memory into the ring. When the guess is wrong the packet is
+        // copied to where it belongs (the transmit slot, or another lane).
         {
-            let st = &mut *st;
-            st.cm.drain(&mut st.hca, &mut st.mem, now, |dgid, pkt| {
+            let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
+            cm.drain(hca, mem, now, |dgid, pkt| {
                 let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
-                let sent = self
-                    .port
-                    .local_for(&dst)
-                    .is_some_and(|src| seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok());
+                let sent = self.port.local_for(&dst).is_some_and(|src| match link.lane_for(dst, src, now) {
+                    Some(li) => link.push(li, pkt),
+                    None => seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok(),
+                });
                 if !sent {
-                    st.tx_errors += 1;
+                    *tx_errors += 1;
                 }
             });
         }
-        let State { hca, mem, tx_buf, tx_errors, qp_traffic, .. } = &mut *st;
-        let gso = self.port.gso();
-        while hca.has_transmit() {
-            let mut meta =
-                [(0usize, SocketAddr::from(([0, 0, 0, 0], 0)), SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
-            let mut slots = [0usize; udp::BATCH];
-            // Packets whose payload goes out from registered memory (`Config::defer_payload_min`).
-            // Entry j is written for every packet of the batch (j < k) before it is read, and left
-            // uninitialised beyond: the flush runs once per post, so idle entries must cost nothing.
-            let mut in_place = [const { MaybeUninit::<Option<InPlace>>::uninit() }; udp::BATCH];
-            let (mut n, mut k) = (0, 0);
+        let State { hca, mem, tx_buf, tx_meta, tx_errors, qp_traffic, link, .. } = &mut *st;
+        // Busy polling calls this on every empty poll: nothing is set up while the engine has
+        // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
+        // full stops the building: the packets stay in the engine until the receiver made room.
+        let mut congested = link.flush_pending();
+        while hca.has_transmit() && !congested {
+            // (length, destination, source, transmit slot) of the packets for UDP.
+            tx_meta.clear();
+            // Per UDP packet (entry j of `tx_meta`): where its deferred payload is, if it stayed in
+            // registered memory.
+            let mut in_place: [Option<InPlace>; udp::BATCH] = [None; udp::BATCH];
+            let mut n = 0;
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
+                if congested {
+                    break;
+                }
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
                 // a batch's send errors are not attributed).
                 let before = qp_traffic.is_some().then(|| *hca.counters());
-                let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
+                let (t, built_in) = match link.spec_slot() {
+                    Some((li, buf)) => {
+                        let Some(t) = hca.poll_transmit(now, &mut *mem, buf) else { break };
+                        // A deferred payload is copied into the ring slot: one copy on a lane.
+                        if let Some(d) = &t.deferred {
+                            if mem.fill(d, &mut buf[..t.len]).is_err() {
+                                // The engine checked the keys under this lock: cannot happen.
+                                *tx_errors += 1;
+                                n += 1;
+                                continue;
+                            }
+                        }
+                        (t, Some(li))
+                    }
+                    None => {
+                        let Some(t) = hca.poll_transmit(now, &mut *mem, slot) else { break };
+                        (t, None)
+                    }
+                };
                 n += 1;
                 if let (Some(before), Some(q)) = (before, qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn))) {
                     add_delta(&mut q.engine, &before, hca.counters());
@@ -316,81 +364,53 @@ impl Device {
                     *tx_errors += 1;
                     continue;
                 };
-                let ip = match &t.deferred {
-                    None => None,
-                    Some(d) => match mem.in_place(d, slot) {
-                        Ok(ip) => ip,
+                // A deferred payload (`Config::defer_payload_min`) stays in registered memory when
+                // the packet goes to UDP (`sendmsg` gathers it from there); on a lane it is copied
+                // into the packet (into the ring slot when the engine built it there, above).
+                let mut ip = None;
+                if let (Some(d), None) = (&t.deferred, built_in) {
+                    let lane = link.lane_for(dst, src, now);
+                    let resolved = match lane {
+                        Some(_) => mem.fill(d, &mut slot[..t.len]).map(|()| None),
+                        None => mem.in_place(d, slot),
+                    };
+                    match resolved {
+                        Ok(r) => ip = r,
                         // The engine checked the keys under this lock: cannot happen.
                         Err(_) => {
                             *tx_errors += 1;
                             continue;
                         }
-                    },
-                };
-                in_place[k].write(ip);
-                meta[k] = (t.len, dst, src);
-                slots[k] = i;
-                k += 1;
-            }
-            let mut groups = [(0usize, 0usize); udp::BATCH];
-            let ng = if gso {
-                let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
-                for (l, m) in lens.iter_mut().zip(&meta[..k]) {
-                    *l = (m.0, m.1);
+                    }
                 }
-                udp::gso_groups(&lens[..k], &mut groups)
-            } else {
-                for (i, g) in groups.iter_mut().enumerate().take(k) {
-                    *g = (i, i + 1);
-                }
-                k
-            };
-            // SAFETY: entries 0..k were written in the loop above (every `k += 1` follows a write).
-            let in_place: &[Option<InPlace>] =
-                unsafe { std::slice::from_raw_parts(in_place.as_ptr() as *const Option<InPlace>, k) };
-            let mut ok = [true; udp::BATCH];
-            for &(a, b) in &groups[..ng] {
-                for j in a..b {
-                    let (len, dst, src) = meta[j];
-                    let pkt = &mut tx_buf[slots[j] * TX_SLOT..][..len];
-                    let sealed = match &in_place[j] {
-                        None => seal_udp_payload_ident(src, dst, pkt, (j - a) as u16),
-                        Some(ip) => {
-                            let (mut parts, np) = ip.parts(pkt);
-                            // The ICRC covers everything before its own four bytes.
-                            parts[np - 1] = &parts[np - 1][..parts[np - 1].len() - ICRC_LEN];
-                            udp_payload_icrc_parts(src, dst, &parts[..np], (j - a) as u16)
-                                .and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
+                match (link.lane_for(dst, src, now), built_in) {
+                    (Some(li), Some(bi)) if li == bi => link.publish(li, t.len),
+                    (Some(li), _) => {
+                        if let Some(bi) = built_in {
+                            link.copy_unpublished(bi, &mut slot[..t.len]);
                         }
-                    };
-                    if sealed.is_err() {
-                        ok[j] = false;
+                        // A full ring keeps the packet aside and stops the building.
+                        link.push(li, &slot[..t.len]);
+                        congested = link.congested();
+                    }
+                    (None, _) => {
+                        if let Some(bi) = built_in {
+                            link.copy_unpublished(bi, &mut slot[..t.len]);
+                        }
+                        link.clear_spec();
+                        in_place[tx_meta.len()] = ip;
+                        tx_meta.push((t.len, dst, src, i));
                     }
                 }
             }
-            // Uninitialised beyond k, as `in_place`.
-            let mut pkts = [const { MaybeUninit::<udp::Datagram<'_>>::uninit() }; udp::BATCH];
-            for j in 0..k {
-                let pkt = &tx_buf[slots[j] * TX_SLOT..][..meta[j].0];
-                pkts[j].write(match &in_place[j] {
-                    None => udp::Datagram::one(pkt, meta[j].1),
-                    Some(ip) => {
-                        let (parts, n) = ip.parts(pkt);
-                        udp::Datagram { parts, n, dst: meta[j].1 }
-                    }
-                });
+            if !tx_meta.is_empty() {
+                *tx_errors += self.send_udp(tx_buf, tx_meta, &in_place);
             }
-            // SAFETY: entries 0..k were written just above.
-            let pkts: &[udp::Datagram<'_>] =
-                unsafe { std::slice::from_raw_parts(pkts.as_ptr() as *const udp::Datagram<'_>, k) };
-            // A packet that could not be sealed is sent anyway (the peer drops it, the transport
-            // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
-            *tx_errors += ok[..k].iter().filter(|o| !**o).count() as u64;
-            *tx_errors += self.port.send_batch(pkts, &groups[..ng]) as u64;
             if n < udp::BATCH {
                 break;
             }
         }
+        link.ring_doorbells();
         while let Some(cq) = st.hca.poll_cq_event() {
             if let Some(ch) = st.channels.get(&cq) {
                 ch.notify(cq);
@@ -407,6 +427,64 @@ impl Device {
         while let Some(ev) = st.hca.poll_event() {
             self.post_async(st, ev);
         }
+    }
+
+    /// Seal and send the packets `meta` lists (length, destination, source, slot of `tx_buf`) with
+    /// as few system calls as GSO and `sendmmsg` allow; `in_place[j]` says where packet j's payload
+    /// is when it stayed in registered memory. Returns how many were refused.
+    fn send_udp(
+        &self,
+        tx_buf: &mut [u8],
+        meta: &[(usize, SocketAddr, SocketAddr, usize)],
+        in_place: &[Option<InPlace>],
+    ) -> u64 {
+        let k = meta.len();
+        let mut groups = [(0usize, 0usize); udp::BATCH];
+        let ng = if self.port.gso() {
+            let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+            for (l, m) in lens.iter_mut().zip(meta) {
+                *l = (m.0, m.1);
+            }
+            udp::gso_groups(&lens[..k], &mut groups)
+        } else {
+            for (i, g) in groups.iter_mut().enumerate().take(k) {
+                *g = (i, i + 1);
+            }
+            k
+        };
+        let mut bad = 0;
+        for &(a, b) in &groups[..ng] {
+            for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
+                let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
+                let sealed = match &in_place[j] {
+                    None => seal_udp_payload_ident(src, dst, pkt, (j - a) as u16),
+                    Some(ip) => {
+                        let (mut parts, np) = ip.parts(pkt);
+                        // The ICRC covers everything before its own four bytes.
+                        parts[np - 1] = &parts[np - 1][..parts[np - 1].len() - ICRC_LEN];
+                        udp_payload_icrc_parts(src, dst, &parts[..np], (j - a) as u16)
+                            .and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
+                    }
+                };
+                if sealed.is_err() {
+                    bad += 1;
+                }
+            }
+        }
+        let mut pkts = [udp::Datagram::one(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
+        for (j, (p, &(len, dst, _, slot))) in pkts.iter_mut().zip(meta).enumerate() {
+            let pkt = &tx_buf[slot * TX_SLOT..][..len];
+            *p = match &in_place[j] {
+                None => udp::Datagram::one(pkt, dst),
+                Some(ip) => {
+                    let (parts, n) = ip.parts(pkt);
+                    udp::Datagram { parts, n, dst }
+                }
+            };
+        }
+        // A packet that could not be sealed is sent anyway (the peer drops it, the transport
+        // retransmits) so the groups stay intact; it cannot happen for packets the engine built.
+        bad + self.port.send_batch(&pkts[..k], &groups[..ng]) as u64
     }
 
     /// Queue an async event for the application and wake whoever waits for one.
@@ -462,27 +540,54 @@ impl Device {
             }
             Ok((ib, verdict)) => {
                 st.verify.record(verdict);
-                if st.cm.handle_packet(now, src.ip(), &ib) {
-                    return;
-                }
-                // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
-                let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
-                let rx = RxInfo { grh };
-                let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
-                match (st.qp_traffic.is_some(), qpn) {
-                    (true, Some(qpn)) => {
-                        let before = *st.hca.counters();
-                        st.hca.handle_parsed(now, &ib, &rx, &mut st.mem);
-                        let after = *st.hca.counters();
-                        if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
-                            c.pkts[2] += 1;
-                            c.pkts[3] += payload.len() as u64;
-                            add_delta(&mut c.engine, &before, &after);
-                        }
-                    }
-                    _ => st.hca.handle_parsed(now, &ib, &rx, &mut st.mem),
+                self.deliver(st, now, payload, &ib, src, local);
+            }
+        }
+    }
+
+    /// One packet from a same-host lane: as a datagram from `src` to `local`, without the ICRC
+    /// check (shared memory does not corrupt it; the sender did not compute it).
+    fn receive_local(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr) {
+        match IbPacket::new_checked(payload) {
+            Err(_) => {
+                let counters = st.hca.counters_mut();
+                counters.rcvd_pkts += 1;
+                counters.drop_malformed += 1;
+            }
+            Ok(ib) => self.deliver(st, now, payload, &ib, src, local),
+        }
+    }
+
+    /// A received packet that parsed (and passed its ICRC check, if it had one): to the CM if it
+    /// is a MAD for it, else to the engine.
+    fn deliver(
+        &self,
+        st: &mut State,
+        now: Instant,
+        payload: &[u8],
+        ib: &IbPacket<&[u8]>,
+        src: SocketAddr,
+        local: SocketAddr,
+    ) {
+        if st.cm.handle_packet(now, src.ip(), ib) {
+            return;
+        }
+        // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
+        let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
+        let rx = RxInfo { grh };
+        let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
+        match (st.qp_traffic.is_some(), qpn) {
+            (true, Some(qpn)) => {
+                let before = *st.hca.counters();
+                st.hca.handle_parsed(now, ib, &rx, &mut st.mem);
+                let after = *st.hca.counters();
+                if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
+                    c.pkts[2] += 1;
+                    c.pkts[3] += payload.len() as u64;
+                    add_delta(&mut c.engine, &before, &after);
                 }
             }
+            _ => st.hca.handle_parsed(now, ib, &rx, &mut st.mem),
         }
     }
 
@@ -492,10 +597,60 @@ impl Device {
     pub fn progress(&self, st: &mut State) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
-        self.progress_at(st, now);
+        self.progress_at(st, now, false);
     }
 
-    fn progress_at(&self, st: &mut State, now: Instant) {
+    /// [`Device::progress`] for a thread busy polling an embedded device's CQ: when no packet
+    /// arrived and no timer fired the engine is as the last flush left it (every verbs call that
+    /// changes it flushes on its way out, see [`Device::run`]), so the flush is skipped. That
+    /// keeps an empty poll to a clock read, a look at each lane's producer index and the timer
+    /// check.
+    pub fn poll_progress(&self, st: &mut State) {
+        let now = self.now();
+        self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
+        if self.receive_at(st, now, false) || st.link.congested() {
+            self.flush(st, now);
+        }
+    }
+
+    /// One round of progress. Same-host lanes come first: they cost no system call when empty.
+    /// While a lane is up, the UDP sockets (one `recvmmsg` per empty poll, a microsecond or more
+    /// that a busy-polling ping-pong would pay per iteration) are read only every [`UDP_EVERY`],
+    /// or every time while they keep delivering, or when `full` (the I/O thread woke up): remote
+    /// peers and UDP-only devices are slowed by at most that period, never starved.
+    fn progress_at(&self, st: &mut State, now: Instant, full: bool) {
+        self.receive_at(st, now, full);
+        self.flush(st, now);
+    }
+
+    /// The receiving half of [`Device::progress_at`]: lanes, sockets, timers. Returns whether
+    /// anything happened (a packet, a timer, a lane opened or closed).
+    fn receive_at(&self, st: &mut State, now: Instant, full: bool) -> bool {
+        let mut work = st.link.maintain(now, full);
+        if st.link.has_inbound() {
+            let mut lanes = st.link.take_inbound();
+            work |= lanes.receive(|pkt, src, local| self.receive_local(st, now, pkt, src, local)) > 0;
+            st.link.put_inbound(lanes);
+        }
+        if full || st.udp_busy || now >= st.udp_due || !st.link.has_inbound() {
+            st.udp_due = now + UDP_EVERY;
+            st.udp_busy = self.receive_udp(st, now) > 0;
+            work |= st.udp_busy;
+        }
+        if st.hca.poll_timeout().is_some_and(|t| t <= now) {
+            st.hca.handle_timeout(now, &mut st.mem);
+            work = true;
+        }
+        if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
+            st.cm.agent.handle_timeout(now);
+            work = true;
+        }
+        work
+    }
+
+    /// Receive what waits on the UDP sockets; returns how many datagrams.
+    fn receive_udp(&self, st: &mut State, now: Instant) -> usize {
+        let mut got = 0;
         let mut buf = std::mem::take(&mut st.rx_buf);
         let mut meta = [None; udp::BATCH];
         for (sock, local) in self.port.sockets() {
@@ -503,6 +658,7 @@ impl Device {
             for _ in 0..256 / udp::BATCH {
                 match udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) {
                     Ok(k) => {
+                        got += k;
                         for (i, m) in meta.iter().take(k).enumerate() {
                             match m {
                                 &Some((n, src, seg)) => {
@@ -534,26 +690,14 @@ impl Device {
             }
         }
         st.rx_buf = buf;
-        if st.hca.poll_timeout().is_some_and(|t| t <= now) {
-            st.hca.handle_timeout(now, &mut st.mem);
-        }
-        if st.cm.agent.poll_timeout().is_some_and(|t| t <= now) {
-            st.cm.agent.handle_timeout(now);
-        }
-        self.flush(st, now);
+        got
     }
 
     /// The I/O loop: receive, fire timers, send; until stopped.
     fn io_loop(&self) {
         let mut buf = [0u8; 64];
-        let mut fds: Vec<libc::pollfd> = self
-            .port
-            .sockets()
-            .map(|(s, _)| s.as_raw_fd())
-            .chain(std::iter::once(self.wake_rx.as_raw_fd()))
-            .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
-            .collect();
-        let nsock = fds.len() - 1;
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut wake_fd = [libc::pollfd { fd: self.wake_rx.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
         let mut port_up = self.info.netdev.is_link_up();
         let mut link_checked = std::time::Instant::now();
         while !self.stop.load(Ordering::Acquire) {
@@ -567,8 +711,8 @@ impl Device {
             // busy threads as cores that competition costs milliseconds of preemption.
             if self.app_polling() {
                 let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
-                // SAFETY: one live pollfd (the wake-up socket, the last entry); `ts` outlives the call.
-                unsafe { libc::ppoll(fds[nsock..].as_mut_ptr(), 1, &ts, std::ptr::null()) };
+                // SAFETY: one live pollfd (the wake-up socket); `ts` outlives the call.
+                unsafe { libc::ppoll(wake_fd.as_mut_ptr(), 1, &ts, std::ptr::null()) };
                 while self.wake_rx.recv(&mut buf).is_ok() {}
                 if self.app_polling() {
                     continue;
@@ -580,7 +724,20 @@ impl Device {
                 let idle = now + IDLE_WAIT;
                 let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
                 st.io_wake_at = Some(wake_at);
-                wake_at.saturating_since(now)
+                fds.clear();
+                let pfd = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                fds.extend(self.port.sockets().map(|(s, _)| pfd(s.as_raw_fd())));
+                fds.push(pfd(self.wake_rx.as_raw_fd()));
+                // Lane entries already waiting: no sleep (but still one pass through ppoll, which
+                // then returns at once, to keep one code path).
+                if !st.link.sleep_prepare(&mut fds) {
+                    Duration::ZERO
+                } else if st.link.congested() {
+                    // Nothing tells us when the receiver makes room: look again soon.
+                    wake_at.saturating_since(now).min(crate::same_host::CONGESTED_WAIT)
+                } else {
+                    wake_at.saturating_since(now)
+                }
             };
             let ts =
                 libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
@@ -588,11 +745,9 @@ impl Device {
             unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
             while self.wake_rx.recv(&mut buf).is_ok() {}
             let mut st = self.lock();
+            st.link.sleep_done();
             let now = self.now();
-            self.progress_at(&mut st, now);
-            for f in fds.iter_mut() {
-                f.revents = 0;
-            }
+            self.progress_at(&mut st, now, true);
         }
     }
 
@@ -618,6 +773,9 @@ impl Device {
         while self.wake_rx.recv(&mut buf).is_ok() {}
     }
 }
+
+/// While same-host lanes are up, how often a busy-polling thread also reads the UDP sockets.
+const UDP_EVERY: Duration = Duration::from_micros(50);
 
 /// The longest the I/O thread sleeps without a deadline (it also rechecks `stop` this often).
 const IDLE_WAIT: Duration = Duration::from_millis(200);

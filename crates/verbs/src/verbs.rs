@@ -230,6 +230,15 @@ impl Context {
         }
     }
 
+    /// Counters of the same-host link (shared-memory lanes to other softrdma devices on this
+    /// host); all zero on a softrdmad device.
+    pub fn same_host_stats(&self) -> crate::SameHostStats {
+        match &self.h {
+            Dev::Embedded(h) => h.dev.lock().link.stats,
+            Dev::Daemon(_) => crate::SameHostStats::default(),
+        }
+    }
+
     /// The embedded device behind this context (for the CM's IDs); an error on a softrdmad device.
     pub(crate) fn embedded(&self) -> Result<&Arc<DeviceHandle>> {
         match &self.h {
@@ -485,7 +494,7 @@ impl CompletionQueue {
         if n > 0 || max == 0 {
             return Ok(n);
         }
-        dev.progress(&mut st);
+        dev.poll_progress(&mut st);
         Ok(st.hca.poll_cq(id, max, out)?)
     }
 

@@ -1,5 +1,6 @@
-//! Two embedded devices in one process, on two loopback addresses, doing every operation over real
-//! UDP sockets, with byte-for-byte checks.
+//! Two embedded devices in one process, on two loopback addresses, doing every operation with
+//! byte-for-byte checks: over real UDP sockets (the same-host link off) and over the same-host
+//! link (its default).
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
@@ -11,9 +12,14 @@ use softrdma_verbs::{
 
 /// A port of our own per test so tests run in parallel.
 fn open(last: u8, port: u16) -> Context {
+    open_with(last, port, false)
+}
+
+fn open_with(last: u8, port: u16, same_host: bool) -> Context {
     DeviceBuilder::new(&format!("t{last}"), "lo")
         .addr(IpAddr::V4(Ipv4Addr::new(127, 0, 9, last)))
         .udp_port(port)
+        .same_host(same_host)
         .open()
         .expect("open device")
 }
@@ -98,8 +104,17 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn rc_every_operation_and_size() {
-    let a = side(open(1, 48791), QpType::Rc);
-    let b = side(open(2, 48791), QpType::Rc);
+    rc_every_operation(1, 48791, false);
+}
+
+#[test]
+fn rc_every_operation_and_size_same_host() {
+    rc_every_operation(6, 48794, true);
+}
+
+fn rc_every_operation(first: u8, port: u16, same_host: bool) {
+    let a = side(open_with(first, port, same_host), QpType::Rc);
+    let b = side(open_with(first + 1, port, same_host), QpType::Rc);
     connect(&a, &b, Mtu::M4096);
     const BIG: usize = 16 << 20;
     let ma = a.pd.reg_mr(2 * BIG, rights()).unwrap();
@@ -187,13 +202,31 @@ fn rc_every_operation_and_size() {
     assert_eq!(ma.to_vec(0, 16).unwrap(), [100u64.to_ne_bytes(), 105u64.to_ne_bytes()].concat());
     assert_eq!(mb.to_vec(64, 8).unwrap(), 1u64.to_ne_bytes());
     let icrc = b.ctx.icrc_stats();
-    assert!(icrc.verified > 0 && icrc.bad == 0, "{icrc:?}");
+    let link = (a.ctx.same_host_stats(), b.ctx.same_host_stats());
+    if same_host {
+        // Every packet went through shared memory, unsealed and unchecked; none over UDP.
+        assert!(link.0.tx_pkts > 0 && link.1.rx_pkts > 0 && link.1.tx_pkts > 0, "{link:?}");
+        assert_eq!((link.0.lanes_out, link.1.lanes_in, link.1.rx_malformed, link.1.ring_corrupt), (1, 1, 0, 0));
+        assert_eq!((icrc.verified, icrc.bad), (0, 0), "{icrc:?}");
+    } else {
+        assert!(icrc.verified > 0 && icrc.bad == 0, "{icrc:?}");
+        assert_eq!((link.0.tx_pkts, link.1.rx_pkts, link.1.lanes_in), (0, 0, 0), "{link:?}");
+    }
 }
 
 #[test]
 fn ud_send_with_grh() {
-    let a = side(open(3, 48792), QpType::Ud);
-    let b = side(open(4, 48792), QpType::Ud);
+    ud_send(3, 48792, false);
+}
+
+#[test]
+fn ud_send_with_grh_same_host() {
+    ud_send(8, 48795, true);
+}
+
+fn ud_send(first: u8, port: u16, same_host: bool) {
+    let a = side(open_with(first, port, same_host), QpType::Ud);
+    let b = side(open_with(first + 1, port, same_host), QpType::Ud);
     for s in [&a, &b] {
         s.qp.modify(&ModifyQp {
             state: Some(QpState::Init),
@@ -226,8 +259,9 @@ fn ud_send_with_grh() {
     assert_eq!(mb.to_vec(40, 512).unwrap(), data);
     let grh = mb.to_vec(0, 40).unwrap();
     assert_eq!(grh[20], 0x45, "IPv4 header in the second half of the GRH area");
-    assert_eq!(&grh[32..36], &[127, 0, 9, 3], "source address");
-    assert_eq!(&grh[36..40], &[127, 0, 9, 4], "destination address");
+    assert_eq!(&grh[32..36], &[127, 0, 9, first], "source address");
+    assert_eq!(&grh[36..40], &[127, 0, 9, first + 1], "destination address");
+    assert_eq!(b.ctx.same_host_stats().rx_pkts > 0, same_host);
 }
 
 #[test]

@@ -8,6 +8,9 @@
 //! `--exact <this test>` and `SOFTRDMA_PROOF_ROLE` set. The two exchange QPN, PSN, GID, rkey and
 //! region address, and then step through a script, over a TCP connection on 127.0.0.1 (the
 //! out-of-band channel an RDMA application would also need).
+//!
+//! It runs twice: with the packets over UDP on loopback (the same-host link off), and over the
+//! same-host link (shared-memory lanes, no ICRC), each side checking which path carried them.
 
 mod common;
 
@@ -21,9 +24,11 @@ use std::time::{Duration, Instant};
 use common::{compare, compare_fill, pattern, wait_one, Endpoint};
 use softrdma_verbs::{ConnectParams, DeviceBuilder, Gid, Mtu, Psn, Qpn, RecvWr, SendOp, WcFlags, WcOpcode, WcStatus};
 
-/// This test's name, for `--exact` in the child.
+/// This test's names (over UDP, over the same-host link), for `--exact` in the child.
 const TEST_NAME: &str = "two_processes_every_operation_every_size";
-/// Set in the child: `TCP:UDP`, the port of the parent's control listener and the devices' UDP port.
+const TEST_NAME_SAME_HOST: &str = "two_processes_every_operation_every_size_same_host";
+/// Set in the child: `TCP:UDP:S`, the port of the parent's control listener, the devices' UDP port
+/// and whether the same-host link is on (1) or off (0).
 const ROLE_ENV: &str = "SOFTRDMA_PROOF_ROLE";
 /// The devices' addresses (the UDP port is picked per run, so concurrent runs do not collide).
 const ADDR: [Ipv4Addr; 2] = [Ipv4Addr::new(127, 0, 10, 1), Ipv4Addr::new(127, 0, 10, 2)];
@@ -65,12 +70,38 @@ const SIZES: &[usize] = &[
 
 #[test]
 fn two_processes_every_operation_every_size() {
+    run(false);
+}
+
+#[test]
+fn two_processes_every_operation_every_size_same_host() {
+    run(true);
+}
+
+fn run(same_host: bool) {
     match std::env::var(ROLE_ENV) {
-        Ok(ports) => {
-            let (tcp, udp) = ports.split_once(':').expect("TCP:UDP");
-            child(tcp.parse().expect("control port"), udp.parse().expect("UDP port"))
+        Ok(role) => {
+            let mut w = role.split(':');
+            let mut next = || w.next().expect("TCP:UDP:S").parse::<u16>().expect("a number");
+            let (tcp, udp, sh) = (next(), next(), next());
+            assert_eq!(sh == 1, same_host, "the child runs the parent's test");
+            child(tcp, udp, same_host)
         }
-        Err(_) => parent(),
+        Err(_) => parent(same_host),
+    }
+}
+
+/// Check which path carried the packets: the link (no ICRC verdicts) or UDP (only verdicts).
+fn check_path(ep: &Endpoint, same_host: bool) {
+    let icrc = ep.ctx.icrc_stats();
+    let link = ep.ctx.same_host_stats();
+    if same_host {
+        assert!(icrc.verified == 0 && icrc.bad == 0 && icrc.recovered == 0, "ICRC verdicts {icrc:?}");
+        assert!(link.rx_pkts > 0 && link.tx_pkts > 0 && link.lanes_in == 1 && link.lanes_out == 1, "{link:?}");
+        assert_eq!((link.rx_malformed, link.ring_corrupt), (0, 0), "{link:?}");
+    } else {
+        assert!(icrc.verified > 0 && icrc.bad == 0 && icrc.recovered == 0, "ICRC verdicts {icrc:?}");
+        assert_eq!((link.rx_pkts, link.tx_pkts), (0, 0), "{link:?}");
     }
 }
 
@@ -158,10 +189,11 @@ fn free_udp_port() -> u16 {
     }
 }
 
-fn open(side: usize, udp_port: u16) -> Endpoint {
+fn open(side: usize, udp_port: u16, same_host: bool) -> Endpoint {
     let ctx = DeviceBuilder::new(&format!("proof{side}"), "lo")
         .addr(IpAddr::V4(ADDR[side]))
         .udp_port(udp_port)
+        .same_host(same_host)
         .open()
         .expect("open device");
     Endpoint::new(ctx, REGION, 64)
@@ -193,15 +225,16 @@ fn handshake(ep: &Endpoint, ctl: &mut Ctl, psn: u32, first: bool) -> Hello {
     peer
 }
 
-fn parent() {
+fn parent(same_host: bool) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let udp = free_udp_port();
-    let ep = open(0, udp);
+    let ep = open(0, udp, same_host);
     let exe = std::env::current_exe().unwrap();
+    let name = if same_host { TEST_NAME_SAME_HOST } else { TEST_NAME };
     let mut child = Command::new(exe)
-        .args(["--exact", TEST_NAME, "--nocapture", "--test-threads=1"])
-        .env(ROLE_ENV, format!("{port}:{udp}"))
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(ROLE_ENV, format!("{port}:{udp}:{}", u8::from(same_host)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -220,8 +253,7 @@ fn parent() {
         responder(&ep, &mut ctl, 2);
         ctl.send("BYE");
         ctl.expect("BYE");
-        let icrc = ep.ctx.icrc_stats();
-        assert!(icrc.verified > 0 && icrc.bad == 0 && icrc.recovered == 0, "ICRC verdicts {icrc:?}");
+        check_path(&ep, same_host);
         eprintln!("parent: both directions done in {:.2?}; counters {:?}", t.elapsed(), ep.ctx.counters());
     }));
     let status = guard.wait(Duration::from_secs(30));
@@ -234,8 +266,8 @@ fn parent() {
     assert!(status.is_some_and(|s| s.success()), "peer process failed ({status:?}):\n{out}\n{err}");
 }
 
-fn child(port: u16, udp: u16) {
-    let ep = open(1, udp);
+fn child(port: u16, udp: u16, same_host: bool) {
+    let ep = open(1, udp, same_host);
     let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to the parent");
     let mut ctl = Ctl::new(stream);
     let peer = handshake(&ep, &mut ctl, 0xfe_dcba, false);
@@ -243,8 +275,7 @@ fn child(port: u16, udp: u16) {
     requester(&ep, &peer, &mut ctl, 2);
     ctl.expect("BYE");
     ctl.send("BYE");
-    let icrc = ep.ctx.icrc_stats();
-    assert!(icrc.verified > 0 && icrc.bad == 0 && icrc.recovered == 0, "ICRC verdicts {icrc:?}");
+    check_path(&ep, same_host);
     println!("child: done; counters {:?}", ep.ctx.counters());
 }
 

@@ -176,7 +176,9 @@ impl Daemon {
         let info = DeviceInfo::open(c)?;
         let up = info.netdev.is_link_up();
         let (v4, v6) = crate::device::bind_addrs(&info);
-        let dev = Device::new(info, v4, v6, self.opts.udp_port)?;
+        // softrdmad's devices take part in the same-host link as embedded ones do (their loop
+        // polls the lanes through `Device::progress` and sleeps on their doorbells).
+        let dev = Device::new(info, v4, v6, self.opts.udp_port, crate::same_host::enabled_by_env())?;
         {
             let mut st = dev.lock();
             st.qp_traffic = Some(HashMap::new());
@@ -667,14 +669,25 @@ impl SvcDevice {
         }
         fds.push(libc::pollfd { fd: self.dev.wake_fd(), events: libc::POLLIN, revents: 0 });
         // As the embedded I/O thread does: record when we will wake on our own, so that a deadline
-        // armed meanwhile by a control call (a modify) that is earlier wakes us.
+        // armed meanwhile by a control call (a modify) that is earlier wakes us. The device's
+        // same-host lanes ring their connection sockets as doorbells once asked to.
         let wait = {
             let mut st = self.dev.lock();
+            if !st.link.sleep_prepare(&mut fds) {
+                st.link.sleep_done();
+                return;
+            }
             let now = self.dev.now();
             let idle = now + Duration::from_millis(200);
             let wake_at = st.next_deadline().map_or(idle, |at| at.min(idle));
             st.io_wake_at = Some(wake_at);
-            wake_at.saturating_since(now)
+            let wait = wake_at.saturating_since(now);
+            // A full same-host lane: nothing tells us when the receiver makes room.
+            if st.link.congested() {
+                wait.min(crate::same_host::CONGESTED_WAIT)
+            } else {
+                wait
+            }
         };
         let ts =
             libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
@@ -689,6 +702,11 @@ impl SvcDevice {
         }
         drop(svc);
         self.dev.drain_wake();
+        let mut st = self.dev.lock();
+        st.link.sleep_done();
+        // Accept lanes and notice hang-ups now rather than at the next housekeeping period.
+        let now = self.dev.now();
+        st.link.maintain(now, true);
     }
 
     /// One pass over rings, network, timers, completions and events; true if anything happened.

@@ -1,0 +1,663 @@
+//! The same-host link: RoCEv2 packets between two softrdma devices on one host carried through
+//! shared memory instead of UDP on loopback. It owns discovery of same-host peers, one
+//! single-producer single-consumer ring per direction and peer ("lane"), its doorbells, and the
+//! fall-back to UDP when a peer goes away. The runtime (`runtime.rs`) decides per packet whether
+//! it goes on a lane or to the socket; the engine sees nothing of it.
+//!
+//! # Discovery and authority
+//!
+//! A device that bound its UDP socket to `ip:port` listens on the *abstract* Unix socket
+//! `"\0softrdma-roce/<ip:port>"` ([`abstract_name`]). Abstract names live in the network
+//! namespace, like the UDP address, and vanish with the process that holds them, so whoever
+//! listens there is the process that owns the UDP address now: there is no stale file to clean
+//! up and no way to claim an address one has not bound (the UDP bind comes first and is
+//! exclusive). A sender with traffic for `dst` tries once to connect to `dst`'s name; a refusal is
+//! cached and retried every [`RETRY`] (a peer that starts later, or a remote address, for which
+//! the attempt costs a failed `connect` a second).
+//!
+//! Both sides check with `SO_PEERCRED` that the other runs as the same user: a lane lets the peer
+//! write into memory we read (and the other way round), which we only grant to processes that
+//! could `ptrace` us anyway. Devices of different users on one host keep using UDP.
+//!
+//! # The lane
+//!
+//! On success the sender creates a sealed memfd (it cannot be shrunk under the receiver's mapping)
+//! holding one [`softrdma_abi::ring`] ring of [`SLOT_SIZE`]-byte slots and passes it with
+//! `SCM_RIGHTS`, with a hello naming its own source `ip:port` and the destination. The listener
+//! (in its progress or I/O loop) accepts, checks the hello and maps the ring as an inbound lane.
+//! A slot is a [`SLOT_HEADER`]-byte header (the packet length, little-endian u32) then the UDP
+//! payload exactly as it would go on the wire (BTH … ICRC), so the engine and the CM (QP1 MADs)
+//! handle it like any datagram from `src` to `local`.
+//!
+//! Memory does not corrupt packets, so the ICRC is neither computed by the sender nor checked by
+//! the receiver on a lane (its four bytes are left as they are); such packets are counted in
+//! [`SameHostStats::rx_pkts`] instead of the ICRC verdicts. Everything read from the mapping is
+//! untrusted: the ring indices are checked against the capacity (a broken ring is counted in
+//! [`SameHostStats::ring_corrupt`] and the lane dropped), slot lengths against the slot
+//! ([`SameHostStats::rx_malformed`]), and the engine parses the packet as it parses the network's.
+//!
+//! A full ring does not drop: the packet that found it full waits in the lane's one-packet
+//! overflow buffer and the runtime stops taking packets from the engine ([`Link::congested`])
+//! until the receiver made room, so the link is lossless like a socket buffer that is never
+//! full. That matters for UC and UD, which do not retransmit: a UC sender with 128 WRs of 64 KiB
+//! in flight puts 2,048 packets in a row on the lane. Falling back to UDP for that packet instead
+//! would reorder it behind the ring.
+//!
+//! # Doorbells and hang-up
+//!
+//! The connection stays open as the doorbell and the liveness signal. A receiver about to sleep
+//! sets the ring's need-doorbell flag and looks once more ([`Link::sleep_prepare`]); a sender that
+//! published entries and finds the flag set clears it and writes one byte. While the receiver busy
+//! polls, sending costs no system call. Either side's death closes the connection: the receiver
+//! drops the lane, the sender unmaps and goes back to UDP (with the retry delay, so a restarted
+//! peer is found again).
+//!
+//! Connection housekeeping (accepting lanes, noticing hang-ups) is one `poll` with no timeout at
+//! most every [`MAINTAIN_EVERY`] from the busy-polling path, and at once when the I/O thread wakes.
+
+use std::ffi::OsStr;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::time::Duration;
+
+use softrdma_abi::ring::{ring_bytes, Consumer, Producer};
+use softrdma_abi::shm::Shm;
+use softrdma_abi::sock::{geteuid, Conn, Listener};
+use softrdma_transport::Instant;
+
+/// Bytes in front of the packet in a slot: its length (u32, little-endian) and the slot's tag (the
+/// ring is *tagged*, see [`softrdma_abi::ring::Producer::publish_tagged`]: the receiver polls the
+/// tag of the next slot, not the producer index). Kept small so that a small packet (an ACK, an
+/// 8-byte SEND) shares one cache line with its length and tag: one cache-line transfer between the
+/// cores per packet. Large packets are copied at an 8-byte offset from a line, which costs the copy
+/// nothing measurable.
+pub(crate) const SLOT_HEADER: usize = 8;
+/// The largest packet a slot holds: a 4096-byte MTU plus headers, as the runtime's transmit slots.
+pub(crate) const MAX_PACKET: usize = 4096 + 512;
+/// Bytes per slot, a whole number of cache lines.
+pub(crate) const SLOT_SIZE: u32 = ((SLOT_HEADER + MAX_PACKET).div_ceil(64) * 64) as u32;
+/// Slots per lane unless `SOFTRDMA_SAME_HOST_SLOTS` says otherwise: four QPs' full windows (129
+/// packets each) fit, 2.3 MiB of shared memory.
+pub(crate) const DEFAULT_SLOTS: u32 = 512;
+/// The most slots a hello may announce (a sanity bound on the mapping a peer makes us create).
+const MAX_SLOTS: u32 = 1 << 14;
+/// How long a destination that refused a lane (or hung one up) keeps using UDP before we try again.
+pub(crate) const RETRY: Duration = Duration::from_secs(1);
+/// How long the I/O thread sleeps at most while the link is [`Link::congested`].
+pub(crate) const CONGESTED_WAIT: Duration = Duration::from_micros(50);
+/// Connection housekeeping period on the busy-polling path.
+pub(crate) const MAINTAIN_EVERY: Duration = Duration::from_millis(1);
+/// Entries taken from one lane per progress call (bounded work per call).
+const LANE_BUDGET: usize = 256;
+/// First word of the hello.
+const HELLO: &str = "softrdma-lane/1";
+
+/// Counters of the same-host link of one device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SameHostStats {
+    /// Whether the link is on (`SOFTRDMA_SAME_HOST` is not `0`).
+    pub enabled: bool,
+    /// Outbound lanes up now.
+    pub lanes_out: u64,
+    /// Inbound lanes up now.
+    pub lanes_in: u64,
+    /// Packets and bytes (UDP payloads) put on lanes.
+    pub tx_pkts: u64,
+    /// See `tx_pkts`.
+    pub tx_bytes: u64,
+    /// Packets and bytes taken from lanes and handed to the engine or CM without an ICRC check.
+    pub rx_pkts: u64,
+    /// See `rx_pkts`.
+    pub rx_bytes: u64,
+    /// Times a lane's ring was full (the packet waited for room; nothing is lost).
+    pub tx_ring_full: u64,
+    /// Packets dropped: the ring was full and a packet was already waiting for room (does not
+    /// happen while the runtime stops at congestion; counted in case).
+    pub tx_dropped: u64,
+    /// Slots whose length did not fit the slot (dropped).
+    pub rx_malformed: u64,
+    /// Lanes dropped because the peer broke the ring's indices.
+    pub ring_corrupt: u64,
+    /// Lanes we opened, attempts that found no softrdma device (or were refused).
+    pub connects: u64,
+    /// See `connects`.
+    pub connect_failures: u64,
+    /// Lanes we accepted, and connections refused (bad hello, other user, bad memory).
+    pub accepts: u64,
+    /// See `accepts`.
+    pub refused: u64,
+    /// Lanes closed because the peer hung up.
+    pub peer_gone: u64,
+    /// Doorbells rung (one byte written to a sleeping receiver).
+    pub doorbells: u64,
+}
+
+/// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
+pub(crate) fn enabled_by_env() -> bool {
+    std::env::var("SOFTRDMA_SAME_HOST").map_or(true, |v| !matches!(v.trim(), "0" | "off" | "false" | "no"))
+}
+
+fn slots_by_env() -> u32 {
+    std::env::var("SOFTRDMA_SAME_HOST_SLOTS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .filter(|n| n.is_power_of_two() && (4..=MAX_SLOTS).contains(n))
+        .unwrap_or(DEFAULT_SLOTS)
+}
+
+/// The abstract socket name of the device that owns UDP address `addr` (leading NUL included).
+pub(crate) fn abstract_name(addr: SocketAddr) -> Vec<u8> {
+    let mut v = vec![0u8];
+    v.extend_from_slice(format!("softrdma-roce/{addr}").as_bytes());
+    v
+}
+
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor we own; F_GETFL/F_SETFL take an int.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if fl < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Our half of a lane we send on.
+struct OutLane {
+    prod: Producer,
+    /// A packet that found the ring full (`pending_len` bytes; 0: none), allocated with the lane.
+    pending: Vec<u8>,
+    pending_len: usize,
+    conn: Conn,
+    /// Keeps the ring's memory mapped; declared after `prod`.
+    _shm: Shm,
+    /// Entries published since the last doorbell check.
+    dirty: bool,
+}
+
+/// A destination we have sent to: its lane, or when to try again.
+struct Outbound {
+    dst: SocketAddr,
+    lane: Option<OutLane>,
+    retry_at: Instant,
+}
+
+/// A lane we receive on.
+struct Inbound {
+    cons: Consumer,
+    conn: Conn,
+    _shm: Shm,
+    /// The sender's UDP address (from its hello) and ours.
+    src: SocketAddr,
+    local: SocketAddr,
+    /// The sender hung up: deliver what is left in the ring (its last packets, a DREQ, are as
+    /// good as datagrams still in a socket buffer), then drop the lane.
+    closing: bool,
+}
+
+/// The same-host link of one device (behind the device lock).
+#[derive(Default)]
+pub(crate) struct Link {
+    enabled: bool,
+    slots: u32,
+    listeners: Vec<(Listener, SocketAddr)>,
+    inbound: Vec<Inbound>,
+    outbound: Vec<Outbound>,
+    /// The outbound lane the last packet went to: the next one is built in its ring.
+    spec: Option<usize>,
+    next_maintain: Instant,
+    pfds: Vec<libc::pollfd>,
+    pub stats: SameHostStats,
+}
+
+impl Link {
+    /// The link of a device whose UDP sockets are bound to `locals`; off if `enabled` is false.
+    /// An address whose name cannot be listened on only receives over UDP.
+    pub fn new(enabled: bool, locals: impl Iterator<Item = SocketAddr>) -> Link {
+        let mut l = Link { enabled, slots: slots_by_env(), ..Link::default() };
+        l.stats.enabled = enabled;
+        if enabled {
+            for a in locals {
+                let name = abstract_name(a);
+                if let Ok(lis) = Listener::bind(Path::new(OsStr::from_bytes(&name))) {
+                    if set_nonblocking(lis.as_raw_fd()).is_ok() {
+                        l.listeners.push((lis, a));
+                    }
+                }
+            }
+        }
+        l
+    }
+
+    /// Whether any inbound lane is up (the runtime then polls UDP less often).
+    pub fn has_inbound(&self) -> bool {
+        !self.inbound.is_empty()
+    }
+
+    /// The outbound lane for `dst` (sending from `src`), opening one if none was tried recently.
+    pub fn lane_for(&mut self, dst: SocketAddr, src: SocketAddr, now: Instant) -> Option<usize> {
+        if !self.enabled {
+            return None;
+        }
+        if let Some(i) = self.spec.filter(|&i| self.outbound[i].dst == dst && self.outbound[i].lane.is_some()) {
+            return Some(i);
+        }
+        let i = match self.outbound.iter().position(|o| o.dst == dst) {
+            Some(i) => i,
+            None => {
+                self.outbound.push(Outbound { dst, lane: None, retry_at: now });
+                self.outbound.len() - 1
+            }
+        };
+        let o = &mut self.outbound[i];
+        if o.lane.is_some() {
+            return Some(i);
+        }
+        if now < o.retry_at {
+            return None;
+        }
+        o.retry_at = now + RETRY;
+        match connect(src, dst, self.slots) {
+            Ok(lane) => {
+                o.lane = Some(lane);
+                self.stats.connects += 1;
+                self.stats.lanes_out += 1;
+                Some(i)
+            }
+            Err(_) => {
+                self.stats.connect_failures += 1;
+                None
+            }
+        }
+    }
+
+    /// Where to build the next packet: the free slot (packet area) of the lane the last one went to.
+    pub fn spec_slot(&mut self) -> Option<(usize, &mut [u8])> {
+        let i = self.spec?;
+        let s = self.outbound[i].lane.as_mut()?.prod.slot_mut()?;
+        Some((i, &mut s[SLOT_HEADER..]))
+    }
+
+    /// Publish the packet of `len` bytes built in lane `i`'s [`Link::spec_slot`].
+    pub fn publish(&mut self, i: usize, len: usize) {
+        let Some(lane) = self.outbound[i].lane.as_mut() else { return };
+        let Some(s) = lane.prod.slot_mut() else { return };
+        s[..4].copy_from_slice(&(len as u32).to_le_bytes());
+        lane.prod.publish_tagged();
+        lane.dirty = true;
+        self.stats.tx_pkts += 1;
+        self.stats.tx_bytes += len as u64;
+        self.spec = Some(i);
+    }
+
+    /// Copy the packet of `len` bytes built in lane `i`'s unpublished slot into `out`.
+    pub fn copy_unpublished(&mut self, i: usize, out: &mut [u8]) {
+        if let Some(s) = self.outbound[i].lane.as_mut().and_then(|l| l.prod.slot_mut()) {
+            out.copy_from_slice(&s[SLOT_HEADER..][..out.len()]);
+        }
+    }
+
+    /// Copy `pkt` into lane `i` and publish it. A full ring keeps it in the lane's overflow
+    /// buffer (the link is then [`Link::congested`]); false (counted) if that is taken too, or the
+    /// packet is too large.
+    pub fn push(&mut self, i: usize, pkt: &[u8]) -> bool {
+        let Some(lane) = self.outbound[i].lane.as_mut() else { return false };
+        if pkt.len() > MAX_PACKET {
+            return false;
+        }
+        if lane.pending_len == 0 {
+            if let Some(s) = lane.prod.slot_mut() {
+                s[SLOT_HEADER..][..pkt.len()].copy_from_slice(pkt);
+                self.publish(i, pkt.len());
+                return true;
+            }
+            lane.pending[..pkt.len()].copy_from_slice(pkt);
+            lane.pending_len = pkt.len();
+            self.stats.tx_ring_full += 1;
+            return true;
+        }
+        self.stats.tx_dropped += 1;
+        false
+    }
+
+    /// Move the packets waiting in overflow buffers into their rings where there is room now.
+    /// Returns whether the link is still [`Link::congested`].
+    pub fn flush_pending(&mut self) -> bool {
+        let mut congested = false;
+        for (i, o) in self.outbound.iter_mut().enumerate() {
+            let Some(lane) = o.lane.as_mut().filter(|l| l.pending_len > 0) else { continue };
+            let len = lane.pending_len;
+            match lane.prod.slot_mut() {
+                Some(s) => {
+                    s[SLOT_HEADER..][..len].copy_from_slice(&lane.pending[..len]);
+                    s[..4].copy_from_slice(&(len as u32).to_le_bytes());
+                    lane.prod.publish_tagged();
+                    lane.dirty = true;
+                    lane.pending_len = 0;
+                    self.stats.tx_pkts += 1;
+                    self.stats.tx_bytes += len as u64;
+                    self.spec = Some(i);
+                }
+                None => congested = true,
+            }
+        }
+        congested
+    }
+
+    /// Whether a lane's ring is full with a packet waiting: the runtime takes no more packets
+    /// from the engine (they stay queued there) and comes back soon ([`CONGESTED_WAIT`]).
+    pub fn congested(&self) -> bool {
+        self.outbound.iter().any(|o| o.lane.as_ref().is_some_and(|l| l.pending_len > 0))
+    }
+
+    /// The next packets go to UDP: build them in the transmit buffer.
+    pub fn clear_spec(&mut self) {
+        self.spec = None;
+    }
+
+    /// After a batch of sends: wake each receiver that sleeps and got entries.
+    pub fn ring_doorbells(&mut self) {
+        for o in &mut self.outbound {
+            let Some(lane) = o.lane.as_mut().filter(|l| l.dirty) else { continue };
+            lane.dirty = false;
+            if lane.prod.take_doorbell_request() {
+                self.stats.doorbells += 1;
+                // SAFETY: a one-byte send from a live buffer on our socket; never blocks. A full
+                // socket means a doorbell is already pending, which is as good.
+                unsafe {
+                    libc::send(
+                        lane.conn.as_raw_fd(),
+                        [1u8].as_ptr() as *const libc::c_void,
+                        1,
+                        libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                    )
+                };
+            }
+        }
+    }
+
+    /// The inbound lanes, taken out for [`Lanes::receive`] (so that the packets they hand over can
+    /// be delivered to the rest of the device state); give them back with [`Link::put_inbound`].
+    /// Moving a `Vec` is three words: this runs on every busy poll.
+    pub fn take_inbound(&mut self) -> Lanes {
+        Lanes { lanes: std::mem::take(&mut self.inbound), stats: SameHostStats::default() }
+    }
+
+    /// Give back what [`Link::take_inbound`] took, with the counts of its receive.
+    pub fn put_inbound(&mut self, lanes: Lanes) {
+        let (s, d) = (&mut self.stats, &lanes.stats);
+        s.rx_pkts += d.rx_pkts;
+        s.rx_bytes += d.rx_bytes;
+        s.rx_malformed += d.rx_malformed;
+        s.ring_corrupt += d.ring_corrupt;
+        s.lanes_in = lanes.lanes.len() as u64;
+        self.inbound = lanes.lanes;
+    }
+
+    /// Accept new lanes and notice hung-up ones: at most every [`MAINTAIN_EVERY`] unless `force`.
+    /// Returns whether a lane came or went.
+    pub fn maintain(&mut self, now: Instant, force: bool) -> bool {
+        if !self.enabled || (!force && now < self.next_maintain) {
+            return false;
+        }
+        let before = (self.stats.accepts, self.stats.peer_gone, self.stats.ring_corrupt);
+        // A producer index that is not within the ring: nothing that ring says can be trusted any
+        // more. Hang up (the peer falls back to UDP). Checked here rather than per packet: the
+        // receive path reads the slots' tags only, not the index the producer keeps writing.
+        let n = self.inbound.len();
+        self.inbound.retain(|l| l.cons.tagged_index_ok());
+        self.stats.ring_corrupt += (n - self.inbound.len()) as u64;
+        self.stats.lanes_in = self.inbound.len() as u64;
+        self.next_maintain = now + MAINTAIN_EVERY;
+        let mut pfds = std::mem::take(&mut self.pfds);
+        pfds.clear();
+        let ev = |fd: RawFd, events: libc::c_short| libc::pollfd { fd, events, revents: 0 };
+        pfds.extend(self.listeners.iter().map(|(l, _)| ev(l.as_raw_fd(), libc::POLLIN)));
+        // A closing lane's socket stays readable (end of file): leave it out, or poll would never wait.
+        let open: Vec<usize> = (0..self.inbound.len()).filter(|&i| !self.inbound[i].closing).collect();
+        pfds.extend(open.iter().map(|&i| ev(self.inbound[i].conn.as_raw_fd(), libc::POLLIN)));
+        pfds.extend(self.outbound.iter().filter_map(|o| o.lane.as_ref()).map(|l| ev(l.conn.as_raw_fd(), 0)));
+        if pfds.is_empty() {
+            self.pfds = pfds;
+            return false;
+        }
+        // SAFETY: `pfds` is a live array of pollfd of the length given; a zero timeout never waits.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 0) };
+        if n > 0 {
+            let (nl, ni) = (self.listeners.len(), open.len());
+            let hup = libc::POLLHUP | libc::POLLERR | libc::POLLNVAL;
+            // Outbound lanes first (their indices are stable: entries are never removed).
+            let mut k = nl + ni;
+            for o in &mut self.outbound {
+                if o.lane.is_none() {
+                    continue;
+                }
+                if pfds[k].revents & hup != 0 {
+                    o.lane = None;
+                    o.retry_at = now + RETRY;
+                    self.stats.peer_gone += 1;
+                    self.stats.lanes_out -= 1;
+                }
+                k += 1;
+            }
+            if self.spec.is_some_and(|i| self.outbound[i].lane.is_none()) {
+                self.spec = None;
+            }
+            for (k, &i) in open.iter().enumerate() {
+                let r = pfds[nl + k].revents;
+                let lane = &mut self.inbound[i];
+                let mut gone = r & hup != 0;
+                if r & libc::POLLIN != 0 {
+                    gone |= !drain(lane.conn.as_raw_fd());
+                }
+                if gone {
+                    lane.closing = true;
+                    self.stats.peer_gone += 1;
+                }
+            }
+            for (li, p) in pfds[..nl].iter().enumerate() {
+                if p.revents & libc::POLLIN != 0 {
+                    self.accept_all(li);
+                }
+            }
+        }
+        self.pfds = pfds;
+        before != (self.stats.accepts, self.stats.peer_gone, self.stats.ring_corrupt)
+    }
+
+    fn accept_all(&mut self, li: usize) {
+        loop {
+            let (lis, local) = &self.listeners[li];
+            let local = *local;
+            let conn = match lis.accept() {
+                Ok(c) => c,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            };
+            match accept(conn, local) {
+                Ok(lane) => {
+                    self.inbound.push(lane);
+                    self.stats.accepts += 1;
+                    self.stats.lanes_in = self.inbound.len() as u64;
+                }
+                Err(_) => self.stats.refused += 1,
+            }
+        }
+    }
+
+    /// Before the I/O thread sleeps: add the link's descriptors to `fds` and ask every inbound
+    /// lane for a doorbell. Returns false if a lane has entries already (do not sleep).
+    pub fn sleep_prepare(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
+        let ev = |fd: RawFd, events: libc::c_short| libc::pollfd { fd, events, revents: 0 };
+        fds.extend(self.listeners.iter().map(|(l, _)| ev(l.as_raw_fd(), libc::POLLIN)));
+        fds.extend(self.outbound.iter().filter_map(|o| o.lane.as_ref()).map(|l| ev(l.conn.as_raw_fd(), 0)));
+        let mut empty = true;
+        for l in &self.inbound {
+            if l.closing {
+                // Entries left to deliver: do not sleep; its socket is at end of file.
+                empty &= l.cons.front_tagged().is_none();
+                continue;
+            }
+            fds.push(ev(l.conn.as_raw_fd(), libc::POLLIN));
+            empty &= l.cons.request_doorbell();
+        }
+        empty
+    }
+
+    /// After the sleep: withdraw the doorbell requests (the thread polls again).
+    pub fn sleep_done(&mut self) {
+        for l in &self.inbound {
+            l.cons.cancel_doorbell();
+        }
+    }
+}
+
+/// The inbound lanes of a [`Link`] while they are being read, and the counts of that read.
+pub(crate) struct Lanes {
+    lanes: Vec<Inbound>,
+    stats: SameHostStats,
+}
+
+impl Lanes {
+    /// Hand every waiting inbound packet (up to a budget per lane) to `f(packet, src, local)`;
+    /// returns how many. Broken lanes are dropped.
+    pub fn receive(&mut self, mut f: impl FnMut(&[u8], SocketAddr, SocketAddr)) -> usize {
+        let mut got = 0;
+        for lane in &mut self.lanes {
+            for _ in 0..LANE_BUDGET {
+                // The slot's tag says whether it holds the next entry (one cache line for a small
+                // packet); the producer index is checked by `Link::maintain`.
+                let Some(slot) = lane.cons.front_tagged() else { break };
+                let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]) as usize;
+                match slot.get(SLOT_HEADER..).and_then(|p| p.get(..len)).filter(|_| len <= MAX_PACKET) {
+                    Some(pkt) => {
+                        self.stats.rx_pkts += 1;
+                        self.stats.rx_bytes += len as u64;
+                        got += 1;
+                        f(pkt, lane.src, lane.local);
+                    }
+                    None => self.stats.rx_malformed += 1,
+                }
+                lane.cons.advance();
+            }
+        }
+        if self.lanes.iter().any(|l| l.closing) {
+            self.lanes.retain(|l| !l.closing || l.cons.front_tagged().is_some());
+        }
+        got
+    }
+}
+
+/// Read the doorbell bytes waiting on `fd`; false if the peer hung up.
+fn drain(fd: RawFd) -> bool {
+    let mut b = [0u8; 64];
+    loop {
+        // SAFETY: a non-blocking receive into a live buffer of the length given.
+        let rc = unsafe { libc::recv(fd, b.as_mut_ptr() as *mut libc::c_void, b.len(), libc::MSG_DONTWAIT) };
+        if rc > 0 {
+            continue;
+        }
+        if rc == 0 {
+            return false;
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return true,
+            _ => return false,
+        }
+    }
+}
+
+fn same_user(conn: &Conn) -> io::Result<()> {
+    if conn.peer_cred()?.uid != geteuid() {
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, "same-host peer runs as another user"));
+    }
+    Ok(())
+}
+
+/// Open a lane to the device that owns `dst`.
+fn connect(src: SocketAddr, dst: SocketAddr, slots: u32) -> io::Result<OutLane> {
+    // A non-blocking connect: a listener with a full backlog refuses (EAGAIN) instead of making
+    // us wait with the device lock held.
+    // SAFETY: plain socket(2).
+    let raw =
+        unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let name = abstract_name(dst);
+    // SAFETY: all-zero is a valid sockaddr_un.
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    if name.len() + 1 > a.sun_path.len() {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    for (d, s) in a.sun_path.iter_mut().zip(&name) {
+        *d = *s as libc::c_char;
+    }
+    // The same length softrdma_abi::sock::Listener binds with (family, name, one NUL).
+    let len = (std::mem::size_of::<libc::sa_family_t>() + name.len() + 1) as libc::socklen_t;
+    // SAFETY: `a` is a valid sockaddr_un of length `len`.
+    if unsafe { libc::connect(fd.as_raw_fd(), &a as *const _ as *const libc::sockaddr, len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let conn = Conn::from_fd(fd);
+    same_user(&conn)?;
+    let shm = Shm::create("softrdma-lane", ring_bytes(slots, SLOT_SIZE))?;
+    let ring = shm.ring(0, slots, SLOT_SIZE)?;
+    ring.init();
+    let hello = format!("{HELLO} {src} {dst} {slots} {SLOT_SIZE}");
+    conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()])?;
+    Ok(OutLane {
+        prod: Producer::new(ring),
+        pending: vec![0; MAX_PACKET],
+        pending_len: 0,
+        conn,
+        _shm: shm,
+        dirty: false,
+    })
+}
+
+/// Check a connection's hello and map its ring.
+fn accept(conn: Conn, local: SocketAddr) -> io::Result<Inbound> {
+    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+    same_user(&conn)?;
+    // The sender sends its hello right after connecting; bound the wait for a peer that does not.
+    conn.set_read_timeout(Some(Duration::from_millis(100)))?;
+    let (msg, mut fds) = conn.recv()?.ok_or_else(|| bad("hung up before its hello"))?;
+    let text = std::str::from_utf8(&msg).map_err(|_| bad("hello not text"))?;
+    let w: Vec<&str> = text.split(' ').collect();
+    let [magic, src, dst, slots, slot_size] = w[..] else { return Err(bad("hello of the wrong shape")) };
+    let src: SocketAddr = src.parse().map_err(|_| bad("bad source"))?;
+    let dst: SocketAddr = dst.parse().map_err(|_| bad("bad destination"))?;
+    let slots: u32 = slots.parse().map_err(|_| bad("bad slot count"))?;
+    let slot_size: u32 = slot_size.parse().map_err(|_| bad("bad slot size"))?;
+    if magic != HELLO
+        || dst != local
+        || src.port() == 0
+        || slot_size != SLOT_SIZE
+        || !slots.is_power_of_two()
+        || slots > MAX_SLOTS
+        || fds.len() != 1
+    {
+        return Err(bad("hello refused"));
+    }
+    let fd = fds.pop().ok_or_else(|| bad("no ring"))?;
+    // Shm::open checks the memfd is sealed against shrinking: the peer cannot truncate it under
+    // our mapping (a SIGBUS on our next read).
+    let shm = Shm::open(fd, ring_bytes(slots, SLOT_SIZE))?;
+    let ring = shm.ring(0, slots, SLOT_SIZE)?;
+    if !ring.header_ok() {
+        return Err(bad("ring header"));
+    }
+    conn.set_read_timeout(None)?;
+    set_nonblocking(conn.as_raw_fd())?;
+    Ok(Inbound { cons: Consumer::new(ring), conn, _shm: shm, src, local, closing: false })
+}

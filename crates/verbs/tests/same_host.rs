@@ -1,0 +1,314 @@
+//! The same-host link (shared-memory lanes between softrdma devices on one host): falling back to
+//! UDP when the peer is not a softrdma device or has the link off, a peer process that dies, and a
+//! hostile or broken peer that writes garbage into a ring.
+//!
+//! Every other RC/UD test over two devices on loopback exercises the lanes too (they are on by
+//! default); `loopback.rs` and `two_process.rs` run their byte-for-byte checks over both paths.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{pattern, wait_n, wait_one, Endpoint};
+use softrdma_abi::ring::{ring_bytes, Producer};
+use softrdma_abi::shm::Shm;
+use softrdma_abi::sock::Conn;
+use softrdma_verbs::{ConnectParams, Context, DeviceBuilder, Gid, Psn, Qpn, SameHostStats, SendOp, WcStatus};
+
+/// The slot size a lane's hello must announce (same_host.rs: 8-byte header + 4608, in whole lines).
+const SLOT_SIZE: u32 = 4672;
+
+fn ip(net: u8, last: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, net, last)
+}
+
+fn open(name: &str, addr: Ipv4Addr, port: u16, same_host: bool) -> Context {
+    DeviceBuilder::new(name, "lo")
+        .addr(IpAddr::V4(addr))
+        .udp_port(port)
+        .same_host(same_host)
+        .open()
+        .expect("open device")
+}
+
+/// A UDP port free on all of `addrs` right now.
+fn free_port(addrs: &[Ipv4Addr]) -> u16 {
+    'again: loop {
+        let a = UdpSocket::bind((addrs[0], 0)).unwrap();
+        let port = a.local_addr().unwrap().port();
+        for b in &addrs[1..] {
+            if UdpSocket::bind((*b, port)).is_err() {
+                continue 'again;
+            }
+        }
+        return port;
+    }
+}
+
+fn connect(ep: &Endpoint, peer_qpn: u32, peer: Ipv4Addr) {
+    let mut p = ConnectParams::new(Qpn::new(peer_qpn), Psn::new(0), Gid::from_ip(IpAddr::V4(peer)), Psn::new(0));
+    // Short timeouts: a dead peer ends in a retry-exceeded completion within a second.
+    p.timeout = 12;
+    p.retry_cnt = 3;
+    ep.qp.connect(&ep.pd, &p).expect("connect");
+}
+
+/// Two endpoints on one host connected to each other.
+fn pair(net: u8, same_host: [bool; 2]) -> (Endpoint, Endpoint, u16) {
+    let (ia, ib) = (ip(net, 1), ip(net, 2));
+    let port = free_port(&[ia, ib]);
+    let a = Endpoint::new(open(&format!("sh{net}a"), ia, port, same_host[0]), 1 << 20, 64);
+    let b = Endpoint::new(open(&format!("sh{net}b"), ib, port, same_host[1]), 1 << 20, 64);
+    connect(&a, b.qp.qpn().value(), ib);
+    connect(&b, a.qp.qpn().value(), ia);
+    (a, b, port)
+}
+
+/// RDMA WRITE `len` bytes from `a` to `b`, READ them back, and compare byte for byte.
+fn write_read(a: &Endpoint, b: &Endpoint, len: usize, seed: u32) {
+    let data = pattern(len, seed);
+    a.mr.write(0, &data).unwrap();
+    a.post(1, SendOp::Write { remote_addr: b.mr.addr() + 4096, rkey: b.mr.rkey() }, 0, len);
+    wait_one(&a.cq, 1);
+    assert!(b.mr.to_vec(4096, len).unwrap() == data, "written data");
+    a.post(2, SendOp::Read { remote_addr: b.mr.addr() + 4096, rkey: b.mr.rkey() }, 512 << 10, len);
+    wait_one(&a.cq, 2);
+    assert!(a.mr.to_vec(512 << 10, len).unwrap() == data, "read data");
+}
+
+/// Poll `f` until it holds, or panic after `limit`.
+fn eventually(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn falls_back_to_udp_when_the_peer_has_the_link_off() {
+    let (a, b, _) = pair(16, [true, false]);
+    write_read(&a, &b, 100_000, 1);
+    write_read(&b, &a, 5000, 2);
+    let (sa, sb) = (a.ctx.same_host_stats(), b.ctx.same_host_stats());
+    // A looked for B's lane and found no listener; B never tried. Everything went over UDP with
+    // verified ICRCs.
+    assert!(sa.enabled && sa.connect_failures >= 1 && sa.lanes_out == 0 && sa.tx_pkts == 0, "{sa:?}");
+    assert!(!sb.enabled && sb.connect_failures == 0 && sb.tx_pkts == 0 && sb.rx_pkts == 0, "{sb:?}");
+    assert!(a.ctx.icrc_stats().verified > 0 && b.ctx.icrc_stats().verified > 0);
+    assert_eq!((a.ctx.icrc_stats().bad, b.ctx.icrc_stats().bad), (0, 0));
+}
+
+#[test]
+fn falls_back_to_udp_when_the_peer_is_not_a_softrdma_device() {
+    // A plain UDP socket where the peer device would be: no lane, the packet goes out over UDP,
+    // sealed with a correct ICRC.
+    let (ia, ib) = (ip(17, 1), ip(17, 2));
+    let peer = UdpSocket::bind((ib, 0)).unwrap();
+    let port = peer.local_addr().unwrap().port();
+    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let a = Endpoint::new(open("sh17a", ia, port, true), 1 << 16, 16);
+    connect(&a, 0x99, ib);
+    a.post(1, SendOp::Send, 0, 64);
+    let mut buf = [0u8; 2048];
+    let (n, from) = peer.recv_from(&mut buf).expect("the request over UDP");
+    assert_eq!(from, SocketAddr::new(IpAddr::V4(ia), port));
+    let (_, verdict) = softrdma_wire::roce::verify_udp_payload(from, peer.local_addr().unwrap(), &buf[..n]).unwrap();
+    assert_eq!(verdict, softrdma_wire::roce::UdpVerdict::Verified);
+    let s = a.ctx.same_host_stats();
+    assert!(s.connect_failures >= 1 && s.tx_pkts == 0 && s.lanes_out == 0, "{s:?}");
+}
+
+/// Set in the child of `peer_process_death_falls_back_without_panics`: `PORT`.
+const CHILD_ENV: &str = "SOFTRDMA_SAME_HOST_TEST_CHILD";
+
+#[test]
+fn peer_process_death_falls_back_without_panics() {
+    if let Ok(port) = std::env::var(CHILD_ENV) {
+        return child(port.parse().unwrap());
+    }
+    let (ia, ib) = (ip(18, 1), ip(18, 2));
+    let port = free_port(&[ia, ib]);
+    let a = Endpoint::new(open("sh18a", ia, port, true), 1 << 20, 64);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process_death_falls_back_without_panics", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, port.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the peer process");
+    let mut to = child.stdin.take().unwrap();
+    let mut from = BufReader::new(child.stdout.take().unwrap());
+    let mut child = KillOnDrop(child);
+    // The child prints "PEER <qpn> <addr> <rkey>" (the test harness prints its own lines too).
+    let mut line = String::new();
+    let (qpn, addr, rkey) = loop {
+        line.clear();
+        assert!(from.read_line(&mut line).unwrap() > 0, "the child ended early");
+        // The harness may have printed "test <name> ... " on the same line.
+        if let Some(rest) = line.trim().split_once("PEER ").map(|(_, r)| r) {
+            let v: Vec<u64> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
+            break (v[0] as u32, v[1], v[2] as u32);
+        }
+    };
+    writeln!(to, "{}", a.qp.qpn().value()).unwrap();
+    connect(&a, qpn, ib);
+    // Over the lane, byte for byte (the child checks nothing; we READ back what we wrote).
+    let data = pattern(300_000, 7);
+    a.mr.write(0, &data).unwrap();
+    a.post(1, SendOp::Write { remote_addr: addr, rkey }, 0, data.len());
+    wait_one(&a.cq, 1);
+    a.post(2, SendOp::Read { remote_addr: addr, rkey }, 512 << 10, data.len());
+    wait_one(&a.cq, 2);
+    assert!(a.mr.to_vec(512 << 10, data.len()).unwrap() == data, "read back");
+    let s = a.ctx.same_host_stats();
+    assert!(s.lanes_out == 1 && s.lanes_in == 1 && s.tx_pkts > 0 && s.rx_pkts > 0, "{s:?}");
+
+    // Kill the peer: its lanes hang up; ours go back to UDP, and the next request ends in a
+    // retry-exceeded completion (nobody answers on UDP either) instead of hanging or panicking.
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    eventually(Duration::from_secs(5), "the lanes to close", || {
+        let s = a.ctx.same_host_stats();
+        s.lanes_out == 0 && s.lanes_in == 0 && s.peer_gone >= 2
+    });
+    a.post(3, SendOp::Write { remote_addr: addr, rkey }, 0, 4096);
+    let wc = wait_n(&a.cq, 1, Duration::from_secs(20)).remove(0);
+    assert_eq!((wc.wr_id, wc.status), (3, WcStatus::RetryExcErr), "{wc:?}");
+    let s = a.ctx.same_host_stats();
+    assert_eq!((s.lanes_out, s.rx_malformed, s.ring_corrupt), (0, 0, 0), "{s:?}");
+}
+
+/// Kills the peer process if the test fails before it does.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn child(port: u16) {
+    let b = Endpoint::new(open("sh18b", ip(18, 2), port, true), 1 << 20, 64);
+    println!("\nPEER {} {} {}", b.qp.qpn().value(), b.mr.addr(), b.mr.rkey());
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    connect(&b, line.trim().parse().unwrap(), ip(18, 1));
+    // Serve until killed.
+    loop {
+        let mut out = Vec::new();
+        b.cq.poll(16, &mut out).unwrap();
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// The device's lane name (same_host.rs): the abstract socket `\0softrdma-roce/<ip:port>`.
+fn lane_conn(dst: SocketAddr) -> Conn {
+    let mut name = vec![0u8];
+    name.extend_from_slice(format!("softrdma-roce/{dst}").as_bytes());
+    let path = std::path::Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&name));
+    Conn::connect(path).expect("connect to the device's lane listener")
+}
+
+fn stats(ep: &Endpoint) -> SameHostStats {
+    ep.ctx.same_host_stats()
+}
+
+#[test]
+fn a_corrupted_ring_is_counted_and_dropped_without_panics() {
+    let (a, b, port) = pair(19, [true, true]);
+    write_read(&a, &b, 70_000, 3);
+    assert_eq!(stats(&b).lanes_in, 1);
+    let b_addr = SocketAddr::new(IpAddr::V4(ip(19, 2)), port);
+    // A hostile producer: our own lane into B, announced as coming from an address nobody has.
+    let slots = 16u32;
+    let shm = Shm::create("hostile", ring_bytes(slots, SLOT_SIZE)).unwrap();
+    let ring = shm.ring(0, slots, SLOT_SIZE).unwrap();
+    ring.init();
+    let conn = lane_conn(b_addr);
+    let hello = format!("softrdma-lane/1 127.0.19.9:{} {b_addr} {slots} {SLOT_SIZE}", b_addr.port());
+    conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
+    eventually(Duration::from_secs(5), "B to accept the lane", || stats(&b).lanes_in == 2);
+    let mut p = Producer::new(ring);
+    let drops = b.ctx.counters().drop_malformed;
+    // 1. Lengths that do not fit the slot.
+    for len in [u32::MAX, SLOT_SIZE, 4096 + 512 + 1] {
+        let s = p.slot_mut().unwrap();
+        s[..4].copy_from_slice(&len.to_le_bytes());
+        p.publish_tagged();
+    }
+    // 2. Lengths that fit, over bytes that are no IB packet (or a truncated one).
+    for len in [0u32, 1, 11, 200, 4608] {
+        let s = p.slot_mut().unwrap();
+        s[..4].copy_from_slice(&len.to_le_bytes());
+        for (i, x) in s[8..].iter_mut().enumerate() {
+            *x = (i as u8).wrapping_mul(31) ^ 0x5a;
+        }
+        p.publish_tagged();
+    }
+    eventually(Duration::from_secs(5), "B to take the garbage", || stats(&b).rx_malformed == 3);
+    eventually(Duration::from_secs(5), "B to count the non-packets", || {
+        b.ctx.counters().rcvd_pkts >= 5 && b.ctx.counters().drop_malformed > drops
+    });
+    // 3. A producer index far beyond the ring: the lane is dropped and counted, we are hung up on.
+    let mut rogue = Producer::new(shm.ring(0, slots, SLOT_SIZE).unwrap());
+    for _ in 0..100 {
+        rogue.publish();
+    }
+    eventually(Duration::from_secs(5), "B to drop the broken lane", || {
+        let s = stats(&b);
+        s.ring_corrupt == 1 && s.lanes_in == 1
+    });
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(conn.recv().unwrap().is_none(), "B hung up");
+    // A's lane is untouched and B still works.
+    write_read(&a, &b, 70_000, 4);
+    let (sa, sb) = (stats(&a), stats(&b));
+    assert!(sa.lanes_out == 1 && sb.lanes_in == 1 && sb.ring_corrupt == 1 && sb.rx_malformed == 3, "{sa:?} {sb:?}");
+}
+
+#[test]
+fn a_hello_that_lies_is_refused() {
+    let (a, b, port) = pair(20, [true, true]);
+    write_read(&a, &b, 1000, 5);
+    let b_addr = SocketAddr::new(IpAddr::V4(ip(20, 2)), port);
+    let shm = Shm::create("liar", ring_bytes(16, SLOT_SIZE)).unwrap();
+    shm.ring(0, 16, SLOT_SIZE).unwrap().init();
+    for hello in [
+        // Another destination than the listener's address.
+        format!("softrdma-lane/1 127.0.20.9:1 127.0.20.3:{} 16 {SLOT_SIZE}", b_addr.port()),
+        // A ring larger than the memory.
+        format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 1024 {SLOT_SIZE}"),
+        // Another slot size, a count that is no power of two, garbage.
+        format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 16 4096"),
+        format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 15 {SLOT_SIZE}"),
+        "softrdma-lane/1 x y z w".to_string(),
+    ] {
+        let conn = lane_conn(b_addr);
+        conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert!(conn.recv().unwrap().is_none(), "refused: {hello}");
+    }
+    // An unsealed memfd (its owner could shrink it under B's mapping) is refused too.
+    let conn = lane_conn(b_addr);
+    // SAFETY: a plain memfd_create with a valid C string.
+    let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), 0) };
+    assert!(raw >= 0);
+    // SAFETY: we own `raw`; ftruncate to the ring's size.
+    assert_eq!(unsafe { libc::ftruncate(raw, ring_bytes(16, SLOT_SIZE) as libc::off_t) }, 0);
+    conn.send(format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 16 {SLOT_SIZE}").as_bytes(), &[raw]).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(conn.recv().unwrap().is_none(), "unsealed memory refused");
+    // SAFETY: closing our own descriptor.
+    unsafe { libc::close(raw) };
+    eventually(Duration::from_secs(5), "the refusals to be counted", || stats(&b).refused == 6);
+    assert_eq!(stats(&b).lanes_in, 1);
+    write_read(&a, &b, 1000, 6);
+}
