@@ -440,6 +440,21 @@ pub struct IbvAhAttr {
     pub port_num: u8,
 }
 
+impl IbvAhAttr {
+    /// A RoCE address on port 1: global (a GRH to `dgid` from GID index `sgid_index`), no LID.
+    pub fn roce(dgid: [u8; 16], sgid_index: u8, hop_limit: u8, traffic_class: u8, flow_label: u32) -> IbvAhAttr {
+        IbvAhAttr {
+            grh: IbvGlobalRoute { dgid: IbvGid { raw: dgid }, flow_label, sgid_index, hop_limit, traffic_class },
+            dlid: 0,
+            sl: 0,
+            src_path_bits: 0,
+            static_rate: 0,
+            is_global: 1,
+            port_num: 1,
+        }
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct IbvSrqAttr {

@@ -773,21 +773,7 @@ unsafe fn translate(ev: softrdma_verbs::CmEvent, id: *mut CmaId, dev: &Arc<CmaDe
                 e.ibv.param.ud = RdmaUdParam {
                     private_data: p,
                     private_data_len: len,
-                    ah_attr: IbvAhAttr {
-                        grh: IbvGlobalRoute {
-                            dgid: IbvGid { raw: ud.dgid },
-                            flow_label: 0,
-                            sgid_index,
-                            hop_limit: 64,
-                            traffic_class: 0,
-                        },
-                        dlid: 0,
-                        sl: 0,
-                        src_path_bits: 0,
-                        static_rate: 0,
-                        is_global: 1,
-                        port_num: 1,
-                    },
+                    ah_attr: IbvAhAttr::roce(ud.dgid, sgid_index, 64, 0, 0),
                     qp_num: ud.remote_qpn.value(),
                     qkey: ud.qkey,
                 };
@@ -1384,21 +1370,7 @@ pub unsafe extern "C" fn softrdma_rdma_init_qp_attr(
     out.qp_access_flags = a.access.unwrap_or(out.qp_access_flags);
     out.qkey = a.qkey.unwrap_or(out.qkey);
     if let Some(r) = a.av {
-        out.ah_attr = IbvAhAttr {
-            grh: IbvGlobalRoute {
-                dgid: IbvGid { raw: r.dgid },
-                flow_label: a.flow_label,
-                sgid_index: r.sgid_index,
-                hop_limit: a.hop_limit,
-                traffic_class: a.traffic_class,
-            },
-            dlid: 0,
-            sl: 0,
-            src_path_bits: 0,
-            static_rate: 0,
-            is_global: 1,
-            port_num: 1,
-        };
+        out.ah_attr = IbvAhAttr::roce(r.dgid, r.sgid_index, a.hop_limit, a.traffic_class, a.flow_label);
     }
     if let Some(m) = a.path_mtu {
         out.path_mtu = c_int::from(m as u8);

@@ -842,19 +842,9 @@ pub fn av_from(a: &IbvAhAttr) -> Result<AddressVector, &'static str> {
 
 fn ah_attr_from(av: &AddressVector) -> IbvAhAttr {
     IbvAhAttr {
-        grh: IbvGlobalRoute {
-            dgid: IbvGid { raw: av.dgid },
-            flow_label: av.flow_label,
-            sgid_index: av.sgid_index,
-            hop_limit: av.hop_limit,
-            traffic_class: av.traffic_class,
-        },
         dlid: av.dlid,
         sl: av.sl,
-        src_path_bits: 0,
-        static_rate: 0,
-        is_global: 1,
-        port_num: 1,
+        ..IbvAhAttr::roce(av.dgid, av.sgid_index, av.hop_limit, av.traffic_class, av.flow_label)
     }
 }
 
