@@ -367,9 +367,9 @@ impl Device {
                 // A deferred payload (`Config::defer_payload_min`) stays in registered memory when
                 // the packet goes to UDP (`sendmsg` gathers it from there); on a lane it is copied
                 // into the packet (into the ring slot when the engine built it there, above).
+                let lane = link.lane_for(dst, src, now);
                 let mut ip = None;
                 if let (Some(d), None) = (&t.deferred, built_in) {
-                    let lane = link.lane_for(dst, src, now);
                     let resolved = match lane {
                         Some(_) => mem.fill(d, &mut slot[..t.len]).map(|()| None),
                         None => mem.in_place(d, slot),
@@ -383,7 +383,7 @@ impl Device {
                         }
                     }
                 }
-                match (link.lane_for(dst, src, now), built_in) {
+                match (lane, built_in) {
                     (Some(li), Some(bi)) if li == bi => link.publish(li, t.len),
                     (Some(li), _) => {
                         if let Some(bi) = built_in {
