@@ -825,3 +825,35 @@ pin!(IbvCqEx, size 288, comp_mask @ 128, status @ 132, wr_id @ 136, start_poll @
 pin!(IbvCqInitAttrEx, size 56, channel @ 16, comp_vector @ 24, wc_flags @ 32, comp_mask @ 40, flags @ 44,
     parent_domain @ 48);
 pin!(IbvAh, size 24, handle @ 16);
+
+/// Hand `list` to C as a NULL-terminated array (rdma-core's device lists), storing its length in
+/// `*num` unless `num` is NULL. Free it with [`free_null_terminated`].
+///
+/// # Safety
+/// `num` is NULL or writable.
+pub unsafe fn into_null_terminated<T>(mut list: Vec<*mut T>, num: *mut c_int) -> *mut *mut T {
+    if !num.is_null() {
+        // SAFETY: writable (caller's contract).
+        unsafe { *num = list.len() as c_int };
+    }
+    list.push(std::ptr::null_mut());
+    Box::into_raw(list.into_boxed_slice()) as *mut *mut T
+}
+
+/// Free an array from [`into_null_terminated`] (not what it points to); NULL is ignored.
+///
+/// # Safety
+/// `list` is NULL or came from [`into_null_terminated`] and is not used afterwards.
+pub unsafe fn free_null_terminated<T>(list: *mut *mut T) {
+    if list.is_null() {
+        return;
+    }
+    let mut n = 0;
+    // SAFETY: a NULL-terminated boxed slice (caller's contract).
+    unsafe {
+        while !(*list.add(n)).is_null() {
+            n += 1;
+        }
+        drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(list, n + 1)));
+    }
+}

@@ -1763,30 +1763,17 @@ pub unsafe extern "C" fn softrdma_rdma_get_dst_port(id: *mut RdmaCmId) -> u16 {
 /// `rdma_get_devices`: a context on every registry device that opens, NULL-terminated.
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_get_devices(num_devices: *mut c_int) -> *mut *mut IbvContext {
-    let mut list: Vec<*mut IbvContext> =
+    let list: Vec<*mut IbvContext> =
         registry().into_iter().filter_map(|(n, _)| open_device(&n).ok().map(|d| d.ctx)).collect();
-    if !num_devices.is_null() {
-        // SAFETY: writable (caller's contract).
-        unsafe { *num_devices = list.len() as c_int };
-    }
-    list.push(ptr::null_mut());
-    Box::into_raw(list.into_boxed_slice()) as *mut *mut IbvContext
+    // SAFETY: writable or NULL (caller's contract).
+    unsafe { into_null_terminated(list, num_devices) }
 }
 
 /// `rdma_free_devices`: the list only (the contexts stay, as librdmacm's do).
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_free_devices(list: *mut *mut IbvContext) {
-    if list.is_null() {
-        return;
-    }
-    let mut n = 0;
-    // SAFETY: from rdma_get_devices: a NULL-terminated boxed slice.
-    unsafe {
-        while !(*list.add(n)).is_null() {
-            n += 1;
-        }
-        drop(Box::from_raw(ptr::slice_from_raw_parts_mut(list, n + 1)));
-    }
+    // SAFETY: from rdma_get_devices (or NULL).
+    unsafe { free_null_terminated(list) }
 }
 
 /// `rdma_set_option`: the ToS, REUSEADDR, AFONLY, ACK timeout and IB path options are accepted

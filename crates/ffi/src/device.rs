@@ -85,31 +85,17 @@ pub unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *m
             return ptr::null_mut();
         }
     };
-    let mut list: Vec<*mut IbvDevice> =
+    let list: Vec<*mut IbvDevice> =
         infos.iter().map(|i| device_for(&i.name, i.node_guid().0) as *mut IbvDevice).collect();
-    let n = list.len();
-    list.push(ptr::null_mut());
-    if !num_devices.is_null() {
-        // SAFETY: the caller passes a writable int or NULL.
-        unsafe { *num_devices = n as c_int };
-    }
-    Box::into_raw(list.into_boxed_slice()) as *mut *mut IbvDevice
+    // SAFETY: the caller passes a writable int or NULL.
+    unsafe { into_null_terminated(list, num_devices) }
 }
 
 /// `ibv_free_device_list`.
 #[no_mangle]
 pub unsafe extern "C" fn ibv_free_device_list(list: *mut *mut IbvDevice) {
-    if list.is_null() {
-        return;
-    }
-    let mut n = 0;
-    // SAFETY: `list` came from ibv_get_device_list: a NULL-terminated boxed slice.
-    unsafe {
-        while !(*list.add(n)).is_null() {
-            n += 1;
-        }
-        drop(Box::from_raw(ptr::slice_from_raw_parts_mut(list, n + 1)));
-    }
+    // SAFETY: `list` came from ibv_get_device_list (or is NULL).
+    unsafe { free_null_terminated(list) }
 }
 
 /// `ibv_get_device_name`.
