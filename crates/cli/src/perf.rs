@@ -688,9 +688,9 @@ impl Side {
         self.qp_index.get(&qpn).copied()
     }
 
-    /// The CQ of the latency tests (one QP).
-    fn cq(&self) -> &CompletionQueue {
-        &self.cqs[0]
+    /// Poll the CQ of the latency tests (one QP), up to 16 completions appended to `wcs`.
+    fn poll_lat_cq(&self, wcs: &mut Vec<WorkCompletion>) -> Result<usize, String> {
+        self.cqs[0].poll(16, wcs).map_err(|e| format!("poll CQ failed: {e}"))
     }
 
     /// Poll the CQ whose turn it is (bandwidth loops).
@@ -971,7 +971,7 @@ fn wait_wc(side: &Side, wcs: &mut Vec<WorkCompletion>, ctl: Option<&mut Ctl>) ->
     let mut spins = 0u32;
     let mut ctl = ctl;
     loop {
-        side.cq().poll(16, wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+        side.poll_lat_cq(wcs)?;
         if !wcs.is_empty() {
             return Ok(true);
         }
@@ -1092,7 +1092,7 @@ fn lat_run(
             // Reap the last send completions.
             while sends_out > 0 {
                 wcs.clear();
-                side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                side.poll_lat_cq(&mut wcs)?;
                 for wc in &wcs {
                     check(wc)?;
                     if wc.opcode == WcOpcode::Recv {
@@ -1122,7 +1122,7 @@ fn lat_run(
                             break;
                         }
                         wcs.clear();
-                        side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                        side.poll_lat_cq(&mut wcs)?;
                         for wc in &wcs {
                             check(wc)?;
                             writes_out -= 1;
@@ -1162,7 +1162,7 @@ fn lat_run(
                             break;
                         }
                         wcs.clear();
-                        side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                        side.poll_lat_cq(&mut wcs)?;
                         for wc in &wcs {
                             check(wc)?;
                             writes_out -= 1;
@@ -1173,7 +1173,7 @@ fn lat_run(
             }
             while writes_out > 0 {
                 wcs.clear();
-                side.cq().poll(16, &mut wcs).map_err(|e| format!("poll CQ failed: {e}"))?;
+                side.poll_lat_cq(&mut wcs)?;
                 for wc in &wcs {
                     check(wc)?;
                     writes_out -= 1;
