@@ -71,6 +71,25 @@ fn assert_ok(what: &str, run: &PairRun) {
 }
 
 /// The ping-pong text rping puts in its buffer for ping `n` (64-byte buffer).
+/// `rping -v` with `-C count` showed every ping's data on both sides, and the server saw the
+/// client disconnect.
+fn assert_pings(run: &PairRun, count: usize) {
+    for n in 0..count {
+        let line = rping_line(n);
+        assert!(
+            run.client.contains(&format!("ping data: {line}\n")),
+            "client lacks ping {n}: {line}\n{}",
+            run.describe()
+        );
+        assert!(
+            run.server.contains(&format!("server ping data: {line}\n")),
+            "server lacks ping {n}\n{}",
+            run.describe()
+        );
+    }
+    assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
+}
+
 fn rping_line(n: usize) -> String {
     let head = format!("rdma-ping-{n}: ");
     let mut s = head.clone();
@@ -95,20 +114,7 @@ fn rping_client_with_source_address() {
         &["-c", "-a", SERVER_IP, "-I", CLIENT_IP, "-p", &port, "-C", "10", "-v", "-V"],
     );
     assert_ok("rping", &run);
-    for n in 0..10 {
-        let line = rping_line(n);
-        assert!(
-            run.client.contains(&format!("ping data: {line}\n")),
-            "client lacks ping {n}: {line}\n{}",
-            run.describe()
-        );
-        assert!(
-            run.server.contains(&format!("server ping data: {line}\n")),
-            "server lacks ping {n}\n{}",
-            run.describe()
-        );
-    }
-    assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
+    assert_pings(&run, 10);
 }
 
 /// `rping -q`: both sides create their QPs with `ibv_create_qp` and move them themselves with
@@ -129,16 +135,7 @@ fn rping_with_application_owned_qps() {
     // The client's CM events (-d): CONNECT_RESPONSE, never ESTABLISHED.
     assert!(run.client.contains("cma_event type RDMA_CM_EVENT_CONNECT_RESPONSE"), "{}", run.describe());
     assert!(!run.client.contains("RDMA_CM_EVENT_ESTABLISHED"), "{}", run.describe());
-    for n in 0..10 {
-        let line = rping_line(n);
-        assert!(run.client.contains(&format!("ping data: {line}\n")), "client lacks ping {n}\n{}", run.describe());
-        assert!(
-            run.server.contains(&format!("server ping data: {line}\n")),
-            "server lacks ping {n}\n{}",
-            run.describe()
-        );
-    }
-    assert!(run.server.contains("server DISCONNECT EVENT..."), "{}", run.describe());
+    assert_pings(&run, 10);
 }
 
 #[test]
