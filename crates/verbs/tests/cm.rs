@@ -60,18 +60,31 @@ struct Conn {
     cqp: QueuePair,
 }
 
+/// A listener on `server` (with `backlog`) on `sctx`, and a client id on `cctx` whose address and
+/// route to it are resolved, each on its own event channel: (server channel, client channel,
+/// listener, client id).
+fn routed(
+    sctx: &Context,
+    cctx: &Context,
+    server: SocketAddr,
+    backlog: u32,
+) -> (CmEventChannel, CmEventChannel, CmId, CmId) {
+    let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
+    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
+    listener.bind_addr(server).unwrap();
+    listener.listen(backlog).unwrap();
+    let cid = cctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
+    cid.resolve_addr(None, server).unwrap();
+    expect(&cch, cctx, CmEventKind::AddrResolved);
+    cid.resolve_route().unwrap();
+    expect(&cch, cctx, CmEventKind::RouteResolved);
+    (sch, cch, listener, cid)
+}
+
 fn establish(a: u8, b: u8, port: u16) -> Conn {
     let sctx = open(b, port);
     let cctx = open(a, port);
-    let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
-    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
-    listener.bind_addr(SocketAddr::new(ip(b), 7471)).unwrap();
-    listener.listen(8).unwrap();
-    let cid = cctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
-    cid.resolve_addr(None, SocketAddr::new(ip(b), 7471)).unwrap();
-    expect(&cch, &cctx, CmEventKind::AddrResolved);
-    cid.resolve_route().unwrap();
-    expect(&cch, &cctx, CmEventKind::RouteResolved);
+    let (sch, cch, listener, cid) = routed(&sctx, &cctx, SocketAddr::new(ip(b), 7471), 8);
     let ccq = cctx.create_cq(64, None).unwrap();
     let (cpd, cqp) = qp(&cctx, &ccq, QpType::Rc);
     cqp.init(Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ)).unwrap();
@@ -278,15 +291,7 @@ fn application_owned_qps_with_init_qp_attr_and_establish() {
     let (a, b, port) = (31, 32, 47921);
     let sctx = open(b, port);
     let cctx = open(a, port);
-    let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
-    let listener = sctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
-    listener.bind_addr(SocketAddr::new(ip(b), 7471)).unwrap();
-    listener.listen(4).unwrap();
-    let cid = cctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
-    cid.resolve_addr(None, SocketAddr::new(ip(b), 7471)).unwrap();
-    expect(&cch, &cctx, CmEventKind::AddrResolved);
-    cid.resolve_route().unwrap();
-    expect(&cch, &cctx, CmEventKind::RouteResolved);
+    let (sch, cch, _listener, cid) = routed(&sctx, &cctx, SocketAddr::new(ip(b), 7471), 4);
     let ccq = cctx.create_cq(64, None).unwrap();
     let (cpd, cqp) = qp(&cctx, &ccq, QpType::Rc);
     // Before the connection: INIT with no remote access; RTR is refused.
@@ -416,15 +421,7 @@ fn ipv6_loopback_connection() {
     let ctx = DeviceBuilder::new("cm6", "lo").addr(v6).udp_port(47923).open().expect("open device on ::1");
     let gid = ctx.query_gid(1, 1).unwrap().0;
     assert_eq!(gid, std::net::Ipv6Addr::LOCALHOST.octets());
-    let (sch, cch) = (CmEventChannel::new().unwrap(), CmEventChannel::new().unwrap());
-    let listener = ctx.create_cm_id(&sch, PortSpace::Tcp).unwrap();
-    listener.bind_addr(SocketAddr::new(v6, 7471)).unwrap();
-    listener.listen(2).unwrap();
-    let cid = ctx.create_cm_id(&cch, PortSpace::Tcp).unwrap();
-    cid.resolve_addr(None, SocketAddr::new(v6, 7471)).unwrap();
-    expect(&cch, &ctx, CmEventKind::AddrResolved);
-    cid.resolve_route().unwrap();
-    expect(&cch, &ctx, CmEventKind::RouteResolved);
+    let (sch, cch, _listener, cid) = routed(&ctx, &ctx, SocketAddr::new(v6, 7471), 2);
     let route = cid.route().unwrap();
     assert_eq!((route.sgid, route.dgid), (gid, gid));
     let local = cid.addrs().0.expect("a local address");
