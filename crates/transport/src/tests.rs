@@ -67,22 +67,26 @@ struct Rig {
     now: Instant,
 }
 
+/// An RC QP in PD 1 with `cq` for both queues, 16 WRs each way, `max_send_sge` gather elements.
+fn rc_qp(hca: &mut Hca, cq: crate::CqId, max_send_sge: u32) -> Qpn {
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge, max_recv_sge: 1, max_inline_data: 0 };
+    hca.create_qp(QpInit {
+        qp_type: QpType::Rc,
+        pd: PdId(1),
+        send_cq: cq,
+        recv_cq: cq,
+        srq: None,
+        cap,
+        sq_sig_all: false,
+    })
+    .unwrap()
+}
+
 impl Rig {
     fn new() -> Rig {
         let mut hca = Hca::new(Config::default());
         let cq = hca.create_cq(64);
-        let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-        let qpn = hca
-            .create_qp(QpInit {
-                qp_type: QpType::Rc,
-                pd: PdId(1),
-                send_cq: cq,
-                recv_cq: cq,
-                srq: None,
-                cap,
-                sq_sig_all: false,
-            })
-            .unwrap();
+        let qpn = rc_qp(&mut hca, cq, 1);
         let mut mem = Flat(vec![0; 1 << 16]);
         let now = Instant::ZERO;
         let init = ModifyQp {
@@ -302,18 +306,7 @@ fn deferred_payload_names_the_bytes_a_gather_copies() {
     let build = |defer: usize| {
         let mut hca = Hca::new(Config { defer_payload_min: defer, ..Config::default() });
         let cq = hca.create_cq(64);
-        let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 4, max_recv_sge: 1, max_inline_data: 0 };
-        let qpn = hca
-            .create_qp(QpInit {
-                qp_type: QpType::Rc,
-                pd: PdId(1),
-                send_cq: cq,
-                recv_cq: cq,
-                srq: None,
-                cap,
-                sq_sig_all: false,
-            })
-            .unwrap();
+        let qpn = rc_qp(&mut hca, cq, 4);
         let mut mem = Flat((0..1 << 16).map(|i| (i * 7 + 3) as u8).collect());
         let now = Instant::ZERO;
         let steps = [
