@@ -8,28 +8,17 @@
 //! `tests/netns_impairment.rs` does. Without root or `ip` the test prints `skipped: <reason>`;
 //! with `SOFTRDMA_TEST_STRICT=1` it fails instead.
 
+mod common;
+
 use std::ffi::CString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::AsRawFd;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::sh;
 use softrdma_verbs::{cm_status, AsyncEvent, CmEventChannel, CmEventKind, Context, DeviceBuilder, PortSpace};
 
 const WAIT: Option<Duration> = Some(Duration::from_secs(10));
-
-fn sh(args: &[&str]) -> Result<String, String> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("{}: {e}", args[0]))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-    }
-}
 
 struct Netns(String);
 

@@ -45,7 +45,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{all_rights, compare, pattern, Endpoint};
+use common::{all_rights, compare, pattern, sh, Endpoint};
 use softrdma_verbs::{
     ConnectParams, Context, DeviceBuilder, Gid, Mtu, Payload, Psn, RecvWr, SendFlags, SendOp, SendWr, WcFlags,
     WcOpcode, WcStatus, WorkCompletion, ROCE_PORT,
@@ -93,20 +93,6 @@ fn preconditions() -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// Run a command; its stderr on failure.
-fn sh(args: &[&str]) -> Result<String, String> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("{}: {e}", args[0]))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-    }
 }
 
 /// The two namespaces, their veth pair and addresses; deleted when dropped.

@@ -1,9 +1,10 @@
 //! Helpers shared by the integration tests: one RC endpoint (device, PD, CQ, QP, one region),
-//! completion waiting with a deadline, data patterns and byte comparisons that name the first
-//! difference.
+//! completion waiting with a deadline, data patterns, byte comparisons that name the first
+//! difference, and running a command (the namespace tests).
 
 #![allow(dead_code)]
 
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use softrdma_verbs::{
@@ -119,4 +120,18 @@ pub fn compare(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
 /// Check that `len` bytes of `mr` at `offset` all equal `byte`.
 pub fn compare_fill(what: &str, mr: &MemoryRegion, offset: usize, len: usize, byte: u8) -> Result<(), String> {
     compare(what, &mr.to_vec(offset, len).expect("read region"), &vec![byte; len])
+}
+
+/// Run a command; its stdout, or its stderr on failure.
+pub fn sh(args: &[&str]) -> Result<String, String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("{}: {e}", args[0]))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
 }
