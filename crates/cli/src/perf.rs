@@ -989,6 +989,23 @@ fn wait_wc(side: &Side, wcs: &mut Vec<WorkCompletion>, ctl: Option<&mut Ctl>) ->
     }
 }
 
+/// The send-latency loop's completions: each is checked, a receive is posted again (true if one
+/// came), a send completion lowers `sends_out`.
+fn absorb_send_lat(side: &mut Side, wcs: &[WorkCompletion], sends_out: &mut u32) -> Result<bool, String> {
+    let mut got = false;
+    for wc in wcs {
+        check(wc)?;
+        if wc.opcode == WcOpcode::Recv {
+            side.rx_posted[0] -= 1;
+            side.post_recv(0)?;
+            got = true;
+        } else {
+            *sends_out -= 1;
+        }
+    }
+    Ok(got)
+}
+
 /// Latency. Returns the post times and the elapsed time; `None` if the client said DONE first
 /// (duration mode, passive side) — then the DONE is consumed.
 fn lat_run(
@@ -1075,16 +1092,7 @@ fn lat_run(
                     while !got {
                         wcs.clear();
                         wait_wc(side, &mut wcs, None)?;
-                        for wc in &wcs {
-                            check(wc)?;
-                            if wc.opcode == WcOpcode::Recv {
-                                side.rx_posted[0] -= 1;
-                                side.post_recv(0)?;
-                                got = true;
-                            } else {
-                                sends_out -= 1;
-                            }
-                        }
+                        got = absorb_send_lat(side, &wcs, &mut sends_out)?;
                     }
                 }
                 i += 1;
@@ -1093,15 +1101,7 @@ fn lat_run(
             while sends_out > 0 {
                 wcs.clear();
                 side.poll_lat_cq(&mut wcs)?;
-                for wc in &wcs {
-                    check(wc)?;
-                    if wc.opcode == WcOpcode::Recv {
-                        side.rx_posted[0] -= 1;
-                        side.post_recv(0)?;
-                    } else {
-                        sends_out -= 1;
-                    }
-                }
+                absorb_send_lat(side, &wcs, &mut sends_out)?;
             }
         }
         (Verb::Write, _) => {
