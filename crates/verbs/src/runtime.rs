@@ -324,8 +324,9 @@ impl Device {
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
             // Per UDP packet (entry j of `tx_meta`): where its deferred payload is, if it stayed in
-            // registered memory.
-            let mut in_place: [Option<InPlace>; udp::BATCH] = [None; udp::BATCH];
+            // registered memory. Set up with the first such packet only: the flush runs once per
+            // post, and small messages and same-host traffic have none.
+            let mut in_place: Option<[Option<InPlace>; udp::BATCH]> = None;
             let mut n = 0;
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
                 if congested {
@@ -398,13 +399,15 @@ impl Device {
                             link.copy_unpublished(bi, &mut slot[..t.len]);
                         }
                         link.clear_spec();
-                        in_place[tx_meta.len()] = ip;
+                        if ip.is_some() {
+                            in_place.get_or_insert([None; udp::BATCH])[tx_meta.len()] = ip;
+                        }
                         tx_meta.push((t.len, dst, src, i));
                     }
                 }
             }
             if !tx_meta.is_empty() {
-                *tx_errors += self.send_udp(tx_buf, tx_meta, &in_place);
+                *tx_errors += self.send_udp(tx_buf, tx_meta, in_place.as_ref().map(|a| &a[..]));
             }
             if n < udp::BATCH {
                 break;
@@ -431,14 +434,16 @@ impl Device {
 
     /// Seal and send the packets `meta` lists (length, destination, source, slot of `tx_buf`) with
     /// as few system calls as GSO and `sendmmsg` allow; `in_place[j]` says where packet j's payload
-    /// is when it stayed in registered memory. Returns how many were refused.
+    /// is when it stayed in registered memory (`None`: no packet's did). Returns how many were
+    /// refused.
     fn send_udp(
         &self,
         tx_buf: &mut [u8],
         meta: &[(usize, SocketAddr, SocketAddr, usize)],
-        in_place: &[Option<InPlace>],
+        in_place: Option<&[Option<InPlace>]>,
     ) -> u64 {
         let k = meta.len();
+        let in_place = |j: usize| in_place.and_then(|a| a[j]);
         let mut groups = [(0usize, 0usize); udp::BATCH];
         let ng = if self.port.gso() {
             let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
@@ -456,7 +461,7 @@ impl Device {
         for &(a, b) in &groups[..ng] {
             for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
                 let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
-                let sealed = match &in_place[j] {
+                let sealed = match in_place(j) {
                     None => seal_udp_payload_ident(src, dst, pkt, (j - a) as u16),
                     Some(ip) => {
                         let (mut parts, np) = ip.parts(pkt);
@@ -474,7 +479,7 @@ impl Device {
         let mut pkts = [udp::Datagram::one(&[], SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];
         for (j, (p, &(len, dst, _, slot))) in pkts.iter_mut().zip(meta).enumerate() {
             let pkt = &tx_buf[slot * TX_SLOT..][..len];
-            *p = match &in_place[j] {
+            *p = match in_place(j) {
                 None => udp::Datagram::one(pkt, dst),
                 Some(ip) => {
                     let (parts, n) = ip.parts(pkt);
