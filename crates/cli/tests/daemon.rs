@@ -782,6 +782,7 @@ fn many_processes_share_one_device() {
     }
     d.wait_idle();
     assert!(d.counter("sent_pkts") > 0);
+    assert_eq!(d.counter("same_host_enabled"), u64::from(std::env::var("SOFTRDMA_SAME_HOST").as_deref() != Ok("0")));
 }
 
 /// A process killed with SIGKILL mid-transfer: its peer gets error completions, another pair

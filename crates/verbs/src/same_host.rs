@@ -136,6 +136,47 @@ pub struct SameHostStats {
     pub doorbells: u64,
 }
 
+/// The counters of [`SameHostStats`] under the names softrdmad exports them (`same_host_` + field).
+macro_rules! same_host_counters {
+    ($($field:ident),*) => {
+        impl SameHostStats {
+            /// Every counter with its exported name (`enabled` as 0 or 1).
+            pub fn named(&self) -> Vec<(String, u64)> {
+                let mut v = vec![("same_host_enabled".to_string(), u64::from(self.enabled))];
+                $(v.push((concat!("same_host_", stringify!($field)).to_string(), self.$field));)*
+                v
+            }
+
+            /// The counters back from a named list (missing names read as 0).
+            pub fn from_named(list: &[(String, u64)]) -> SameHostStats {
+                let get = |k: &str| list.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
+                SameHostStats {
+                    enabled: get("same_host_enabled") != 0,
+                    $($field: get(concat!("same_host_", stringify!($field))),)*
+                }
+            }
+        }
+    };
+}
+same_host_counters!(
+    lanes_out,
+    lanes_in,
+    tx_pkts,
+    tx_bytes,
+    rx_pkts,
+    rx_bytes,
+    tx_ring_full,
+    tx_dropped,
+    rx_malformed,
+    ring_corrupt,
+    connects,
+    connect_failures,
+    accepts,
+    refused,
+    peer_gone,
+    doorbells
+);
+
 /// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
 pub(crate) fn enabled_by_env() -> bool {
     std::env::var("SOFTRDMA_SAME_HOST").map_or(true, |v| !matches!(v.trim(), "0" | "off" | "false" | "no"))
@@ -660,4 +701,25 @@ fn accept(conn: Conn, local: SocketAddr) -> io::Result<Inbound> {
     conn.set_read_timeout(None)?;
     set_nonblocking(conn.as_raw_fd())?;
     Ok(Inbound { cons: Consumer::new(ring), conn, _shm: shm, src, local, closing: false })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SameHostStats;
+
+    /// Every counter survives the trip through softrdmad's named list, under its own name.
+    #[test]
+    fn named_counters_round_trip() {
+        let mut s = SameHostStats { enabled: true, ..SameHostStats::default() };
+        let names = s.named();
+        for (i, (name, _)) in names.iter().enumerate().skip(1) {
+            let field = SameHostStats::from_named(&[(name.clone(), 100 + i as u64)]);
+            assert_ne!(field, SameHostStats::default(), "{name} maps to no field");
+        }
+        let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
+        s = SameHostStats::from_named(&list);
+        assert_eq!(s.named(), list);
+        assert_eq!(names.len(), 17);
+        assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
+    }
 }

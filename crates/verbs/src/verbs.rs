@@ -231,11 +231,11 @@ impl Context {
     }
 
     /// Counters of the same-host link (shared-memory lanes to other softrdma devices on this
-    /// host); all zero on a softrdmad device.
+    /// host); in daemon mode the device's, all clients together.
     pub fn same_host_stats(&self) -> crate::SameHostStats {
         match &self.h {
             Dev::Embedded(h) => h.dev.lock().link.stats,
-            Dev::Daemon(_) => crate::SameHostStats::default(),
+            Dev::Daemon(s) => crate::SameHostStats::from_named(&Self::daemon_counters(s)),
         }
     }
 
