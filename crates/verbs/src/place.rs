@@ -1,0 +1,182 @@
+//! Receiving the rest of an RC RDMA WRITE straight into its target region (one copy less per
+//! payload byte on the UDP path). Once the responder accepted a WRITE's FIRST (or a MIDDLE) packet,
+//! the engine knows where the next in-sequence payload goes (`Hca::rx_placement`). The next
+//! datagram is then received with an iovec laid out as that WRITE's next packets would be — per
+//! packet: BTH → scratch, payload → the region, pad and ICRC → scratch — which is usually one GRO
+//! batch of MIDDLE and LAST packets. The runtime hands each packet that matches the prediction
+//! (layout, QP, PSN, opcode, ICRC over the pieces) to the engine as already placed
+//! (`Hca::handle_placed`); anything else is copied out of the pieces and received as usual.
+
+use softrdma_transport::{Hca, RxPlacement};
+use softrdma_wire::bth::BTH_LEN;
+use softrdma_wire::{Qpn, ICRC_LEN};
+
+use crate::io::GSO_MAX_SEGS;
+use crate::memory::MrTable;
+
+/// Most packets one plan covers (a GSO send has at most this many segments).
+const MAX_SEGS: usize = GSO_MAX_SEGS;
+/// Scratch bytes per planned packet: its BTH, pad and ICRC (12 + 3 + 4), rounded up.
+const SEG_SCRATCH: usize = 32;
+/// Bytes of per-packet scratch in front of the overflow area (see [`Plan::iovecs`]).
+pub(crate) const SCRATCH: usize = MAX_SEGS * SEG_SCRATCH;
+/// The largest datagram a socket hands over (a GRO batch included); the overflow area takes
+/// whatever does not fit the plan, so the plan never truncates a datagram the copying path takes.
+pub(crate) const MAX_DATAGRAM: usize = 65536;
+/// iovec entries of a plan: three per packet and the overflow area.
+pub(crate) const MAX_IOV: usize = 3 * MAX_SEGS + 1;
+
+/// The predicted layout of the next datagram: `n` packets of the WRITE in progress, each
+/// `BTH_LEN + payload + pad + ICRC_LEN` bytes, every payload `mtu` bytes but possibly the last.
+#[derive(Debug)]
+pub(crate) struct Plan {
+    expect: RxPlacement,
+    /// `expect.addr` in this process (`expect.remaining` bytes, checked for remote writes).
+    region: *mut u8,
+    n: usize,
+    last: usize,
+}
+
+impl Plan {
+    /// The plan for QP `qpn`'s next packets, if the engine knows where they go and the region is
+    /// in this process (a daemon's region lives in its client: the copying path serves it).
+    pub(crate) fn new(hca: &Hca, mem: &MrTable, qpn: Qpn) -> Option<Plan> {
+        let expect = hca.rx_placement(qpn)?;
+        let mtu = expect.mtu as usize;
+        let remaining = expect.remaining as usize;
+        if mtu == 0 || remaining == 0 {
+            return None;
+        }
+        let region = mem.remote_write_ptr(expect.pd, expect.rkey, expect.addr, remaining as u64)?;
+        let fit = (MAX_DATAGRAM / (BTH_LEN + mtu + ICRC_LEN)).clamp(1, MAX_SEGS);
+        let n = remaining.div_ceil(mtu).min(fit);
+        let last = (remaining - (n - 1) * mtu).min(mtu);
+        Some(Plan { expect, region, n, last })
+    }
+
+    /// Payload and pad bytes of planned packet `k`.
+    fn payload(&self, k: usize) -> (usize, usize) {
+        let len = if k + 1 == self.n { self.last } else { self.expect.mtu as usize };
+        (len, len.wrapping_neg() & 3)
+    }
+
+    /// Where planned packet `k` starts in the datagram, and its length.
+    fn span(&self, k: usize) -> (usize, usize) {
+        let (len, pad) = self.payload(k);
+        (k * (BTH_LEN + self.expect.mtu as usize + ICRC_LEN), BTH_LEN + len + pad + ICRC_LEN)
+    }
+
+    /// The placement the engine must report when packet `k` is next (packets before it accepted).
+    fn expect(&self, k: usize) -> RxPlacement {
+        let off = k as u32 * self.expect.mtu;
+        RxPlacement {
+            psn: self.expect.psn.add(k as u32),
+            addr: self.expect.addr.wrapping_add(u64::from(off)),
+            remaining: self.expect.remaining - off,
+            ..self.expect
+        }
+    }
+
+    /// The QP.
+    pub(crate) fn qpn(&self) -> Qpn {
+        self.expect.qpn
+    }
+
+    /// The iovec for receiving the next datagram along the plan into `iov`; returns the entries
+    /// used. `scratch` must have room for [`SCRATCH`] + [`MAX_DATAGRAM`] bytes: packet `k`'s BTH
+    /// goes to `scratch[32k..32k + 12]` and its pad and ICRC right behind it (so those bytes read
+    /// as the packet without its payload), its payload to the region; the rest of the datagram
+    /// beyond the plan to `scratch[SCRATCH..]`.
+    ///
+    /// Writing a payload that is not verified yet into the region is allowed: every byte the
+    /// payload entries cover lies in `[expect.addr, expect.addr + expect.remaining)`, inside the
+    /// range the WRITE's RETH was checked for (rkey, PD, bounds, remote-write right) when its FIRST
+    /// packet was accepted, and the region stays registered while the device lock is held (the
+    /// caller holds it from the plan to the last packet). That range's contents are undefined until
+    /// the WRITE completes (as with a NIC placing packets of a message before its last arrives). A
+    /// packet that fails its ICRC or does not match the prediction is dropped or processed as a
+    /// copy (and NAKed if out of sequence), so the requester retransmits and overwrites it; no byte
+    /// is ever written outside the range.
+    pub(crate) fn iovecs(&self, scratch: *mut u8, iov: &mut [libc::iovec; MAX_IOV]) -> usize {
+        let mut at = 0;
+        let mut put = |base: *mut u8, len: usize| {
+            iov[at] = libc::iovec { iov_base: base as *mut libc::c_void, iov_len: len };
+            at += 1;
+        };
+        for k in 0..self.n {
+            let (len, pad) = self.payload(k);
+            // SAFETY: the caller's scratch has SCRATCH (MAX_SEGS * SEG_SCRATCH) bytes in front of the
+            // overflow area, and k < n <= MAX_SEGS; `new` resolved `remaining` bytes at `region`, and
+            // k * mtu + len <= remaining.
+            unsafe {
+                put(scratch.add(k * SEG_SCRATCH), BTH_LEN);
+                put(self.region.add(k * self.expect.mtu as usize), len);
+                put(scratch.add(k * SEG_SCRATCH + BTH_LEN), pad + ICRC_LEN);
+            }
+        }
+        // SAFETY: as above; the caller's scratch has MAX_DATAGRAM bytes after SCRATCH.
+        put(unsafe { scratch.add(SCRATCH) }, MAX_DATAGRAM);
+        at
+    }
+
+    /// Planned packet `k`, received at `[at, at + len)` of the datagram along [`Plan::iovecs`], if it
+    /// sits where the plan put it: its headers, pad and ICRC (from `scratch`), its payload (in the
+    /// region), and the placement the engine must still report for it.
+    pub(crate) fn packet(&self, scratch: *const u8, k: usize, at: usize, len: usize) -> Option<Placed<'_>> {
+        if k >= self.n || self.span(k) != (at, len) {
+            return None;
+        }
+        let (plen, pad) = self.payload(k);
+        // SAFETY: both ranges were given to recvmsg by `iovecs` and are filled (the datagram reached
+        // `at + len`); the region stays registered while the device lock is held. The application
+        // may be changing those region bytes meanwhile, as it may under a NIC's DMA: they are
+        // plain bytes, any value is valid, and a changed byte only fails the ICRC.
+        let (hdr, payload) = unsafe {
+            (
+                std::slice::from_raw_parts(scratch.add(k * SEG_SCRATCH), BTH_LEN + pad + ICRC_LEN),
+                std::slice::from_raw_parts(self.region.add(k * self.expect.mtu as usize), plen),
+            )
+        };
+        Some(Placed { hdr, payload, expect: self.expect(k) })
+    }
+}
+
+/// One packet received along a [`Plan`].
+pub(crate) struct Placed<'a> {
+    /// BTH, pad and ICRC: the packet without its payload.
+    pub hdr: &'a [u8],
+    /// The payload, in the region.
+    pub payload: &'a [u8],
+    /// The placement it was received for.
+    pub expect: RxPlacement,
+}
+
+/// Copy bytes `[at, at + out.len())` of a datagram received into the pieces `iov` into `out`.
+///
+/// # Safety
+///
+/// The pieces must be readable and hold the datagram up to `at + out.len()`.
+pub(crate) unsafe fn copy_out(iov: &[libc::iovec], mut at: usize, out: &mut [u8]) {
+    let mut done = 0;
+    for v in iov {
+        if done == out.len() {
+            break;
+        }
+        if at >= v.iov_len {
+            at -= v.iov_len;
+            continue;
+        }
+        let take = (v.iov_len - at).min(out.len() - done);
+        // SAFETY: the caller's promise; `out` is a distinct buffer.
+        unsafe { std::ptr::copy_nonoverlapping((v.iov_base as *const u8).add(at), out[done..].as_mut_ptr(), take) };
+        done += take;
+        at = 0;
+    }
+}
+
+/// The QP whose WRITE continues after a received packet `d` (an RC WRITE FIRST or MIDDLE).
+pub(crate) fn write_hint(d: &[u8]) -> Option<Qpn> {
+    use softrdma_wire::opcode::base;
+    let b = d.get(..8)?;
+    matches!(b[0], base::WRITE_FIRST | base::WRITE_MIDDLE).then(|| Qpn::new(u32::from_be_bytes([0, b[5], b[6], b[7]])))
+}
