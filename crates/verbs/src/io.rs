@@ -410,6 +410,26 @@ pub unsafe fn recv_iov(sock: &UdpSocket, iov: &mut [libc::iovec]) -> io::Result<
     Ok(rx_meta(&h, rc as usize, &addr))
 }
 
+/// Look at the next datagram on `sock` without taking it: its first `head.len()` bytes go to
+/// `head`; returns its length and its `UDP_GRO` segment size. `WouldBlock` when nothing is waiting.
+pub fn peek(sock: &UdpSocket, head: &mut [u8]) -> io::Result<(usize, Option<u16>)> {
+    // SAFETY: an all-zero msghdr is valid.
+    let mut h: libc::msghdr = unsafe { std::mem::zeroed() };
+    let mut ctl = [0u64; 4];
+    let mut iov = libc::iovec { iov_base: head.as_mut_ptr() as *mut libc::c_void, iov_len: head.len() };
+    h.msg_iov = &mut iov;
+    h.msg_iovlen = 1;
+    h.msg_control = ctl.as_mut_ptr() as *mut libc::c_void;
+    h.msg_controllen = std::mem::size_of::<[u64; 4]>();
+    // SAFETY: `h` points at a live iovec over `head` and a control buffer; MSG_TRUNC makes the
+    // kernel return the datagram's full length, MSG_PEEK leaves it queued.
+    let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut h, libc::MSG_PEEK | libc::MSG_TRUNC) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((rc as usize, gro_size(&h)))
+}
+
 /// Receive up to `meta.len()` (at most [`BATCH`]) datagrams from `sock`: datagram `i` lands in
 /// `buf[i * slot..]`, and `meta[i]` gets its length, source and GRO segment size, or `None` for one
 /// that was truncated or came from an unknown address family. `WouldBlock` when nothing is waiting.

@@ -1,14 +1,16 @@
 //! Receiving the rest of an RC RDMA WRITE straight into its target region (one copy less per
 //! payload byte on the UDP path). Once the responder accepted a WRITE's FIRST (or a MIDDLE) packet,
-//! the engine knows where the next in-sequence payload goes (`Hca::rx_placement`). The next
-//! datagram is then received with an iovec laid out as that WRITE's next packets would be — per
-//! packet: BTH → scratch, payload → the region, pad and ICRC → scratch — which is usually one GRO
-//! batch of MIDDLE and LAST packets. The runtime hands each packet that matches the prediction
+//! the engine knows where the next in-sequence payload goes (`Hca::rx_placement`). The runtime
+//! peeks at the next datagram's BTH and GRO segment size; if it starts as that WRITE's next packet,
+//! it is received with an iovec laid out as the WRITE's next packets would be — per packet: BTH →
+//! scratch, payload → the region, pad and ICRC → scratch — which is usually one GRO batch of
+//! MIDDLE and LAST packets. The runtime hands each packet that matches the prediction
 //! (layout, QP, PSN, opcode, ICRC over the pieces) to the engine as already placed
 //! (`Hca::handle_placed`); anything else is copied out of the pieces and received as usual.
 
 use softrdma_transport::{Hca, RxPlacement};
 use softrdma_wire::bth::BTH_LEN;
+use softrdma_wire::opcode::base;
 use softrdma_wire::{Qpn, ICRC_LEN};
 
 use crate::io::GSO_MAX_SEGS;
@@ -75,6 +77,18 @@ impl Plan {
             remaining: self.expect.remaining - off,
             ..self.expect
         }
+    }
+
+    /// Whether a datagram of `len` bytes (GRO segment size `seg`) starting with `head` begins as
+    /// planned: the expected packet of the WRITE (QP, PSN, MIDDLE or LAST) with the planned length.
+    /// Only then is it received along the plan; anything else takes the copying path untouched.
+    pub(crate) fn starts(&self, head: &[u8; BTH_LEN], len: usize, seg: Option<u16>) -> bool {
+        let Ok(bth) = softrdma_wire::bth::BthPacket::new_checked(&head[..]) else { return false };
+        let first = seg.map_or(len, usize::from).min(len);
+        matches!(head[0], base::WRITE_MIDDLE | base::WRITE_LAST)
+            && bth.dest_qp() == self.expect.qpn
+            && bth.psn() == self.expect.psn
+            && self.span(0).1 == first
     }
 
     /// The QP.
@@ -176,7 +190,6 @@ pub(crate) unsafe fn copy_out(iov: &[libc::iovec], mut at: usize, out: &mut [u8]
 
 /// The QP whose WRITE continues after a received packet `d` (an RC WRITE FIRST or MIDDLE).
 pub(crate) fn write_hint(d: &[u8]) -> Option<Qpn> {
-    use softrdma_wire::opcode::base;
     let b = d.get(..8)?;
     matches!(b[0], base::WRITE_FIRST | base::WRITE_MIDDLE).then(|| Qpn::new(u32::from_be_bytes([0, b[5], b[6], b[7]])))
 }

@@ -676,24 +676,41 @@ impl Device {
             while budget > 0 {
                 // An RC WRITE in progress to a region of this process: receive its continuation in
                 // place (daemon mode attributes traffic per QP on the copying path only).
+                // A peek at the next datagram first (an empty poll costs that one call): only one
+                // that starts as the WRITE's next packet is received along the plan.
                 let plan = match st.rx_hint {
                     Some(qpn) if st.qp_traffic.is_none() => Plan::new(&st.hca, &st.mem, qpn),
                     _ => None,
                 };
-                if let Some(plan) = plan {
-                    match self.receive_placed(st, now, sock, *local, &plan, &mut buf) {
+                let prev_hint = st.rx_hint.take();
+                if let Some(plan) = &plan {
+                    let mut head = [0u8; softrdma_wire::bth::BTH_LEN];
+                    let r = match udp::peek(sock, &mut head) {
+                        Ok((len, seg)) if plan.starts(&head, len, seg) => {
+                            self.receive_placed(st, now, sock, *local, plan, &mut buf)
+                        }
+                        Ok(_) => Err(ErrorKind::InvalidData.into()),
+                        Err(e) => Err(e),
+                    };
+                    match r {
                         Ok(()) => {
                             got += 1;
                             budget -= 1;
                             continue;
                         }
-                        Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                        Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                        Err(e) if e.kind() == ErrorKind::InvalidData => {}
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                            st.rx_hint = prev_hint;
+                            break;
+                        }
+                        Err(e) if e.kind() == ErrorKind::Interrupted => {
+                            st.rx_hint = prev_hint;
+                            continue;
+                        }
                         Err(_) => break,
                     }
                 }
-                st.rx_hint = None;
-                let want = if st.rx_single { 1 } else { udp::BATCH };
+                let want = if st.rx_single || plan.is_some() { 1 } else { udp::BATCH };
                 match udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta[..want]) {
                     Ok(k) => {
                         got += k;
@@ -719,6 +736,11 @@ impl Device {
                                     c.drop_malformed += 1;
                                 }
                             }
+                        }
+                        // Another packet came between a WRITE's packets: its continuation may
+                        // still come next.
+                        if st.rx_hint.is_none() {
+                            st.rx_hint = prev_hint.filter(|q| st.hca.rx_placement(*q).is_some());
                         }
                         if k < want {
                             break;
