@@ -189,6 +189,9 @@ pub(crate) struct Device {
     epoch: std::time::Instant,
     /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
     app_progress: AtomicU64,
+    /// Receive RC WRITE continuations in place (see place.rs); `SOFTRDMA_COPY_RX=1` turns it off
+    /// (every payload is copied out of the receive buffer, as before; for A/B runs).
+    rx_place: bool,
 }
 
 /// An application thread that polled within this window is busy polling (see `io_loop`).
@@ -277,6 +280,7 @@ impl Device {
             stop: AtomicBool::new(false),
             epoch: std::time::Instant::now(),
             app_progress: AtomicU64::new(0),
+            rx_place: std::env::var_os("SOFTRDMA_COPY_RX").is_none(),
         })
     }
 
@@ -679,7 +683,7 @@ impl Device {
                 // A peek at the next datagram first (an empty poll costs that one call): only one
                 // that starts as the WRITE's next packet is received along the plan.
                 let plan = match st.rx_hint {
-                    Some(qpn) if st.qp_traffic.is_none() => Plan::new(&st.hca, &st.mem, qpn),
+                    Some(qpn) if st.qp_traffic.is_none() && self.rx_place => Plan::new(&st.hca, &st.mem, qpn),
                     _ => None,
                 };
                 let prev_hint = st.rx_hint.take();
@@ -695,8 +699,7 @@ impl Device {
                     match r {
                         Ok(()) => {
                             got += 1;
-                            budget -= 1;
-                            continue;
+                            break;
                         }
                         Err(e) if e.kind() == ErrorKind::InvalidData => {}
                         Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -726,7 +729,7 @@ impl Device {
                                         self.receive(st, now, d, src, *local, k as u16);
                                     }
                                     if i + 1 == k {
-                                        st.rx_single = n >= RX_SINGLE_MIN;
+                                        st.rx_single = self.rx_place && n >= RX_SINGLE_MIN;
                                         st.rx_hint = data.chunks(seg).last().and_then(place::write_hint);
                                     }
                                 }
@@ -742,7 +745,9 @@ impl Device {
                         if st.rx_hint.is_none() {
                             st.rx_hint = prev_hint.filter(|q| st.hca.rx_placement(*q).is_some());
                         }
-                        if k < want {
+                        // One large datagram at a time goes with a flush each: its ACK leaves
+                        // before the next is taken, as after a batch that did not fill.
+                        if k < want || want == 1 {
                             break;
                         }
                     }
