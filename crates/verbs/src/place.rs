@@ -2,8 +2,8 @@
 //! payload byte on the UDP path). Once the responder accepted a WRITE's FIRST (or a MIDDLE) packet,
 //! the engine knows where the next in-sequence payload goes (`Hca::rx_placement`). The runtime
 //! peeks at the next datagram's BTH and GRO segment size; if it starts as that WRITE's next packet,
-//! it is received with an iovec laid out as the WRITE's next packets would be — per packet: BTH →
-//! scratch, payload → the region, pad and ICRC → scratch — which is usually one GRO batch of
+//! it is received with an iovec laid out as the WRITE's next packets would be — the bytes between
+//! two payloads (ICRC, next BTH) → scratch, each payload → the region — which is usually one GRO batch of
 //! MIDDLE and LAST packets. The runtime hands each packet that matches the prediction
 //! (layout, QP, PSN, opcode, ICRC over the pieces) to the engine as already placed
 //! (`Hca::handle_placed`); anything else is copied out of the pieces and received as usual.
@@ -18,15 +18,15 @@ use crate::memory::MrTable;
 
 /// Most packets one plan covers (a GSO send has at most this many segments).
 const MAX_SEGS: usize = GSO_MAX_SEGS;
-/// Scratch bytes per planned packet: its BTH, pad and ICRC (12 + 3 + 4), rounded up.
+/// Scratch bytes per piece between two payloads: pad, ICRC and BTH (3 + 4 + 12), rounded up.
 const SEG_SCRATCH: usize = 32;
-/// Bytes of per-packet scratch in front of the overflow area (see [`Plan::iovecs`]).
-pub(crate) const SCRATCH: usize = MAX_SEGS * SEG_SCRATCH;
+/// Bytes of scratch pieces in front of the overflow area (see [`Plan::iovecs`]).
+pub(crate) const SCRATCH: usize = (MAX_SEGS + 1) * SEG_SCRATCH;
 /// The largest datagram a socket hands over (a GRO batch included); the overflow area takes
 /// whatever does not fit the plan, so the plan never truncates a datagram the copying path takes.
 pub(crate) const MAX_DATAGRAM: usize = 65536;
-/// iovec entries of a plan: three per packet and the overflow area.
-pub(crate) const MAX_IOV: usize = 3 * MAX_SEGS + 1;
+/// iovec entries of a plan: two per packet, the last packet's ICRC and the overflow area.
+pub(crate) const MAX_IOV: usize = 2 * MAX_SEGS + 2;
 
 /// The predicted layout of the next datagram: `n` packets of the WRITE in progress, each
 /// `BTH_LEN + payload + pad + ICRC_LEN` bytes, every payload `mtu` bytes but possibly the last.
@@ -96,11 +96,16 @@ impl Plan {
         self.expect.qpn
     }
 
+    /// Where packet `k`'s BTH is in the scratch area (see [`Plan::iovecs`]).
+    fn bth_at(k: usize) -> usize {
+        k * SEG_SCRATCH + if k > 0 { ICRC_LEN } else { 0 }
+    }
+
     /// The iovec for receiving the next datagram along the plan into `iov`; returns the entries
-    /// used. `scratch` must have room for [`SCRATCH`] + [`MAX_DATAGRAM`] bytes: packet `k`'s BTH
-    /// goes to `scratch[32k..32k + 12]` and its pad and ICRC right behind it (so those bytes read
-    /// as the packet without its payload), its payload to the region; the rest of the datagram
-    /// beyond the plan to `scratch[SCRATCH..]`.
+    /// used. `scratch` must have room for [`SCRATCH`] + [`MAX_DATAGRAM`] bytes. The bytes between
+    /// two payloads (a packet's ICRC and the next packet's BTH; only the last packet can have pad)
+    /// go to one scratch piece each, `scratch[32j..]`, so a packet costs two entries; the payloads
+    /// go to the region; the rest of the datagram beyond the plan to `scratch[SCRATCH..]`.
     ///
     /// Writing a payload that is not verified yet into the region is allowed: every byte the
     /// payload entries cover lies in `[expect.addr, expect.addr + expect.remaining)`, inside the
@@ -117,15 +122,19 @@ impl Plan {
             iov[at] = libc::iovec { iov_base: base as *mut libc::c_void, iov_len: len };
             at += 1;
         };
-        for k in 0..self.n {
-            let (len, pad) = self.payload(k);
-            // SAFETY: the caller's scratch has SCRATCH (MAX_SEGS * SEG_SCRATCH) bytes in front of the
-            // overflow area, and k < n <= MAX_SEGS; `new` resolved `remaining` bytes at `region`, and
+        for k in 0..=self.n {
+            // The previous packet's pad and ICRC, then this packet's BTH.
+            let trailer = if k > 0 { self.payload(k - 1).1 + ICRC_LEN } else { 0 };
+            let head = if k < self.n { BTH_LEN } else { 0 };
+            // SAFETY: the caller's scratch has SCRATCH ((MAX_SEGS + 1) * SEG_SCRATCH) bytes in front
+            // of the overflow area, k <= n <= MAX_SEGS, and a piece is at most 3 + 4 + 12 <
+            // SEG_SCRATCH bytes; `new` resolved `remaining` bytes at `region`, and
             // k * mtu + len <= remaining.
             unsafe {
-                put(scratch.add(k * SEG_SCRATCH), BTH_LEN);
-                put(self.region.add(k * self.expect.mtu as usize), len);
-                put(scratch.add(k * SEG_SCRATCH + BTH_LEN), pad + ICRC_LEN);
+                put(scratch.add(k * SEG_SCRATCH), trailer + head);
+                if k < self.n {
+                    put(self.region.add(k * self.expect.mtu as usize), self.payload(k).0);
+                }
             }
         }
         // SAFETY: as above; the caller's scratch has MAX_DATAGRAM bytes after SCRATCH.
@@ -134,35 +143,46 @@ impl Plan {
     }
 
     /// Planned packet `k`, received at `[at, at + len)` of the datagram along [`Plan::iovecs`], if it
-    /// sits where the plan put it: its headers, pad and ICRC (from `scratch`), its payload (in the
-    /// region), and the placement the engine must still report for it.
+    /// sits where the plan put it: its headers, pad and ICRC (gathered from `scratch`), its payload
+    /// (in the region), and the placement the engine must still report for it.
     pub(crate) fn packet(&self, scratch: *const u8, k: usize, at: usize, len: usize) -> Option<Placed<'_>> {
         if k >= self.n || self.span(k) != (at, len) {
             return None;
         }
         let (plen, pad) = self.payload(k);
-        // SAFETY: both ranges were given to recvmsg by `iovecs` and are filled (the datagram reached
-        // `at + len`); the region stays registered while the device lock is held. The application
-        // may be changing those region bytes meanwhile, as it may under a NIC's DMA: they are
-        // plain bytes, any value is valid, and a changed byte only fails the ICRC.
-        let (hdr, payload) = unsafe {
-            (
-                std::slice::from_raw_parts(scratch.add(k * SEG_SCRATCH), BTH_LEN + pad + ICRC_LEN),
-                std::slice::from_raw_parts(self.region.add(k * self.expect.mtu as usize), plen),
-            )
+        let mut hdr = [0u8; HDR_MAX];
+        let tl = pad + ICRC_LEN;
+        // SAFETY: these ranges were given to recvmsg by `iovecs` and are filled (the datagram
+        // reached `at + len`); the region stays registered while the device lock is held. The
+        // application may be changing those region bytes meanwhile, as it may under a NIC's DMA:
+        // they are plain bytes, any value is valid, and a changed byte only fails the ICRC.
+        let payload = unsafe {
+            std::ptr::copy_nonoverlapping(scratch.add(Self::bth_at(k)), hdr.as_mut_ptr(), BTH_LEN);
+            std::ptr::copy_nonoverlapping(scratch.add((k + 1) * SEG_SCRATCH), hdr[BTH_LEN..].as_mut_ptr(), tl);
+            std::slice::from_raw_parts(self.region.add(k * self.expect.mtu as usize), plen)
         };
-        Some(Placed { hdr, payload, expect: self.expect(k) })
+        Some(Placed { hdr, hdr_len: BTH_LEN + tl, payload, expect: self.expect(k) })
     }
 }
 
+/// Bytes of a planned packet without its payload: BTH, pad, ICRC.
+const HDR_MAX: usize = BTH_LEN + 3 + ICRC_LEN;
+
 /// One packet received along a [`Plan`].
 pub(crate) struct Placed<'a> {
-    /// BTH, pad and ICRC: the packet without its payload.
-    pub hdr: &'a [u8],
+    hdr: [u8; HDR_MAX],
+    hdr_len: usize,
     /// The payload, in the region.
     pub payload: &'a [u8],
     /// The placement it was received for.
     pub expect: RxPlacement,
+}
+
+impl Placed<'_> {
+    /// BTH, pad and ICRC: the packet without its payload.
+    pub(crate) fn hdr(&self) -> &[u8] {
+        &self.hdr[..self.hdr_len]
+    }
 }
 
 /// Copy bytes `[at, at + out.len())` of a datagram received into the pieces `iov` into `out`.

@@ -830,14 +830,15 @@ impl Device {
         local: SocketAddr,
         k: usize,
     ) -> bool {
-        let Ok(ib) = IbPacket::new_checked(p.hdr) else { return false };
+        let hdr = p.hdr();
+        let Ok(ib) = IbPacket::new_checked(hdr) else { return false };
         let bth = ib.bth();
         if !ib.payload().is_empty() || bth.dest_qp() != p.expect.qpn || bth.psn() != p.expect.psn {
             return false;
         }
         let bth_len = softrdma_wire::bth::BTH_LEN;
-        let pad = &p.hdr[bth_len..p.hdr.len() - ICRC_LEN];
-        match udp_payload_icrc_parts(src, local, &[&p.hdr[..bth_len], p.payload, pad], k as u16) {
+        let pad = &hdr[bth_len..hdr.len() - ICRC_LEN];
+        match udp_payload_icrc_parts(src, local, &[&hdr[..bth_len], p.payload, pad], k as u16) {
             Ok(crc) if crc == ib.icrc() => {}
             _ => return false,
         }

@@ -156,6 +156,20 @@ fn a_write_continuation_lands_in_place() {
 }
 
 #[test]
+fn an_odd_length_write_lands_in_place_pad_and_all() {
+    let r = Rig::new("place4", 18, 1 << 16);
+    r.ep.mr.fill(0xee);
+    // 3 packets after the FIRST, the last with 1001 bytes and 3 bytes of pad.
+    let data = pattern(3 * MTU + 1001, 5);
+    r.first(r.ep.mr.addr(), data.len(), &data);
+    r.send(&r.rest(&data, 1, 4), true);
+    assert_eq!(r.response(), (3, ACK));
+    check("region", &r.region(0, data.len()), &data);
+    check("after the write", &r.region(data.len(), 64), &[0xee; 64]);
+    assert_eq!(r.ep.ctx.rx_placed(), 3);
+}
+
+#[test]
 fn a_corrupted_in_place_packet_is_dropped_and_the_retransmission_repairs_it() {
     let r = Rig::new("place1", 12, 1 << 16);
     let data = pattern(8 * MTU, 2);
