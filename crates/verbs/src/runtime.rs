@@ -729,7 +729,7 @@ impl Device {
                                         self.receive(st, now, d, src, *local, k as u16);
                                     }
                                     if i + 1 == k {
-                                        st.rx_single = self.rx_place && n >= RX_SINGLE_MIN;
+                                        st.rx_single = self.rx_place && st.qp_traffic.is_none() && n >= RX_SINGLE_MIN;
                                         st.rx_hint = data.chunks(seg).last().and_then(place::write_hint);
                                     }
                                 }
