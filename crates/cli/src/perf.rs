@@ -40,20 +40,23 @@ use softrdma_verbs::{
 /// `defer_payload_min`, crates/verbs runtime): `sendmsg` gathers them from the region itself.
 pub const IN_PLACE_FROM: u64 = 1024;
 
-/// How a payload byte of a `verb` message of `size` bytes travels, one entry per copy. Keep it in
-/// step with the data path (crates/transport requester/responder, crates/verbs runtime/io): the
-/// requester gathers from registered memory into the packet buffer, except for SEND and WRITE
-/// payloads from [`IN_PLACE_FROM`] bytes on (`sendmsg` then reads them from the region; READ
-/// responses are still gathered); `sendmsg` copies the datagram into a kernel buffer; `recvmsg`
-/// copies it out into the receive buffer; the responder scatters it into registered memory. The
-/// ICRC reads the payload once on each side (not copies).
-fn copies(verb: Verb, size: u64) -> [(&'static str, u32); 4] {
+/// How a payload byte of a `verb` message of `size` bytes travels with path MTU `mtu`, one entry
+/// per copy. Keep it in step with the data path (crates/transport requester/responder,
+/// crates/verbs runtime/io/place): the requester gathers from registered memory into the packet
+/// buffer, except for SEND and WRITE payloads from [`IN_PLACE_FROM`] bytes on (`sendmsg` then reads
+/// them from the region; READ responses are still gathered); `sendmsg` copies the datagram into a
+/// kernel buffer; `recvmsg` copies it out into the receive buffer and the responder scatters it into
+/// registered memory, except for the packets of a multi-packet RC WRITE after its first (`recvmsg`
+/// puts their payload straight into the region; a 64 KiB WRITE with a 4 KiB MTU has 15 of its 16
+/// packets so). The ICRC reads the payload once on each side (not copies).
+fn copies(verb: Verb, rc: bool, size: u64, mtu: u64) -> [(&'static str, u32); 4] {
     let in_place = matches!(verb, Verb::Write | Verb::Send) && size >= IN_PLACE_FROM;
+    let placed = rc && verb == Verb::Write && size > mtu;
     [
         ("gather into the packet buffer", u32::from(!in_place)),
         ("kernel sendmsg", 1),
-        ("kernel recvmsg", 1),
-        ("scatter into registered memory", 1),
+        (if placed { "kernel recvmsg (into the region after a WRITE's first packet)" } else { "kernel recvmsg" }, 1),
+        ("scatter into registered memory", u32::from(!placed)),
     ]
 }
 
@@ -1287,7 +1290,7 @@ struct CpuLine {
     bytes: u64,
 }
 
-fn print_extras(out: &Out, verb: Verb, cpu: &[CpuLine], same_host: bool) {
+fn print_extras(out: &Out, verb: Verb, rc: bool, mtu: u64, cpu: &[CpuLine], same_host: bool) {
     for c in cpu {
         let cpu = (c.user + c.sys).as_secs_f64();
         let gb = c.bytes as f64 / 1e9;
@@ -1305,7 +1308,7 @@ fn print_extras(out: &Out, verb: Verb, cpu: &[CpuLine], same_host: bool) {
     } else {
         // Of the largest size run (with -a, smaller sizes may take the copying path).
         (
-            copies(verb, cpu.iter().map(|c| c.size).max().unwrap_or(0)).to_vec(),
+            copies(verb, rc, cpu.iter().map(|c| c.size).max().unwrap_or(0), mtu).to_vec(),
             "plus one ICRC pass over the payload on each side",
         )
     };
@@ -1496,12 +1499,12 @@ fn run_side(
         // nothing over UDP.
         let (link, icrc) = (side.ctx.same_host_stats(), side.ctx.icrc_stats());
         let same_host = link.tx_pkts + link.rx_pkts > 0 && icrc.verified + icrc.recovered + icrc.bad == 0;
-        print_extras(out, plan.test.verb(), &cpu, same_host);
+        print_extras(out, plan.test.verb(), plan.conn == QpType::Rc, side.mtu.bytes() as u64, &cpu, same_host);
     }
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
         eprintln!(
-            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}",
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; received in place {}",
             side.dev_name,
             c.sent_pkts,
             c.rcvd_pkts,
@@ -1511,7 +1514,8 @@ fn run_side(
             c.retry_rounds,
             v.verified,
             v.recovered,
-            v.bad
+            v.bad,
+            side.ctx.rx_placed()
         );
     }
     Ok(())

@@ -13,6 +13,7 @@ use crate::qp::{Qp, QpInfo};
 use crate::stats::Counters;
 use crate::time::Instant;
 use crate::wr::{RecvWr, SendWr, Sge};
+use softrdma_wire::opcode::Flags;
 use softrdma_wire::{IbPacket, Qpn};
 
 pub use crate::qp::QpInfo as QueuePairInfo;
@@ -107,6 +108,27 @@ impl DeferredPayload {
     }
 }
 
+/// Where the payload of the next in-sequence packet of an RC RDMA WRITE in progress goes (see
+/// [`Hca::rx_placement`]): `remaining` bytes at `addr` under `rkey` in `pd`, all inside the range the
+/// WRITE's RETH was checked for (rkey, bounds, remote-write right) when its FIRST packet arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RxPlacement {
+    /// The QP.
+    pub qpn: Qpn,
+    /// The PSN the next packet must carry.
+    pub psn: softrdma_wire::Psn,
+    /// The QP's protection domain.
+    pub pd: PdId,
+    /// The WRITE's rkey.
+    pub rkey: u32,
+    /// Where the next packet's payload goes.
+    pub addr: u64,
+    /// Bytes of the WRITE still to come (from `addr` to the end of the RETH's range).
+    pub remaining: u32,
+    /// The QP's path MTU: the payload of every packet but the last.
+    pub mtu: u32,
+}
+
 /// A completion queue.
 #[derive(Debug)]
 struct Cq {
@@ -153,6 +175,9 @@ pub(crate) struct Ctx<'a> {
     /// Set by a requester that had a packet to send and was held back by `device_full` only; the
     /// HCA queues the QP until packets in flight drop below the budget.
     pub held: bool,
+    /// The packet's payload (this many bytes) is already at its destination (see
+    /// [`Hca::handle_placed`]); the packet itself carries none.
+    pub placed: Option<usize>,
 }
 
 impl Ctx<'_> {
@@ -399,7 +424,7 @@ impl Hca {
             u32::MAX => (u32::MAX, false),
             budget => ((budget / (*busy_qps).max(1)).max(Config::MIN_SHARE), *inflight >= budget),
         };
-        let ctx = Ctx { now, mem, queues, events, stats, config, ready, share, device_full, held: false };
+        let ctx = Ctx { now, mem, queues, events, stats, config, ready, share, device_full, held: false, placed: None };
         (qps, Bookkeeping { timers, busy_qps, inflight, held }, ctx)
     }
 
@@ -648,6 +673,49 @@ impl Hca {
             }
             None => ctx.stats.drop_unknown_qp += 1,
         }
+    }
+
+    /// Where the payload of QP `qpn`'s next in-sequence request packet goes, when that is known
+    /// before the packet arrives: an RC RDMA WRITE whose FIRST (or a MIDDLE) packet was accepted.
+    /// A pure query; the I/O layer may receive the next packet's payload straight into that range.
+    pub fn rx_placement(&self, qpn: Qpn) -> Option<RxPlacement> {
+        self.qps.get(&qpn)?.rx_placement()
+    }
+
+    /// A request packet whose payload the I/O layer already put where `expect` (from
+    /// [`Hca::rx_placement`]) said: `pkt` holds the headers, pad and ICRC but no payload, and
+    /// `len` payload bytes are at `expect.addr`. Handled as [`Hca::handle_parsed`] would handle the
+    /// whole packet, without the copy. Returns `false`, having done nothing, unless `expect` is
+    /// still the QP's placement and `pkt` is its next in-sequence packet; the caller then hands
+    /// the whole packet to [`Hca::handle_parsed`].
+    pub fn handle_placed(
+        &mut self,
+        now: Instant,
+        pkt: &IbPacket<&[u8]>,
+        expect: &RxPlacement,
+        len: usize,
+        mem: &mut dyn MemoryAccess,
+    ) -> bool {
+        let bth = pkt.bth();
+        let info = pkt.info();
+        if !info.is(Flags::WRITE)
+            || info.is(Flags::RESP)
+            || info.starts_message()
+            || bth.dest_qp() != expect.qpn
+            || bth.psn() != expect.psn
+            || len > expect.remaining as usize
+            || !pkt.payload().is_empty()
+            || self.rx_placement(expect.qpn).as_ref() != Some(expect)
+        {
+            return false;
+        }
+        self.stats.rcvd_pkts += 1;
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
+        let Some(qp) = qps.get_mut(&expect.qpn) else { return false };
+        ctx.placed = Some(len);
+        qp.handle_packet(pkt, &[0; 40], &mut ctx);
+        book.sync(qp);
+        true
     }
 
     /// Fire expired timers: each QP with a deadline at or before `now` once, in deadline order.

@@ -387,3 +387,85 @@ fn deferred_payload_names_the_bytes_a_gather_copies() {
         assert_eq!(a, b);
     }
 }
+
+/// An RC request for the rig's QP with `payload_len` bytes of `fill` and an optional RETH.
+fn request(r: &Rig, op: u8, psn: u32, reth: Option<(u64, u32)>, payload_len: usize, fill: u8) -> Vec<u8> {
+    let mut repr = IbRepr::new(BthRepr {
+        opcode: Opcode::of(WireQpType::Rc, op).unwrap(),
+        solicited: false,
+        mig_req: false,
+        pad: 0,
+        pkey: DEFAULT_PKEY,
+        fecn: false,
+        becn: false,
+        dest_qp: r.qpn,
+        ack_req: true,
+        psn: Psn::new(psn),
+    });
+    repr.reth = reth.map(|(va, dma_len)| softrdma_wire::RethRepr { va, rkey: 1, dma_len });
+    repr.payload_len = payload_len;
+    let mut buf = vec![0u8; repr.buffer_len()];
+    let n = repr.emit(&mut buf).unwrap();
+    buf[repr.payload_range()].fill(fill);
+    buf.truncate(n);
+    buf
+}
+
+#[test]
+fn placed_write_continuations_complete_without_a_copy() {
+    let mut r = Rig::new();
+    assert_eq!(r.hca.rx_placement(r.qpn), None, "no write in progress");
+    // A 3-packet WRITE (MTU 256) to 0x2000: after its FIRST, the rest goes to 0x2100.
+    let first = request(&r, base::WRITE_FIRST, EPSN, Some((0x2000, 768)), 256, 1);
+    r.hca.handle_packet(r.now, &first, &RxInfo { grh: [0; 40] }, &mut r.mem);
+    let p = r.hca.rx_placement(r.qpn).unwrap();
+    let want = crate::RxPlacement {
+        qpn: r.qpn,
+        psn: Psn::new(EPSN + 1),
+        pd: PdId(1),
+        rkey: 1,
+        addr: 0x2100,
+        remaining: 512,
+        mtu: 256,
+    };
+    assert_eq!(p, want);
+    // The I/O layer put the MIDDLE's payload in place; the engine gets the headers only.
+    r.mem.0[0x2100..0x2200].fill(2);
+    let middle = request(&r, base::WRITE_MIDDLE, EPSN + 1, None, 0, 0);
+    let hdr = IbPacket::new_checked(&middle[..]).unwrap();
+    assert!(r.hca.handle_placed(r.now, &hdr, &p, 256, &mut r.mem));
+    // The old expectation is stale now: refused, nothing done.
+    assert!(!r.hca.handle_placed(r.now, &hdr, &p, 256, &mut r.mem));
+    let p2 = r.hca.rx_placement(r.qpn).unwrap();
+    assert_eq!((p2.psn, p2.addr, p2.remaining), (Psn::new(EPSN + 2), 0x2200, 256));
+    // A response opcode or a wrong PSN is never taken as placed.
+    let wrong_psn = request(&r, base::WRITE_LAST, EPSN + 3, None, 0, 0);
+    assert!(!r.hca.handle_placed(r.now, &IbPacket::new_checked(&wrong_psn[..]).unwrap(), &p2, 256, &mut r.mem));
+    r.mem.0[0x2200..0x2300].fill(3);
+    let last = request(&r, base::WRITE_LAST, EPSN + 2, None, 0, 0);
+    assert!(r.hca.handle_placed(r.now, &IbPacket::new_checked(&last[..]).unwrap(), &p2, 256, &mut r.mem));
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN + 2, ACK, Some(1))]);
+    assert_eq!(r.hca.rx_placement(r.qpn), None);
+    assert!(r.mem.0[0x2000..0x2100].iter().all(|&b| b == 1));
+    assert!(r.mem.0[0x2100..0x2200].iter().all(|&b| b == 2));
+    assert!(r.mem.0[0x2200..0x2300].iter().all(|&b| b == 3));
+    assert_eq!(r.hca.counters().rcvd_bytes, 768);
+}
+
+#[test]
+fn a_placed_middle_past_the_reth_length_is_an_invalid_request() {
+    let mut r = Rig::new();
+    let first = request(&r, base::WRITE_FIRST, EPSN, Some((0x2000, 512)), 256, 1);
+    r.hca.handle_packet(r.now, &first, &RxInfo { grh: [0; 40] }, &mut r.mem);
+    let p = r.hca.rx_placement(r.qpn).unwrap();
+    assert_eq!(p.remaining, 256);
+    // More than the WRITE has left is refused before anything happens.
+    let middle = request(&r, base::WRITE_MIDDLE, EPSN + 1, None, 0, 0);
+    let hdr = IbPacket::new_checked(&middle[..]).unwrap();
+    assert!(!r.hca.handle_placed(r.now, &hdr, &p, 257, &mut r.mem));
+    // A MIDDLE that fills the rest would leave the LAST nothing: NAKed as the copying path does.
+    assert!(r.hca.handle_placed(r.now, &hdr, &p, 256, &mut r.mem));
+    let inv = Some(Syndrome::Nak(NakCode::InvalidRequest));
+    assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN + 1, inv, Some(0))]);
+    assert_eq!(r.hca.rx_placement(r.qpn), None);
+}

@@ -375,6 +375,61 @@ fn gro_size(h: &libc::msghdr) -> Option<u16> {
     None
 }
 
+/// What a `recvmsg` reported: `None` for a truncated datagram or an unknown address family.
+fn rx_meta(h: &libc::msghdr, len: usize, addr: &RawAddr) -> RxMeta {
+    let truncated = h.msg_flags & libc::MSG_TRUNC != 0;
+    match (truncated, socket_addr_of(addr)) {
+        (false, Some(src)) => Some((len, src, gro_size(h))),
+        _ => None,
+    }
+}
+
+/// Receive one datagram from `sock` into the pieces `iov` describes, in order (the kernel fills
+/// them as one stream). `WouldBlock` when nothing is waiting.
+///
+/// # Safety
+///
+/// Every entry of `iov` must describe writable memory that nothing else reads or writes during the
+/// call.
+pub unsafe fn recv_iov(sock: &UdpSocket, iov: &mut [libc::iovec]) -> io::Result<RxMeta> {
+    // SAFETY: all-zero values of these plain C structs are valid.
+    let (mut h, mut addr): (libc::msghdr, RawAddr) = unsafe { std::mem::zeroed() };
+    let mut ctl = [0u64; 4];
+    h.msg_name = &mut addr as *mut _ as *mut libc::c_void;
+    h.msg_namelen = std::mem::size_of::<RawAddr>() as libc::socklen_t;
+    h.msg_iov = iov.as_mut_ptr();
+    h.msg_iovlen = iov.len();
+    h.msg_control = ctl.as_mut_ptr() as *mut libc::c_void;
+    h.msg_controllen = std::mem::size_of::<[u64; 4]>();
+    // SAFETY: `h` points at a live address, control buffer (room for the UDP_GRO cmsg) and iovec
+    // array; the memory the iovecs describe is the caller's promise.
+    let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut h, 0) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rx_meta(&h, rc as usize, &addr))
+}
+
+/// Look at the next datagram on `sock` without taking it: its first `head.len()` bytes go to
+/// `head`; returns its length and its `UDP_GRO` segment size. `WouldBlock` when nothing is waiting.
+pub fn peek(sock: &UdpSocket, head: &mut [u8]) -> io::Result<(usize, Option<u16>)> {
+    // SAFETY: an all-zero msghdr is valid.
+    let mut h: libc::msghdr = unsafe { std::mem::zeroed() };
+    let mut ctl = [0u64; 4];
+    let mut iov = libc::iovec { iov_base: head.as_mut_ptr() as *mut libc::c_void, iov_len: head.len() };
+    h.msg_iov = &mut iov;
+    h.msg_iovlen = 1;
+    h.msg_control = ctl.as_mut_ptr() as *mut libc::c_void;
+    h.msg_controllen = std::mem::size_of::<[u64; 4]>();
+    // SAFETY: `h` points at a live iovec over `head` and a control buffer; MSG_TRUNC makes the
+    // kernel return the datagram's full length, MSG_PEEK leaves it queued.
+    let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut h, libc::MSG_PEEK | libc::MSG_TRUNC) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((rc as usize, gro_size(&h)))
+}
+
 /// Receive up to `meta.len()` (at most [`BATCH`]) datagrams from `sock`: datagram `i` lands in
 /// `buf[i * slot..]`, and `meta[i]` gets its length, source and GRO segment size, or `None` for one
 /// that was truncated or came from an unknown address family. `WouldBlock` when nothing is waiting.
@@ -396,13 +451,6 @@ pub fn recv_batch(sock: &UdpSocket, buf: &mut [u8], slot: usize, meta: &mut [RxM
         h.msg_control = ctl.as_mut_ptr() as *mut libc::c_void;
         h.msg_controllen = std::mem::size_of::<[u64; 4]>();
     };
-    let done = |h: &libc::msghdr, len: usize, addr: &RawAddr| -> RxMeta {
-        let truncated = h.msg_flags & libc::MSG_TRUNC != 0;
-        match (truncated, socket_addr_of(addr)) {
-            (false, Some(src)) => Some((len, src, gro_size(h))),
-            _ => None,
-        }
-    };
     // The first datagram: only what one recvmsg needs is set up (an empty busy poll ends here,
     // so it must not pay for clearing the batch's arrays).
     // SAFETY: all-zero values of these plain C structs are valid.
@@ -415,7 +463,7 @@ pub fn recv_batch(sock: &UdpSocket, buf: &mut [u8], slot: usize, meta: &mut [RxM
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    meta[0] = done(&h0, rc as usize, &a0);
+    meta[0] = rx_meta(&h0, rc as usize, &a0);
     if n == 1 {
         return Ok(1);
     }
@@ -441,7 +489,7 @@ pub fn recv_batch(sock: &UdpSocket, buf: &mut [u8], slot: usize, meta: &mut [RxM
     }
     let k = rc as usize;
     for i in 1..=k {
-        meta[i] = done(&msgs[i].msg_hdr, msgs[i].msg_len as usize, &addrs[i]);
+        meta[i] = rx_meta(&msgs[i].msg_hdr, msgs[i].msg_len as usize, &addrs[i]);
     }
     Ok(k + 1)
 }

@@ -31,6 +31,7 @@ pub mod device;
 pub mod error;
 pub mod io;
 pub mod memory;
+mod place;
 mod runtime;
 mod same_host;
 pub mod verbs;

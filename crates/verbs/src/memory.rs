@@ -277,6 +277,18 @@ impl MrTable {
     }
 }
 
+impl MrTable {
+    /// A pointer to `[addr, addr + len)` of a region of this process that `rkey` in `pd` opens
+    /// for remote writes, for receiving a payload in place (see `place.rs`); `None` for anything
+    /// else, a region of another process (daemon mode) included. Valid while the device lock is held.
+    pub(crate) fn remote_write_ptr(&self, pd: PdId, rkey: u32, addr: u64, len: u64) -> Option<*mut u8> {
+        match self.resolve(pd, rkey, addr, len, Access::REMOTE_WRITE) {
+            Ok(Loc::Local(p)) => Some(p),
+            _ => None,
+        }
+    }
+}
+
 fn read_right(kind: KeyKind) -> Access {
     match kind {
         KeyKind::Local => Access::NONE,

@@ -32,6 +32,7 @@ use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
 use crate::memory::{InPlace, MrTable};
+use crate::place::{self, Plan};
 use crate::same_host::Link;
 
 /// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
@@ -130,6 +131,14 @@ pub(crate) struct State {
     tx_buf: Vec<u8>,
     tx_meta: Vec<(usize, SocketAddr, SocketAddr, usize)>,
     rx_buf: Vec<u8>,
+    /// The QP whose RC WRITE the last received packet continued (a FIRST or MIDDLE): the next
+    /// datagram may be its continuation, received in place (see place.rs).
+    rx_hint: Option<softrdma_wire::Qpn>,
+    /// The last datagram was large: receive one at a time (a batch could swallow a WRITE's FIRST
+    /// together with its continuation, which then could not be received in place).
+    rx_single: bool,
+    /// Packets received in place (see place.rs).
+    pub rx_placed: u64,
 }
 
 impl State {
@@ -180,6 +189,9 @@ pub(crate) struct Device {
     epoch: std::time::Instant,
     /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
     app_progress: AtomicU64,
+    /// Receive RC WRITE continuations in place (see place.rs); `SOFTRDMA_COPY_RX=1` turns it off
+    /// (every payload is copied out of the receive buffer, as before; for A/B runs).
+    rx_place: bool,
 }
 
 /// An application thread that polled within this window is busy polling (see `io_loop`).
@@ -252,6 +264,9 @@ impl Device {
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             tx_meta: Vec::with_capacity(udp::BATCH),
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
+            rx_hint: None,
+            rx_single: false,
+            rx_placed: 0,
         };
         Ok(Device {
             info,
@@ -265,6 +280,7 @@ impl Device {
             stop: AtomicBool::new(false),
             epoch: std::time::Instant::now(),
             app_progress: AtomicU64::new(0),
+            rx_place: std::env::var_os("SOFTRDMA_COPY_RX").is_none(),
         })
     }
 
@@ -660,10 +676,48 @@ impl Device {
         let mut meta = [None; udp::BATCH];
         for (sock, local) in self.port.sockets() {
             // Up to 256 datagrams per socket and call, udp::BATCH per recvmmsg.
-            for _ in 0..256 / udp::BATCH {
-                match udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) {
+            let mut budget = 256;
+            while budget > 0 {
+                // An RC WRITE in progress to a region of this process: receive its continuation in
+                // place (daemon mode attributes traffic per QP on the copying path only).
+                // A peek at the next datagram first (an empty poll costs that one call): only one
+                // that starts as the WRITE's next packet is received along the plan.
+                let plan = match st.rx_hint {
+                    Some(qpn) if st.qp_traffic.is_none() && self.rx_place => Plan::new(&st.hca, &st.mem, qpn),
+                    _ => None,
+                };
+                let prev_hint = st.rx_hint.take();
+                if let Some(plan) = &plan {
+                    let mut head = [0u8; softrdma_wire::bth::BTH_LEN];
+                    let r = match udp::peek(sock, &mut head) {
+                        Ok((len, seg)) if plan.starts(&head, len, seg) => {
+                            self.receive_placed(st, now, sock, *local, plan, &mut buf)
+                        }
+                        Ok(_) => Err(ErrorKind::InvalidData.into()),
+                        Err(e) => Err(e),
+                    };
+                    match r {
+                        Ok(()) => {
+                            got += 1;
+                            break;
+                        }
+                        Err(e) if e.kind() == ErrorKind::InvalidData => {}
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                            st.rx_hint = prev_hint;
+                            break;
+                        }
+                        Err(e) if e.kind() == ErrorKind::Interrupted => {
+                            st.rx_hint = prev_hint;
+                            continue;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                let want = if st.rx_single || plan.is_some() { 1 } else { udp::BATCH };
+                match udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta[..want]) {
                     Ok(k) => {
                         got += k;
+                        budget -= k.min(budget);
                         for (i, m) in meta.iter().take(k).enumerate() {
                             match m {
                                 &Some((n, src, seg)) => {
@@ -674,6 +728,10 @@ impl Device {
                                     for (k, d) in data.chunks(seg).enumerate() {
                                         self.receive(st, now, d, src, *local, k as u16);
                                     }
+                                    if i + 1 == k {
+                                        st.rx_single = self.rx_place && st.qp_traffic.is_none() && n >= RX_SINGLE_MIN;
+                                        st.rx_hint = data.chunks(seg).last().and_then(place::write_hint);
+                                    }
                                 }
                                 None => {
                                     let c = st.hca.counters_mut();
@@ -682,7 +740,14 @@ impl Device {
                                 }
                             }
                         }
-                        if k < udp::BATCH {
+                        // Another packet came between a WRITE's packets: its continuation may
+                        // still come next.
+                        if st.rx_hint.is_none() {
+                            st.rx_hint = prev_hint.filter(|q| st.hca.rx_placement(*q).is_some());
+                        }
+                        // One large datagram at a time goes with a flush each: its ACK leaves
+                        // before the next is taken, as after a batch that did not fill.
+                        if k < want || want == 1 {
                             break;
                         }
                     }
@@ -696,6 +761,93 @@ impl Device {
         }
         st.rx_buf = buf;
         got
+    }
+
+    /// Receive the next datagram on `sock` along `plan` (see place.rs): the packets that match it
+    /// go to the engine with their payload already in place, the others are copied out of the
+    /// pieces and received as usual. `WouldBlock` when nothing is waiting.
+    fn receive_placed(
+        &self,
+        st: &mut State,
+        now: Instant,
+        sock: &std::net::UdpSocket,
+        local: SocketAddr,
+        plan: &Plan,
+        buf: &mut [u8],
+    ) -> io::Result<()> {
+        let (scratch, tmp) = buf.split_at_mut(place::SCRATCH + place::MAX_DATAGRAM);
+        let scratch = scratch.as_mut_ptr();
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; place::MAX_IOV];
+        let n = plan.iovecs(scratch, &mut iov);
+        // SAFETY: the entries cover `scratch` (ours, not otherwise used during the call) and, for
+        // the payloads, the range of the WRITE in progress in a region of this process, which stays
+        // registered while we hold the device lock; why receiving into it before the ICRC is
+        // checked is allowed is explained at `Plan::iovecs`.
+        let meta = unsafe { udp::recv_iov(sock, &mut iov[..n]) }?;
+        st.rx_single = true;
+        st.rx_hint = None;
+        let Some((len, src, seg)) = meta else {
+            let c = st.hca.counters_mut();
+            c.rcvd_pkts += 1;
+            c.drop_malformed += 1;
+            return Ok(());
+        };
+        let seg = seg.map_or(len, usize::from).max(1);
+        let mut at = 0;
+        let mut k = 0;
+        while at < len {
+            let l = seg.min(len - at);
+            let placed =
+                plan.packet(scratch, k, at, l).is_some_and(|p| self.receive_one_placed(st, now, &p, src, local, k));
+            if !placed {
+                let d = &mut tmp[..l];
+                // SAFETY: the datagram filled the pieces up to `len`; `tmp` is not among them.
+                unsafe { place::copy_out(&iov[..n], at, d) };
+                self.receive(st, now, d, src, local, k as u16);
+                if at + l == len {
+                    st.rx_hint = place::write_hint(d);
+                }
+            }
+            at += l;
+            k += 1;
+        }
+        if st.rx_hint.is_none() && st.hca.rx_placement(plan.qpn()).is_some() {
+            st.rx_hint = Some(plan.qpn());
+        }
+        Ok(())
+    }
+
+    /// Packet `k` of a datagram received along a plan, if it is what the plan expected: verify its
+    /// ICRC over the pieces (a full check for identification `k`: the payload is read once, where
+    /// the kernel put it) and hand it to the engine as placed. `false` when it is not (the caller
+    /// copies it out and receives it as usual, which also counts a bad ICRC).
+    fn receive_one_placed(
+        &self,
+        st: &mut State,
+        now: Instant,
+        p: &place::Placed<'_>,
+        src: SocketAddr,
+        local: SocketAddr,
+        k: usize,
+    ) -> bool {
+        let hdr = p.hdr();
+        let Ok(ib) = IbPacket::new_checked(hdr) else { return false };
+        let bth = ib.bth();
+        if !ib.payload().is_empty() || bth.dest_qp() != p.expect.qpn || bth.psn() != p.expect.psn {
+            return false;
+        }
+        let bth_len = softrdma_wire::bth::BTH_LEN;
+        let pad = &hdr[bth_len..hdr.len() - ICRC_LEN];
+        match udp_payload_icrc_parts(src, local, &[&hdr[..bth_len], p.payload, pad], k as u16) {
+            Ok(crc) if crc == ib.icrc() => {}
+            _ => return false,
+        }
+        if !st.hca.handle_placed(now, &ib, &p.expect, p.payload.len(), &mut st.mem) {
+            return false;
+        }
+        st.verify.record(UdpVerdict::Verified);
+        st.rx_placed += 1;
+        true
     }
 
     /// The I/O loop: receive, fire timers, send; until stopped.
@@ -778,6 +930,9 @@ impl Device {
         while self.wake_rx.recv(&mut buf).is_ok() {}
     }
 }
+
+/// A datagram this large makes the next receive take one datagram at a time (`State::rx_single`).
+const RX_SINGLE_MIN: usize = 2048;
 
 /// While same-host lanes are up, how often a busy-polling thread also reads the UDP sockets.
 const UDP_EVERY: Duration = Duration::from_micros(50);

@@ -230,6 +230,15 @@ impl Context {
         }
     }
 
+    /// UDP packets whose payload was received straight into its registered region (the
+    /// continuations of RC RDMA WRITEs, see the runtime); 0 on a softrdmad device.
+    pub fn rx_placed(&self) -> u64 {
+        match &self.h {
+            Dev::Embedded(h) => h.dev.lock().rx_placed,
+            Dev::Daemon(_) => 0,
+        }
+    }
+
     /// Counters of the same-host link (shared-memory lanes to other softrdma devices on this
     /// host); in daemon mode the device's, all clients together.
     pub fn same_host_stats(&self) -> crate::SameHostStats {

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use super::Qp;
 use crate::attr::{QpState, QpType};
 use crate::cq::{WcFlags, WcOpcode, WcStatus};
-use crate::hca::{AsyncEvent, Ctx, Transmit};
+use crate::hca::{AsyncEvent, Ctx, RxPlacement, Transmit};
 use crate::memory::{self, Access, AtomicOp, KeyKind, MemError};
 use crate::wr::RecvWr;
 use softrdma_wire::aeth::CREDITS_INVALID;
@@ -253,7 +253,7 @@ impl Qp {
             }
         };
         let mtu = self.attr.mtu.bytes();
-        let plen = pkt.payload().len();
+        let plen = ctx.placed.unwrap_or(pkt.payload().len());
         let len_ok = if !info.is(Flags::PAYLOAD) {
             true
         } else if info.ends_message() {
@@ -387,8 +387,10 @@ impl Qp {
             (Some(InMsg::Write { va, rkey, len, offset }), None) => (va, rkey, len, offset),
             _ => return Err(Step::Error(INVALID_REQUEST)),
         };
+        // A placed payload (`Hca::handle_placed`) is already at va + offset: only its length counts.
         let payload = pkt.payload();
-        let end = u64::from(offset) + payload.len() as u64;
+        let plen = ctx.placed.unwrap_or(payload.len());
+        let end = u64::from(offset) + plen as u64;
         let len_ok = if info.ends_message() { end == u64::from(len) } else { end < u64::from(len) };
         if !len_ok {
             return Err(Step::Error(INVALID_REQUEST));
@@ -398,7 +400,7 @@ impl Qp {
             self.resp.cur = (!info.starts_message()).then_some(InMsg::Write { va, rkey, len, offset });
             return Err(Step::Rnr);
         }
-        if !payload.is_empty() {
+        if !payload.is_empty() && ctx.placed.is_none() {
             let addr = va.wrapping_add(u64::from(offset));
             ctx.mem
                 .write(self.init.pd, rkey, KeyKind::Remote, addr, payload)
@@ -417,6 +419,26 @@ impl Qp {
         }
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         Ok(())
+    }
+
+    /// See [`crate::Hca::rx_placement`].
+    pub(crate) fn rx_placement(&self) -> Option<RxPlacement> {
+        match self.resp.cur {
+            Some(InMsg::Write { va, rkey, len, offset })
+                if self.init.qp_type == QpType::Rc && self.state.can_receive() && offset < len =>
+            {
+                Some(RxPlacement {
+                    qpn: self.qpn,
+                    psn: self.resp.epsn,
+                    pd: self.init.pd,
+                    rkey,
+                    addr: va.wrapping_add(u64::from(offset)),
+                    remaining: len - offset,
+                    mtu: self.attr.mtu.bytes() as u32,
+                })
+            }
+            _ => None,
+        }
     }
 
     fn execute_read(&mut self, pkt: &IbPacket<&[u8]>, psn: Psn, ctx: &mut Ctx<'_>) {
