@@ -503,7 +503,9 @@ impl CompletionQueue {
         if n > 0 || max == 0 {
             return Ok(n);
         }
-        dev.poll_progress(&mut st);
+        if !dev.poll_progress(&mut st) {
+            return Ok(0);
+        }
         Ok(st.hca.poll_cq(id, max, out)?)
     }
 
@@ -695,7 +697,8 @@ impl QueuePair {
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         match &self.imp {
             QpImp::Embedded { h, .. } => {
-                h.dev.run(|st, now| {
+                // Posting a receive sends nothing: no flush.
+                h.dev.run_quiet(|st, now| {
                     let st = &mut *st;
                     st.hca.post_recv(self.qpn, wr, now, &mut st.mem)
                 })?;
