@@ -23,8 +23,7 @@ use std::time::Duration;
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{
-    seal_udp_payload, seal_udp_payload_ident, ud_grh_area, udp_payload_icrc_parts, verify_udp_payload_ident,
-    UdpVerdict, VerifyStats,
+    seal_udp_payload, ud_grh_area, verify_udp_payload_ident, UdpSealer, UdpVerdict, VerifyStats,
 };
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
@@ -458,19 +457,26 @@ impl Device {
             k
         };
         let mut bad = 0;
+        // Packets of one length between one pair of addresses (a GSO group, a burst of small
+        // messages) share the ICRC's pseudo-header: its CRC is computed once per run of them.
+        let mut sealer: Option<(SocketAddr, SocketAddr, UdpSealer)> = None;
         for &(a, b) in &groups[..ng] {
             for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
                 let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
-                let sealed = match in_place(j) {
-                    None => seal_udp_payload_ident(src, dst, pkt, (j - a) as u16),
+                let s = match sealer {
+                    Some((s, d, ref sl)) if s == src && d == dst && sl.len() == len => Ok(*sl),
+                    _ => UdpSealer::new(src, dst, len).inspect(|sl| sealer = Some((src, dst, *sl))),
+                };
+                let ident = (j - a) as u16;
+                let sealed = s.and_then(|s| match in_place(j) {
+                    None => s.seal(pkt, ident),
                     Some(ip) => {
                         let (mut parts, np) = ip.parts(pkt);
                         // The ICRC covers everything before its own four bytes.
                         parts[np - 1] = &parts[np - 1][..parts[np - 1].len() - ICRC_LEN];
-                        udp_payload_icrc_parts(src, dst, &parts[..np], (j - a) as u16)
-                            .and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
+                        s.icrc_parts(&parts[..np], ident).and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
                     }
-                };
+                });
                 if sealed.is_err() {
                     bad += 1;
                 }
