@@ -319,6 +319,7 @@ impl Device {
         // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
         // full stops the building: the packets stay in the engine until the receiver made room.
         let mut congested = link.flush_pending();
+        let mut peer: Option<([u8; 16], SocketAddr, SocketAddr)> = None;
         while hca.has_transmit() && !congested {
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
@@ -359,10 +360,18 @@ impl Device {
                     q.pkts[0] += 1;
                     q.pkts[1] += t.len as u64;
                 }
-                let dst = SocketAddr::new(Gid(t.av.dgid).to_ip(), self.port.port());
-                let Some(src) = self.port.local_for(&dst) else {
-                    *tx_errors += 1;
-                    continue;
+                // A burst goes to one peer: its addresses are worked out once per flush.
+                let (dst, src) = match peer {
+                    Some((dgid, dst, src)) if dgid == t.av.dgid => (dst, src),
+                    _ => {
+                        let dst = SocketAddr::new(Gid(t.av.dgid).to_ip(), self.port.port());
+                        let Some(src) = self.port.local_for(&dst) else {
+                            *tx_errors += 1;
+                            continue;
+                        };
+                        peer = Some((t.av.dgid, dst, src));
+                        (dst, src)
+                    }
                 };
                 // A deferred payload (`Config::defer_payload_min`) stays in registered memory when
                 // the packet goes to UDP (`sendmsg` gathers it from there); on a lane it is copied
