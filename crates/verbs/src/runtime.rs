@@ -22,9 +22,7 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{
-    seal_udp_payload, ud_grh_area, verify_udp_payload_ident, UdpSealer, UdpVerdict, VerifyStats,
-};
+use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
 use crate::cm::CmState;
@@ -108,6 +106,8 @@ pub(crate) struct State {
     pub async_events: VecDeque<AsyncEvent>,
     /// ICRC verdicts of received packets.
     pub verify: VerifyStats,
+    /// The ICRC pseudo-header of the last received packets' addresses and length.
+    rx_icrc: IcrcCache,
     /// Datagrams the socket refused.
     pub tx_errors: u64,
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
@@ -240,6 +240,7 @@ impl Device {
             channels: HashMap::new(),
             async_events: VecDeque::new(),
             verify: VerifyStats::default(),
+            rx_icrc: IcrcCache::default(),
             tx_errors: 0,
             io_wake_at: None,
             next_pd: 1,
@@ -468,16 +469,12 @@ impl Device {
         let mut bad = 0;
         // Packets of one length between one pair of addresses (a GSO group, a burst of small
         // messages) share the ICRC's pseudo-header: its CRC is computed once per run of them.
-        let mut sealer: Option<(SocketAddr, SocketAddr, UdpSealer)> = None;
+        let mut icrc = IcrcCache::default();
         for &(a, b) in &groups[..ng] {
             for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
                 let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
-                let s = match sealer {
-                    Some((s, d, ref sl)) if s == src && d == dst && sl.len() == len => Ok(*sl),
-                    _ => UdpSealer::new(src, dst, len).inspect(|sl| sealer = Some((src, dst, *sl))),
-                };
                 let ident = (j - a) as u16;
-                let sealed = s.and_then(|s| match in_place(j) {
+                let sealed = icrc.sealer(src, dst, len).and_then(|s| match in_place(j) {
                     None => s.seal(pkt, ident),
                     Some(ip) => {
                         let (mut parts, np) = ip.parts(pkt);
@@ -549,7 +546,7 @@ impl Device {
     /// One received datagram.
     fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr, ident: u16) {
         let counters = st.hca.counters_mut();
-        match verify_udp_payload_ident(src, local, payload, ident) {
+        match st.rx_icrc.verify(src, local, payload, ident) {
             Err(_) => {
                 counters.rcvd_pkts += 1;
                 counters.drop_malformed += 1;

@@ -604,6 +604,42 @@ impl UdpSealer {
     }
 }
 
+/// The [`UdpSealer`] of the last pair of addresses and length, kept between packets: a sender's
+/// burst or a receiver's batch is mostly packets of one size between the same two ends.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IcrcCache {
+    last: Option<(SocketAddr, SocketAddr, UdpSealer)>,
+}
+
+impl IcrcCache {
+    /// The sealer for UDP payloads of `len` bytes from `src` to `dst`.
+    pub fn sealer(&mut self, src: SocketAddr, dst: SocketAddr, len: usize) -> Result<UdpSealer> {
+        match self.last {
+            Some((s, d, sealer)) if sealer.len == len && s == src && d == dst => Ok(sealer),
+            _ => {
+                let sealer = UdpSealer::new(src, dst, len)?;
+                self.last = Some((src, dst, sealer));
+                Ok(sealer)
+            }
+        }
+    }
+
+    /// [`verify_udp_payload_ident`] with the cached pseudo-header: the same verdicts.
+    pub fn verify<'a>(
+        &mut self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &'a [u8],
+        ident: u16,
+    ) -> Result<(IbPacket<&'a [u8]>, UdpVerdict)> {
+        let ib = IbPacket::new_checked(payload)?;
+        if self.sealer(src, dst, payload.len())?.icrc_parts(&[ib.covered()], ident)? == ib.icrc() {
+            return Ok((ib, UdpVerdict::Verified));
+        }
+        verify_udp_payload(src, dst, payload)
+    }
+}
+
 /// The 40 bytes rxe puts in front of the data of a UD receive over RoCEv2: for IPv4 the IPv4 header
 /// in the last 20 bytes (the first 20 zero), for IPv6 the IPv6 header. The variant fields a UDP
 /// socket does not show (TOS, TTL, identification) take our sender's values: 0, 64, 0 with DF.
@@ -984,6 +1020,36 @@ mod tests {
                 assert_eq!(sealer.seal(&mut pkt[1..], 0), Err(Error::BadLength));
             }
         }
+    }
+
+    #[test]
+    fn icrc_cache_verifies_as_verify_udp_payload_ident() {
+        let (src, dst) = (sa("10.0.0.1", 49152), sa("10.0.0.2", ROCE_V2_PORT));
+        let mut cache = IcrcCache::default();
+        for (len, ident, hint) in [(7usize, 0u16, 0u16), (7, 3, 3), (7, 3, 4), (64, 5, 0), (64, 0, 9), (33, 17, 17)] {
+            let ib = send_only(len);
+            let mut buf = [0u8; 128];
+            let n = ib.emit(&mut buf).unwrap();
+            buf[ib.payload_range()].iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+            let sealer = cache.sealer(src, dst, n).unwrap();
+            sealer.seal(&mut buf[..n], ident).unwrap();
+            let want = verify_udp_payload_ident(src, dst, &buf[..n], hint).unwrap().1;
+            assert_ne!(want, UdpVerdict::Bad);
+            assert_eq!(cache.verify(src, dst, &buf[..n], hint).unwrap().1, want, "{len} {ident} {hint}");
+            buf[20] ^= 1;
+            assert_eq!(cache.verify(src, dst, &buf[..n], hint).unwrap().1, UdpVerdict::Bad);
+            assert_eq!(
+                cache.verify(src, dst, &buf[..n - 1], hint).map(|v| v.1),
+                verify_udp_payload(src, dst, &buf[..n - 1]).map(|v| v.1)
+            );
+        }
+        // IPv6: no identification.
+        let (src, dst) = (sa("fe80::1", 49152), sa("fe80::2", ROCE_V2_PORT));
+        let ib = send_only(9);
+        let mut buf = [0u8; 64];
+        let n = ib.emit(&mut buf).unwrap();
+        seal_udp_payload(src, dst, &mut buf[..n]).unwrap();
+        assert_eq!(cache.verify(src, dst, &buf[..n], 7).unwrap().1, UdpVerdict::Verified);
     }
 
     #[test]
