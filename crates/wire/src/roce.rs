@@ -523,16 +523,24 @@ const IDENT_DELTA: [u32; 16] = {
 /// addresses, as a GSO group or a burst to one peer has them: the CRC of the masked pseudo-header
 /// (the same bytes for every such packet but for the IPv4 identification) is computed once, the
 /// identification enters by the linearity of the CRC ([`IDENT_DELTA`]), and each packet's CRC
-/// continues from there over its own bytes, in place.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// continues from there over its own bytes.
+///
+/// The identification's difference is not put into the CRC state (that would mean a new hasher,
+/// and crc32fast's CPU feature check, per packet) but into the packet's first four bytes: a
+/// reflected CRC-32 XORs its state with the next four input bytes (little-endian) before anything
+/// else, so state `s ^ d` over `x` is state `s` over `x` with `d` XORed into its first bytes.
+#[derive(Debug, Clone)]
 pub struct UdpSealer {
-    /// CRC of the pseudo-header with identification 0 and DF.
-    base: u32,
+    /// CRC state after the pseudo-header with identification 0 and DF.
+    base: Hasher,
     /// The UDP payload length the pseudo-header was built for.
     len: usize,
     /// IPv4 (the identification is covered).
     v4: bool,
 }
+
+/// Received packets up to this many bytes are patched in a copy and go through the CRC in one pass.
+const SEAL_COPY: usize = 128;
 
 impl UdpSealer {
     /// The sealer for UDP payloads of `udp_payload_len` bytes sent from `src` to `dst` by the
@@ -540,7 +548,9 @@ impl UdpSealer {
     pub fn new(src: SocketAddr, dst: SocketAddr, udp_payload_len: usize) -> Result<UdpSealer> {
         let (b, n) = pseudo_header(src, dst, udp_payload_len, 0, true)?;
         let v4 = matches!(family(src.ip(), dst.ip())?, IpFamily::V4(..));
-        Ok(UdpSealer { base: crc32fast::hash(&b[..n]), len: udp_payload_len, v4 })
+        let mut base = Hasher::new();
+        base.update(&b[..n]);
+        Ok(UdpSealer { base, len: udp_payload_len, v4 })
     }
 
     /// The UDP payload length this sealer is for.
@@ -553,35 +563,44 @@ impl UdpSealer {
         self.len == 0
     }
 
-    /// The CRC state after the pseudo-header of identification `ident`.
-    fn start(&self, ident: u16) -> Hasher {
-        let mut crc = self.base;
+    /// What identification `ident` changes in the CRC state after the pseudo-header, as the four
+    /// bytes to XOR into the start of the BTH; and the BTH's variant byte masked.
+    fn bth_patch(&self, ident: u16) -> [u8; 5] {
+        let mut d = 0u32;
         if self.v4 {
             let mut bits = ident;
             while bits != 0 {
-                crc ^= IDENT_DELTA[bits.trailing_zeros() as usize];
+                d ^= IDENT_DELTA[bits.trailing_zeros() as usize];
                 bits &= bits - 1;
             }
         }
-        Hasher::new_with_initial(crc)
+        let d = d.to_le_bytes();
+        [d[0], d[1], d[2], d[3], 0xff]
     }
 
-    /// [`seal_udp_payload_ident`] for `ib` (its length must be the sealer's): the BTH's variant
-    /// byte is masked in place while the CRC runs over the packet, and put back.
+    /// [`seal_udp_payload_ident`] for `ib` (its length must be the sealer's): the first five bytes
+    /// are patched in place while the CRC runs over the packet, and put back.
     pub fn seal(&self, ib: &mut [u8], ident: u16) -> Result<()> {
         if ib.len() != self.len {
             return Err(Error::BadLength);
         }
         let n = ib.len().checked_sub(crate::ICRC_LEN).filter(|&n| n >= BTH_LEN).ok_or(Error::Truncated)?;
-        let mut h = self.start(ident);
-        let variant = core::mem::replace(&mut ib[4], 0xff);
+        let patch = self.bth_patch(ident);
+        let mut saved = [0u8; 5];
+        saved.copy_from_slice(&ib[..5]);
+        for (x, p) in ib[..4].iter_mut().zip(&patch) {
+            *x ^= p;
+        }
+        ib[4] = patch[4];
+        let mut h = self.base.clone();
         h.update(&ib[..n]);
-        ib[4] = variant;
+        ib[..5].copy_from_slice(&saved);
         icrc::store(ib, h.finalize())
     }
 
     /// [`udp_payload_icrc_parts`] with this sealer: `parts` concatenated are the packet up to its
-    /// ICRC (the sealer's length less four bytes), the first holding at least the BTH.
+    /// ICRC (the sealer's length less four bytes), the first holding at least the BTH. A small
+    /// packet in one part is patched in a copy and goes through the CRC in one pass.
     pub fn icrc_parts(&self, parts: &[&[u8]], ident: u16) -> Result<u32> {
         let (first, rest) = parts.split_first().ok_or(Error::Truncated)?;
         if first.len() < BTH_LEN {
@@ -591,12 +610,19 @@ impl UdpSealer {
         if covered + crate::ICRC_LEN != self.len {
             return Err(Error::BadLength);
         }
-        let mut h = self.start(ident);
-        let mut bth = [0u8; BTH_LEN];
-        bth.copy_from_slice(&first[..BTH_LEN]);
-        bth[4] = 0xff;
-        h.update(&bth);
-        h.update(&first[BTH_LEN..]);
+        let patch = self.bth_patch(ident);
+        let mut h = self.base.clone();
+        let mut b = [0u8; SEAL_COPY];
+        let n = if rest.is_empty() && first.len() <= SEAL_COPY { first.len() } else { BTH_LEN };
+        b[..n].copy_from_slice(&first[..n]);
+        for (x, p) in b[..4].iter_mut().zip(&patch) {
+            *x ^= p;
+        }
+        b[4] = patch[4];
+        h.update(&b[..n]);
+        if n < first.len() {
+            h.update(&first[n..]);
+        }
         for p in rest {
             h.update(p);
         }
@@ -606,22 +632,19 @@ impl UdpSealer {
 
 /// The [`UdpSealer`] of the last pair of addresses and length, kept between packets: a sender's
 /// burst or a receiver's batch is mostly packets of one size between the same two ends.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct IcrcCache {
     last: Option<(SocketAddr, SocketAddr, UdpSealer)>,
 }
 
 impl IcrcCache {
     /// The sealer for UDP payloads of `len` bytes from `src` to `dst`.
-    pub fn sealer(&mut self, src: SocketAddr, dst: SocketAddr, len: usize) -> Result<UdpSealer> {
-        match self.last {
-            Some((s, d, sealer)) if sealer.len == len && s == src && d == dst => Ok(sealer),
-            _ => {
-                let sealer = UdpSealer::new(src, dst, len)?;
-                self.last = Some((src, dst, sealer));
-                Ok(sealer)
-            }
+    pub fn sealer(&mut self, src: SocketAddr, dst: SocketAddr, len: usize) -> Result<&UdpSealer> {
+        let hit = matches!(&self.last, Some((s, d, sealer)) if sealer.len == len && *s == src && *d == dst);
+        if !hit {
+            self.last = Some((src, dst, UdpSealer::new(src, dst, len)?));
         }
+        Ok(&self.last.as_ref().expect("just set").2)
     }
 
     /// [`verify_udp_payload_ident`] with the cached pseudo-header: the same verdicts.
@@ -1031,8 +1054,7 @@ mod tests {
             let mut buf = [0u8; 128];
             let n = ib.emit(&mut buf).unwrap();
             buf[ib.payload_range()].iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
-            let sealer = cache.sealer(src, dst, n).unwrap();
-            sealer.seal(&mut buf[..n], ident).unwrap();
+            cache.sealer(src, dst, n).unwrap().seal(&mut buf[..n], ident).unwrap();
             let want = verify_udp_payload_ident(src, dst, &buf[..n], hint).unwrap().1;
             assert_ne!(want, UdpVerdict::Bad);
             assert_eq!(cache.verify(src, dst, &buf[..n], hint).unwrap().1, want, "{len} {ident} {hint}");
