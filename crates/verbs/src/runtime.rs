@@ -128,6 +128,8 @@ pub(crate) struct State {
     udp_busy: bool,
     tx_buf: Vec<u8>,
     tx_meta: Vec<(usize, SocketAddr, SocketAddr, usize)>,
+    /// The ICRC pseudo-header of the last sent packets' addresses and length.
+    tx_icrc: IcrcCache,
     rx_buf: Vec<u8>,
 }
 
@@ -251,6 +253,7 @@ impl Device {
             udp_busy: false,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             tx_meta: Vec::with_capacity(udp::BATCH),
+            tx_icrc: IcrcCache::default(),
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
         };
         Ok(Device {
@@ -315,7 +318,7 @@ impl Device {
                 }
             });
         }
-        let State { hca, mem, tx_buf, tx_meta, tx_errors, qp_traffic, link, .. } = &mut *st;
+        let State { hca, mem, tx_buf, tx_meta, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
         // Busy polling calls this on every empty poll: nothing is set up while the engine has
         // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
         // full stops the building: the packets stay in the engine until the receiver made room.
@@ -416,7 +419,7 @@ impl Device {
                 }
             }
             if !tx_meta.is_empty() {
-                *tx_errors += self.send_udp(tx_buf, tx_meta, in_place.as_ref().map(|a| &a[..]));
+                *tx_errors += self.send_udp(tx_buf, tx_meta, tx_icrc, in_place.as_ref().map(|a| &a[..]));
             }
             if n < udp::BATCH {
                 break;
@@ -442,13 +445,14 @@ impl Device {
     }
 
     /// Seal and send the packets `meta` lists (length, destination, source, slot of `tx_buf`) with
-    /// as few system calls as GSO and `sendmmsg` allow; `in_place[j]` says where packet j's payload
-    /// is when it stayed in registered memory (`None`: no packet's did). Returns how many were
-    /// refused.
+    /// as few system calls as GSO and `sendmmsg` allow (`icrc` keeps the pseudo-header's CRC);
+    /// `in_place[j]` says where packet j's payload is when it stayed in registered memory (`None`:
+    /// no packet's did). Returns how many were refused.
     fn send_udp(
         &self,
         tx_buf: &mut [u8],
         meta: &[(usize, SocketAddr, SocketAddr, usize)],
+        icrc: &mut IcrcCache,
         in_place: Option<&[Option<InPlace>]>,
     ) -> u64 {
         let k = meta.len();
@@ -469,7 +473,6 @@ impl Device {
         let mut bad = 0;
         // Packets of one length between one pair of addresses (a GSO group, a burst of small
         // messages) share the ICRC's pseudo-header: its CRC is computed once per run of them.
-        let mut icrc = IcrcCache::default();
         for &(a, b) in &groups[..ng] {
             for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
                 let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
