@@ -98,7 +98,11 @@ impl RequestTemplate {
         if let Some(v) = r.imm {
             buf[at..at + 4].copy_from_slice(&v.to_be_bytes());
         }
-        buf[hdr + r.payload_len..].fill(0);
+        // Pad (at most three bytes) and ICRC slot: two fixed-size stores, overlapping when the pad
+        // is short (the tail is four to seven bytes).
+        let tail = hdr + r.payload_len;
+        buf[tail..tail + ICRC_LEN].fill(0);
+        buf[len - ICRC_LEN..].fill(0);
         Ok((hdr, len))
     }
 }
