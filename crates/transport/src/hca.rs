@@ -261,6 +261,11 @@ pub(crate) struct ReadyList {
 impl ReadyList {
     /// Queue `qpn` at the back unless it is queued already.
     pub fn push(&mut self, qpn: Qpn) {
+        // The QP queued last is queued (the order and the set hold the same QPs): a post list marks
+        // its QP once per request, and this skips the hash probe.
+        if self.order.back() == Some(&qpn) {
+            return;
+        }
         if self.members.insert(qpn) {
             self.order.push_back(qpn);
         }
@@ -636,6 +641,19 @@ impl Hca {
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
         self.with_qp(qpn, now, mem, |qp, ctx| qp.post_send(wr, ctx))
+    }
+
+    /// Post a list of send work requests to one QP (a chained `ibv_post_send`): the QP is looked up
+    /// and the HCA's bookkeeping brought up to date once for the list. Stops at the first refused
+    /// request and returns its error; the requests before it stay posted.
+    pub fn post_send_list(
+        &mut self,
+        qpn: Qpn,
+        wrs: impl IntoIterator<Item = SendWr>,
+        now: Instant,
+        mem: &mut dyn MemoryAccess,
+    ) -> Result<(), VerbsError> {
+        self.with_qp(qpn, now, mem, |qp, ctx| wrs.into_iter().try_for_each(|wr| qp.post_send(wr, ctx)))
     }
 
     /// Post a receive work request.

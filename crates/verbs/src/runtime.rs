@@ -22,10 +22,7 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{
-    seal_udp_payload, seal_udp_payload_ident, ud_grh_area, udp_payload_icrc_parts, verify_udp_payload_ident,
-    UdpVerdict, VerifyStats,
-};
+use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpSealer, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
 use crate::cm::CmState;
@@ -110,6 +107,8 @@ pub(crate) struct State {
     pub async_events: VecDeque<AsyncEvent>,
     /// ICRC verdicts of received packets.
     pub verify: VerifyStats,
+    /// The ICRC pseudo-header of the last received packets' addresses and length.
+    rx_icrc: IcrcCache,
     /// Datagrams the socket refused.
     pub tx_errors: u64,
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
@@ -132,6 +131,8 @@ pub(crate) struct State {
     idle_polls: u32,
     tx_buf: Vec<u8>,
     tx_meta: Vec<(usize, SocketAddr, SocketAddr, usize)>,
+    /// The ICRC pseudo-header of the last sent packets' addresses and length.
+    tx_icrc: IcrcCache,
     rx_buf: Vec<u8>,
     /// The QP whose RC WRITE the last received packet continued (a FIRST or MIDDLE): the next
     /// datagram may be its continuation, received in place (see place.rs).
@@ -255,6 +256,7 @@ impl Device {
             channels: HashMap::new(),
             async_events: VecDeque::new(),
             verify: VerifyStats::default(),
+            rx_icrc: IcrcCache::default(),
             tx_errors: 0,
             io_wake_at: None,
             next_pd: 1,
@@ -266,6 +268,7 @@ impl Device {
             idle_polls: 0,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             tx_meta: Vec::with_capacity(udp::BATCH),
+            tx_icrc: IcrcCache::default(),
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
             rx_hint: None,
             rx_single: false,
@@ -344,11 +347,12 @@ impl Device {
                 }
             });
         }
-        let State { hca, mem, tx_buf, tx_meta, tx_errors, qp_traffic, link, .. } = &mut *st;
+        let State { hca, mem, tx_buf, tx_meta, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
         // Busy polling calls this on every empty poll: nothing is set up while the engine has
         // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
         // full stops the building: the packets stay in the engine until the receiver made room.
         let mut congested = link.flush_pending();
+        let mut peer: Option<([u8; 16], SocketAddr, SocketAddr)> = None;
         while hca.has_transmit() && !congested {
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
@@ -389,10 +393,18 @@ impl Device {
                     q.pkts[0] += 1;
                     q.pkts[1] += t.len as u64;
                 }
-                let dst = SocketAddr::new(Gid(t.av.dgid).to_ip(), self.port.port());
-                let Some(src) = self.port.local_for(&dst) else {
-                    *tx_errors += 1;
-                    continue;
+                // A burst goes to one peer: its addresses are worked out once per flush.
+                let (dst, src) = match peer {
+                    Some((dgid, dst, src)) if dgid == t.av.dgid => (dst, src),
+                    _ => {
+                        let dst = SocketAddr::new(Gid(t.av.dgid).to_ip(), self.port.port());
+                        let Some(src) = self.port.local_for(&dst) else {
+                            *tx_errors += 1;
+                            continue;
+                        };
+                        peer = Some((t.av.dgid, dst, src));
+                        (dst, src)
+                    }
                 };
                 // A deferred payload (`Config::defer_payload_min`) stays in registered memory when
                 // the packet goes to UDP (`sendmsg` gathers it from there); on a lane it is copied
@@ -436,7 +448,7 @@ impl Device {
                 }
             }
             if !tx_meta.is_empty() {
-                *tx_errors += self.send_udp(tx_buf, tx_meta, in_place.as_ref().map(|a| &a[..]));
+                *tx_errors += self.send_udp(tx_buf, tx_meta, tx_icrc, in_place.as_ref().map(|a| &a[..]));
             }
             if n < udp::BATCH {
                 break;
@@ -467,13 +479,14 @@ impl Device {
     }
 
     /// Seal and send the packets `meta` lists (length, destination, source, slot of `tx_buf`) with
-    /// as few system calls as GSO and `sendmmsg` allow; `in_place[j]` says where packet j's payload
-    /// is when it stayed in registered memory (`None`: no packet's did). Returns how many were
-    /// refused.
+    /// as few system calls as GSO and `sendmmsg` allow (`icrc` keeps the pseudo-header's CRC);
+    /// `in_place[j]` says where packet j's payload is when it stayed in registered memory (`None`:
+    /// no packet's did). Returns how many were refused.
     fn send_udp(
         &self,
         tx_buf: &mut [u8],
         meta: &[(usize, SocketAddr, SocketAddr, usize)],
+        icrc: &mut IcrcCache,
         in_place: Option<&[Option<InPlace>]>,
     ) -> u64 {
         let k = meta.len();
@@ -492,19 +505,26 @@ impl Device {
             k
         };
         let mut bad = 0;
+        // Packets of one length between one pair of addresses (a GSO group, a burst of small
+        // messages) share the ICRC's pseudo-header: its CRC is computed once per run of them.
         for &(a, b) in &groups[..ng] {
+            // A group goes to one destination (from one source); only its last packet may be shorter.
+            let mut sealer: Option<UdpSealer> = None;
             for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
                 let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
-                let sealed = match in_place(j) {
-                    None => seal_udp_payload_ident(src, dst, pkt, (j - a) as u16),
+                let ident = (j - a) as u16;
+                if sealer.as_ref().is_none_or(|s| s.len() != len) {
+                    sealer = icrc.sealer(src, dst, len).ok().cloned();
+                }
+                let sealed = sealer.as_ref().ok_or(softrdma_wire::Error::Reserved).and_then(|s| match in_place(j) {
+                    None => s.seal(pkt, ident),
                     Some(ip) => {
                         let (mut parts, np) = ip.parts(pkt);
                         // The ICRC covers everything before its own four bytes.
                         parts[np - 1] = &parts[np - 1][..parts[np - 1].len() - ICRC_LEN];
-                        udp_payload_icrc_parts(src, dst, &parts[..np], (j - a) as u16)
-                            .and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
+                        s.icrc_parts(&parts[..np], ident).and_then(|crc| softrdma_wire::icrc::store(pkt, crc))
                     }
-                };
+                });
                 if sealed.is_err() {
                     bad += 1;
                 }
@@ -568,7 +588,7 @@ impl Device {
     /// One received datagram.
     fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr, ident: u16) {
         let counters = st.hca.counters_mut();
-        match verify_udp_payload_ident(src, local, payload, ident) {
+        match st.rx_icrc.verify(src, local, payload, ident) {
             Err(_) => {
                 counters.rcvd_pkts += 1;
                 counters.drop_malformed += 1;

@@ -684,7 +684,7 @@ impl QueuePair {
             QpImp::Embedded { h, .. } => {
                 h.dev.run(|st, now| {
                     let st = &mut *st;
-                    wrs.into_iter().try_for_each(|wr| st.hca.post_send(self.qpn, wr, now, &mut st.mem))
+                    st.hca.post_send_list(self.qpn, wrs, now, &mut st.mem)
                 })?;
                 Ok(())
             }

@@ -8,8 +8,9 @@
 //! Below the IB transport headers the crate also owns what carries them: [`lrh`] and [`grh`] (native
 //! IB links and RoCEv1, with the link-level VCRC), [`ipv4`], [`ipv6`] and [`udp`] (RoCEv2),
 //! [`ethernet`], the [`icrc`] over each of these encapsulations, [`roce`] (build and verify whole
-//! RoCE packets, including the receiver-side check for a plain UDP socket), and [`capture`] (pcap
-//! files and a RoCE frame classifier).
+//! RoCE packets, including the receiver-side check for a plain UDP socket), [`template`] (data
+//! request headers patched from a per-QP template) and [`capture`] (pcap files and a RoCE frame
+//! classifier).
 //!
 //! No parser here panics or reads out of bounds on any input: every byte sequence yields a value or a
 //! typed [`Error`].
@@ -38,6 +39,7 @@ pub mod number;
 pub mod opcode;
 pub mod packet;
 pub mod roce;
+pub mod template;
 pub mod udp;
 
 pub use aeth::{AethRepr, NakCode, Syndrome};
@@ -53,6 +55,7 @@ pub use number::{Psn, Qpn};
 pub use opcode::{HeaderSet, Opcode, OpcodeInfo, QpType};
 pub use packet::{IbPacket, IbRepr};
 pub use roce::{RoceV1Packet, RoceV2Packet, RoceV2Repr, UdpVerdict};
+pub use template::{DataRequest, RequestTemplate};
 pub use udp::{UdpPacket, UdpRepr};
 
 /// Length in bytes of the invariant CRC trailing every IB transport packet.

@@ -70,38 +70,42 @@ impl HeaderSet {
 
     /// Byte offset of header `h` measured from the start of the BTH, if present.
     pub const fn offset_of(self, h: HeaderSet) -> Option<usize> {
-        if !self.contains(h) {
+        if !self.contains(h) || h.0.count_ones() != 1 || h.0 > Self::CNP_RSVD.0 {
             return None;
         }
-        let mut off = crate::bth::BTH_LEN;
-        let mut i = 0;
-        while i < Self::ORDER.len() {
-            let (hdr, len) = Self::ORDER[i];
-            if hdr.0 == h.0 {
-                return Some(off);
-            }
-            if self.contains(hdr) {
-                off += len;
-            }
-            i += 1;
-        }
-        None
+        // The headers before `h` in wire order are the set's lower bits.
+        Some(crate::bth::BTH_LEN + LEN_OF_SET[(self.0 & (h.0 - 1)) as usize] as usize)
     }
 
     /// Length of BTH plus every header of the set.
     pub const fn header_len(self) -> usize {
-        let mut off = crate::bth::BTH_LEN;
+        crate::bth::BTH_LEN + LEN_OF_SET[(self.0 & 0xff) as usize] as usize
+    }
+}
+
+/// The total length of the headers of every subset of the eight (indexed by the set's bits, which
+/// follow wire order): a set's length and a header's offset are one table read, not a walk over
+/// [`HeaderSet::ORDER`] (parsing asks for them several times per packet).
+const LEN_OF_SET: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut len = 0;
         let mut i = 0;
-        while i < Self::ORDER.len() {
-            let (hdr, len) = Self::ORDER[i];
-            if self.contains(hdr) {
-                off += len;
+        while i < HeaderSet::ORDER.len() {
+            let (h, l) = HeaderSet::ORDER[i];
+            // ORDER lists the headers by bit, lowest first.
+            assert!(h.0 == 1 << i);
+            if s & (1 << i) != 0 {
+                len += l;
             }
             i += 1;
         }
-        off
+        t[s] = len as u8;
+        s += 1;
     }
-}
+    t
+};
 
 /// Semantic flags of an opcode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -370,6 +374,23 @@ mod tests {
         assert_eq!(count(QpType::Uc), 12);
         assert_eq!(count(QpType::Ud), 2);
         assert_eq!(count(QpType::Cnp), 1);
+    }
+
+    #[test]
+    fn offsets_and_lengths_match_a_walk_over_the_order() {
+        for bits in 0u16..256 {
+            let set = HeaderSet(bits);
+            let mut off = crate::bth::BTH_LEN;
+            for (h, len) in HeaderSet::ORDER {
+                assert_eq!(set.offset_of(h), set.contains(h).then_some(off), "{bits:#x} {h:?}");
+                if set.contains(h) {
+                    off += len;
+                }
+            }
+            assert_eq!(set.header_len(), off);
+            assert_eq!(set.offset_of(HeaderSet::NONE), None);
+            assert_eq!(set.offset_of(HeaderSet::RETH.with(HeaderSet::AETH)), None);
+        }
     }
 
     #[test]

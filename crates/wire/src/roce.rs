@@ -396,17 +396,20 @@ fn socket_icrc(
     socket_icrc_parts(src, dst, &[covered], udp_payload_len, ident, df)
 }
 
-/// [`socket_icrc`] over `covered` given in parts (concatenated in order; the first holds at least
-/// the BTH).
-fn socket_icrc_parts(
+/// Longest masked pseudo-header of [`pseudo_header`]: masked LRH, IPv6, UDP.
+const PSEUDO_MAX: usize = MASKED_LRH.len() + 40 + udp::HEADER_LEN;
+
+/// The ICRC input that precedes the BTH for a UDP socket send (see [`socket_icrc`]): the masked
+/// LRH, the IP header with its variant fields masked (IPv4: TOS, TTL and checksum as ones, nothing
+/// to compute) and the UDP header with its checksum masked. Returns the buffer and its used length.
+fn pseudo_header(
     src: SocketAddr,
     dst: SocketAddr,
-    parts: &[&[u8]],
     udp_payload_len: usize,
     ident: u16,
     df: bool,
-) -> Result<u32> {
-    let mut b = [0u8; ONE_PASS];
+) -> Result<([u8; PSEUDO_MAX], usize)> {
+    let mut b = [0u8; PSEUDO_MAX];
     b[..MASKED_LRH.len()].copy_from_slice(&MASKED_LRH);
     let mut at = MASKED_LRH.len();
     let udp_len = udp::HEADER_LEN + udp_payload_len;
@@ -448,7 +451,22 @@ fn socket_icrc_parts(
     u[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
     u[6] = 0xff;
     u[7] = 0xff;
-    at += udp::HEADER_LEN;
+    Ok((b, at + udp::HEADER_LEN))
+}
+
+/// [`socket_icrc`] over `covered` given in parts (concatenated in order; the first holds at least
+/// the BTH).
+fn socket_icrc_parts(
+    src: SocketAddr,
+    dst: SocketAddr,
+    parts: &[&[u8]],
+    udp_payload_len: usize,
+    ident: u16,
+    df: bool,
+) -> Result<u32> {
+    let mut b = [0u8; ONE_PASS];
+    let (pseudo, at) = pseudo_header(src, dst, udp_payload_len, ident, df)?;
+    b[..at].copy_from_slice(&pseudo[..at]);
     let (first, rest) = parts.split_first().ok_or(Error::Truncated)?;
     if first.len() < BTH_LEN {
         return Err(Error::Truncated);
@@ -468,6 +486,181 @@ fn socket_icrc_parts(
         }
     }
     Ok(h.finalize())
+}
+
+/// Bytes of the IPv4 + UDP pseudo-header after the identification field (the rest of the IPv4
+/// header and the UDP header).
+const AFTER_IDENT: usize = ipv4::HEADER_LEN - ipv4::offsets::IDENT - 2 + udp::HEADER_LEN;
+
+/// What each identification bit changes in the CRC of the pseudo-header: column i is the CRC
+/// (without seed or final inversion: the difference of two CRCs of equal-length inputs) of bit i of
+/// the big-endian identification followed by the [`AFTER_IDENT`] bytes up to the BTH. The CRC is
+/// linear, so the pseudo-header CRC for identification k is the one for 0 XOR the columns of k's
+/// bits.
+const IDENT_DELTA: [u32; 16] = {
+    let mut cols = [0u32; 16];
+    let mut i = 0;
+    while i < 16 {
+        let ident = (1u16 << i).to_be_bytes();
+        let mut crc = 0u32;
+        let mut n = 0;
+        while n < 2 + AFTER_IDENT {
+            crc ^= if n < 2 { ident[n] as u32 } else { 0 };
+            let mut k = 0;
+            while k < 8 {
+                crc = if crc & 1 != 0 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
+                k += 1;
+            }
+            n += 1;
+        }
+        cols[i] = crc;
+        i += 1;
+    }
+    cols
+};
+
+/// The sender rule ([`seal_udp_payload_ident`]) for many packets of one length between one pair of
+/// addresses, as a GSO group or a burst to one peer has them: the CRC of the masked pseudo-header
+/// (the same bytes for every such packet but for the IPv4 identification) is computed once, the
+/// identification enters by the linearity of the CRC ([`IDENT_DELTA`]), and each packet's CRC
+/// continues from there over its own bytes.
+///
+/// The identification's difference is not put into the CRC state (that would mean a new hasher,
+/// and crc32fast's CPU feature check, per packet) but into the packet's first four bytes: a
+/// reflected CRC-32 XORs its state with the next four input bytes (little-endian) before anything
+/// else, so state `s ^ d` over `x` is state `s` over `x` with `d` XORed into its first bytes.
+#[derive(Debug, Clone)]
+pub struct UdpSealer {
+    /// CRC state after the pseudo-header with identification 0 and DF.
+    base: Hasher,
+    /// The UDP payload length the pseudo-header was built for.
+    len: usize,
+    /// IPv4 (the identification is covered).
+    v4: bool,
+}
+
+/// Received packets up to this many bytes are patched in a copy and go through the CRC in one pass.
+const SEAL_COPY: usize = 128;
+
+impl UdpSealer {
+    /// The sealer for UDP payloads of `udp_payload_len` bytes sent from `src` to `dst` by the
+    /// socket [`seal_udp_payload`] describes.
+    pub fn new(src: SocketAddr, dst: SocketAddr, udp_payload_len: usize) -> Result<UdpSealer> {
+        let (b, n) = pseudo_header(src, dst, udp_payload_len, 0, true)?;
+        let v4 = matches!(family(src.ip(), dst.ip())?, IpFamily::V4(..));
+        let mut base = Hasher::new();
+        base.update(&b[..n]);
+        Ok(UdpSealer { base, len: udp_payload_len, v4 })
+    }
+
+    /// The UDP payload length this sealer is for.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: a UDP payload holds at least a BTH and an ICRC (for clippy's `len` rule).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// What identification `ident` changes in the CRC state after the pseudo-header, as the four
+    /// bytes to XOR into the start of the BTH; and the BTH's variant byte masked.
+    fn bth_patch(&self, ident: u16) -> [u8; 5] {
+        let mut d = 0u32;
+        if self.v4 {
+            let mut bits = ident;
+            while bits != 0 {
+                d ^= IDENT_DELTA[bits.trailing_zeros() as usize];
+                bits &= bits - 1;
+            }
+        }
+        let d = d.to_le_bytes();
+        [d[0], d[1], d[2], d[3], 0xff]
+    }
+
+    /// [`seal_udp_payload_ident`] for `ib` (its length must be the sealer's): the first five bytes
+    /// are patched in place while the CRC runs over the packet, and put back.
+    pub fn seal(&self, ib: &mut [u8], ident: u16) -> Result<()> {
+        if ib.len() != self.len {
+            return Err(Error::BadLength);
+        }
+        let n = ib.len().checked_sub(crate::ICRC_LEN).filter(|&n| n >= BTH_LEN).ok_or(Error::Truncated)?;
+        let patch = self.bth_patch(ident);
+        let mut saved = [0u8; 5];
+        saved.copy_from_slice(&ib[..5]);
+        for (x, p) in ib[..4].iter_mut().zip(&patch) {
+            *x ^= p;
+        }
+        ib[4] = patch[4];
+        let mut h = self.base.clone();
+        h.update(&ib[..n]);
+        ib[..5].copy_from_slice(&saved);
+        icrc::store(ib, h.finalize())
+    }
+
+    /// [`udp_payload_icrc_parts`] with this sealer: `parts` concatenated are the packet up to its
+    /// ICRC (the sealer's length less four bytes), the first holding at least the BTH. A small
+    /// packet in one part is patched in a copy and goes through the CRC in one pass.
+    pub fn icrc_parts(&self, parts: &[&[u8]], ident: u16) -> Result<u32> {
+        let (first, rest) = parts.split_first().ok_or(Error::Truncated)?;
+        if first.len() < BTH_LEN {
+            return Err(Error::Truncated);
+        }
+        let covered = rest.iter().fold(first.len(), |n, p| n + p.len());
+        if covered + crate::ICRC_LEN != self.len {
+            return Err(Error::BadLength);
+        }
+        let patch = self.bth_patch(ident);
+        let mut h = self.base.clone();
+        let mut b = [0u8; SEAL_COPY];
+        let n = if rest.is_empty() && first.len() <= SEAL_COPY { first.len() } else { BTH_LEN };
+        b[..n].copy_from_slice(&first[..n]);
+        for (x, p) in b[..4].iter_mut().zip(&patch) {
+            *x ^= p;
+        }
+        b[4] = patch[4];
+        h.update(&b[..n]);
+        if n < first.len() {
+            h.update(&first[n..]);
+        }
+        for p in rest {
+            h.update(p);
+        }
+        Ok(h.finalize())
+    }
+}
+
+/// The [`UdpSealer`] of the last pair of addresses and length, kept between packets: a sender's
+/// burst or a receiver's batch is mostly packets of one size between the same two ends.
+#[derive(Debug, Clone, Default)]
+pub struct IcrcCache {
+    last: Option<(SocketAddr, SocketAddr, UdpSealer)>,
+}
+
+impl IcrcCache {
+    /// The sealer for UDP payloads of `len` bytes from `src` to `dst`.
+    pub fn sealer(&mut self, src: SocketAddr, dst: SocketAddr, len: usize) -> Result<&UdpSealer> {
+        let hit = matches!(&self.last, Some((s, d, sealer)) if sealer.len == len && *s == src && *d == dst);
+        if !hit {
+            self.last = Some((src, dst, UdpSealer::new(src, dst, len)?));
+        }
+        Ok(&self.last.as_ref().expect("just set").2)
+    }
+
+    /// [`verify_udp_payload_ident`] with the cached pseudo-header: the same verdicts.
+    pub fn verify<'a>(
+        &mut self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &'a [u8],
+        ident: u16,
+    ) -> Result<(IbPacket<&'a [u8]>, UdpVerdict)> {
+        let ib = IbPacket::new_checked(payload)?;
+        if self.sealer(src, dst, payload.len())?.icrc_parts(&[ib.covered()], ident)? == ib.icrc() {
+            return Ok((ib, UdpVerdict::Verified));
+        }
+        verify_udp_payload(src, dst, payload)
+    }
 }
 
 /// The 40 bytes rxe puts in front of the data of a UD receive over RoCEv2: for IPv4 the IPv4 header
@@ -812,6 +1005,73 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn sealer_matches_the_generic_computation() {
+        // The sealer (pseudo-header CRC once, identification by linearity, BTH masked in place) must
+        // give the ICRC of socket_headers + icrc::roce_v2, and leave the packet's bytes alone.
+        let pairs: [(SocketAddr, SocketAddr); 3] = [
+            ("10.1.2.3:50000".parse().unwrap(), "10.3.2.1:4791".parse().unwrap()),
+            ("[::ffff:127.0.0.1]:4791".parse().unwrap(), "[::ffff:127.0.0.2]:4791".parse().unwrap()),
+            ("[fe80::1]:1234".parse().unwrap(), "[2001:db8::7]:4791".parse().unwrap()),
+        ];
+        let mut x = 0x9e37_79b9u32;
+        for (src, dst) in pairs {
+            for len in [16usize, 17, 96, 256, 257, 1036, 4112] {
+                let mut pkt: Vec<u8> = (0..len)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        x as u8
+                    })
+                    .collect();
+                let sealer = UdpSealer::new(src, dst, len).unwrap();
+                for ident in (0u16..70).chain([0x00ff, 0x1234, 0x8000, 0xffff]) {
+                    let (h, ip_len) = socket_headers(src, dst, len, ident, true).unwrap();
+                    let covered = pkt[..len - 4].to_vec();
+                    let want = icrc::roce_v2(&h[..ip_len], &h[ip_len..ip_len + udp::HEADER_LEN], &covered).unwrap();
+                    sealer.seal(&mut pkt, ident).unwrap();
+                    assert_eq!(&pkt[..len - 4], &covered[..], "{src} {len}");
+                    assert_eq!(u32::from_le_bytes(pkt[len - 4..].try_into().unwrap()), want, "{src} {len} {ident}");
+                    let (a, rest) = covered.split_at(12 + (len - 16) / 3);
+                    let (b, c) = rest.split_at(rest.len() / 2);
+                    assert_eq!(sealer.icrc_parts(&[a, b, c], ident).unwrap(), want);
+                    assert_eq!(udp_payload_icrc_parts(src, dst, &[a, b, c], ident).unwrap(), want);
+                }
+                assert_eq!(sealer.seal(&mut pkt[1..], 0), Err(Error::BadLength));
+            }
+        }
+    }
+
+    #[test]
+    fn icrc_cache_verifies_as_verify_udp_payload_ident() {
+        let (src, dst) = (sa("10.0.0.1", 49152), sa("10.0.0.2", ROCE_V2_PORT));
+        let mut cache = IcrcCache::default();
+        for (len, ident, hint) in [(7usize, 0u16, 0u16), (7, 3, 3), (7, 3, 4), (64, 5, 0), (64, 0, 9), (33, 17, 17)] {
+            let ib = send_only(len);
+            let mut buf = [0u8; 128];
+            let n = ib.emit(&mut buf).unwrap();
+            buf[ib.payload_range()].iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+            cache.sealer(src, dst, n).unwrap().seal(&mut buf[..n], ident).unwrap();
+            let want = verify_udp_payload_ident(src, dst, &buf[..n], hint).unwrap().1;
+            assert_ne!(want, UdpVerdict::Bad);
+            assert_eq!(cache.verify(src, dst, &buf[..n], hint).unwrap().1, want, "{len} {ident} {hint}");
+            buf[20] ^= 1;
+            assert_eq!(cache.verify(src, dst, &buf[..n], hint).unwrap().1, UdpVerdict::Bad);
+            assert_eq!(
+                cache.verify(src, dst, &buf[..n - 1], hint).map(|v| v.1),
+                verify_udp_payload(src, dst, &buf[..n - 1]).map(|v| v.1)
+            );
+        }
+        // IPv6: no identification.
+        let (src, dst) = (sa("fe80::1", 49152), sa("fe80::2", ROCE_V2_PORT));
+        let ib = send_only(9);
+        let mut buf = [0u8; 64];
+        let n = ib.emit(&mut buf).unwrap();
+        seal_udp_payload(src, dst, &mut buf[..n]).unwrap();
+        assert_eq!(cache.verify(src, dst, &buf[..n], 7).unwrap().1, UdpVerdict::Verified);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::wr::{Payload, SendFlags, SendOp, SendWr};
 use softrdma_wire::aeth::rnr_timer_micros;
 use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::opcode::base;
-use softrdma_wire::{AtomicEthRepr, BthRepr, DethRepr, IbRepr, Opcode, Psn, RethRepr};
+use softrdma_wire::{AtomicEthRepr, BthRepr, DataRequest, DethRepr, IbRepr, Opcode, Psn, RequestTemplate, RethRepr};
 
 /// A send WQE and its progress.
 #[derive(Debug)]
@@ -404,50 +404,60 @@ impl Qp {
             (Some(ud), QpType::Ud) => ud.remote_qpn,
             _ => self.attr.dest_qpn,
         };
-        let mut repr = IbRepr::new(BthRepr {
-            opcode,
-            solicited,
-            mig_req: false,
-            pad: 0,
-            pkey: DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp,
-            ack_req,
-            psn,
-        });
-        repr.payload_len = plen;
+        let (mut imm, mut ieth, mut reth, mut atomic_eth) = (None, None, None, None);
         match w.wr.op {
-            SendOp::SendWithImm(imm) if last => repr.imm = Some(imm),
-            SendOp::WriteWithImm { imm, .. } if last => repr.imm = Some(imm),
-            SendOp::SendWithInv(rkey) if last => repr.ieth = Some(rkey),
+            SendOp::SendWithImm(v) | SendOp::WriteWithImm { imm: v, .. } if last => imm = Some(v),
+            SendOp::SendWithInv(rkey) if last => ieth = Some(rkey),
             _ => {}
         }
         match w.wr.op {
             SendOp::Write { remote_addr, rkey } | SendOp::WriteWithImm { remote_addr, rkey, .. } if first => {
-                repr.reth = Some(RethRepr { va: remote_addr, rkey, dma_len: w.len });
+                reth = Some(RethRepr { va: remote_addr, rkey, dma_len: w.len });
             }
             SendOp::Read { remote_addr, rkey } => {
-                repr.reth = Some(RethRepr {
+                reth = Some(RethRepr {
                     va: remote_addr.wrapping_add(offset as u64),
                     rkey,
                     dma_len: w.len.saturating_sub(offset as u32),
                 });
             }
             SendOp::CompareSwap { remote_addr, rkey, compare, swap } => {
-                repr.atomic_eth = Some(AtomicEthRepr { va: remote_addr, rkey, swap_add: swap, compare });
+                atomic_eth = Some(AtomicEthRepr { va: remote_addr, rkey, swap_add: swap, compare });
             }
             SendOp::FetchAdd { remote_addr, rkey, add } => {
-                repr.atomic_eth = Some(AtomicEthRepr { va: remote_addr, rkey, swap_add: add, compare: 0 });
+                atomic_eth = Some(AtomicEthRepr { va: remote_addr, rkey, swap_add: add, compare: 0 });
             }
             _ => {}
         }
-        if let (Some(ud), QpType::Ud) = (&w.wr.ud, qp_type) {
-            let qkey = if ud.remote_qkey & 0x8000_0000 != 0 { self.attr.qkey } else { ud.remote_qkey };
-            repr.deth = Some(DethRepr { qkey, src_qp: self.qpn });
-        }
-        let len = repr.emit(buf).ok()?;
-        let range = repr.payload_range();
+        let deth = match (&w.wr.ud, qp_type) {
+            (Some(ud), QpType::Ud) => {
+                let qkey = if ud.remote_qkey & 0x8000_0000 != 0 { self.attr.qkey } else { ud.remote_qkey };
+                Some(DethRepr { qkey, src_qp: self.qpn })
+            }
+            _ => None,
+        };
+        // SEND and WRITE packets (the message rate path) are patched from the QP's template; reads
+        // and atomics go through the generic repr. Both write the same bytes (wire's tests).
+        let (len, range) = if payload_len {
+            let r = DataRequest { opcode, solicited, ack_req, psn, deth, reth, imm: imm.or(ieth), payload_len: plen };
+            let (hdr, len) = RequestTemplate::new(DEFAULT_PKEY, dest_qp).emit(buf, &r).ok()?;
+            (len, hdr..hdr + plen)
+        } else {
+            let mut repr = IbRepr::new(BthRepr {
+                opcode,
+                solicited,
+                mig_req: false,
+                pad: 0,
+                pkey: DEFAULT_PKEY,
+                fecn: false,
+                becn: false,
+                dest_qp,
+                ack_req,
+                psn,
+            });
+            (repr.reth, repr.atomic_eth, repr.deth) = (reth, atomic_eth, deth);
+            (repr.emit(buf).ok()?, repr.payload_range())
+        };
         let mut deferred = None;
         let defer_min = ctx.config.defer_payload_min;
         let gathered = match &w.wr.payload {
