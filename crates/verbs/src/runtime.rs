@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpSealer, UdpVerdict, VerifyStats};
+use softrdma_wire::roce::{
+    seal_udp_payload, ud_grh_area, udp_payload_icrc_parts, IcrcCache, UdpSealer, UdpVerdict, VerifyStats,
+};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
 use crate::cm::CmState;
