@@ -46,12 +46,12 @@ pub const IN_PLACE_FROM: u64 = 1024;
 /// buffer, except for SEND and WRITE payloads from [`IN_PLACE_FROM`] bytes on (`sendmsg` then reads
 /// them from the region; READ responses are still gathered); `sendmsg` copies the datagram into a
 /// kernel buffer; `recvmsg` copies it out into the receive buffer and the responder scatters it into
-/// registered memory, except for the packets of a multi-packet RC WRITE after its first (`recvmsg`
-/// puts their payload straight into the region; a 64 KiB WRITE with a 4 KiB MTU has 15 of its 16
-/// packets so). The ICRC reads the payload once on each side (not copies).
+/// registered memory, except, with `SOFTRDMA_RX_PLACE=1`, for the packets of a multi-packet RC WRITE
+/// after its first (`recvmsg` puts their payload straight into the region; a 64 KiB WRITE with a
+/// 4 KiB MTU has 15 of its 16 packets so). The ICRC reads the payload once on each side (not copies).
 fn copies(verb: Verb, rc: bool, size: u64, mtu: u64) -> [(&'static str, u32); 4] {
     let in_place = matches!(verb, Verb::Write | Verb::Send) && size >= IN_PLACE_FROM;
-    let placed = rc && verb == Verb::Write && size > mtu;
+    let placed = rc && verb == Verb::Write && size > mtu && softrdma_verbs::rx_place_by_env();
     [
         ("gather into the packet buffer", u32::from(!in_place)),
         ("kernel sendmsg", 1),

@@ -52,22 +52,32 @@ fn loopback(test: &str, udp_port: u16, extra: &[&str]) -> String {
 
 #[test]
 fn copies_over_udp_with_the_same_host_link_off() {
-    // 64 KiB WRITEs leave from registered memory and their packets after the first are received
-    // in place (2 copies); one-packet WRITEs of 4 KiB are scattered (3); 512-byte ones are gathered
-    // first (4).
-    for (size, copies) in [
-        ("65536", "2 (gather into the packet buffer 0, "),
-        ("4096", "3 (gather into the packet buffer 0, "),
-        ("512", "4 (gather into the packet buffer 1, "),
+    // 64 KiB WRITEs leave from registered memory (3 copies), and with SOFTRDMA_RX_PLACE=1 their
+    // packets after the first are received in place (2 copies); one-packet WRITEs of 4 KiB are
+    // scattered either way (3); 512-byte ones are gathered first (4).
+    for (size, place, copies) in [
+        ("65536", "0", "3 (gather into the packet buffer 0, "),
+        ("65536", "1", "2 (gather into the packet buffer 0, "),
+        ("4096", "1", "3 (gather into the packet buffer 0, "),
+        ("512", "0", "4 (gather into the packet buffer 1, "),
     ] {
         let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
             .args(["perf", "write-bw", "--loopback", "--udp-port", "47320", "-n", "50", "-s", size])
             .env("SOFTRDMA_SAME_HOST", "0")
+            .env("SOFTRDMA_RX_PLACE", place)
+            .env("SOFTRDMA_PERF_DEBUG", "1")
             .output()
             .expect("run softrdma");
         let out = text(&o.stdout);
         assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
         assert!(out.contains(&format!("\n Copies per byte : {copies}kernel sendmsg 1, ")), "{out}");
+        // The debug lines (one per side) say how many packets were received in place.
+        let err = text(&o.stderr);
+        let placed: u64 = err
+            .lines()
+            .filter_map(|l| l.rsplit_once("received in place ").and_then(|(_, n)| n.trim().parse::<u64>().ok()))
+            .sum();
+        assert_eq!(placed > 0, place == "1" && size == "65536", "{err}");
     }
 }
 

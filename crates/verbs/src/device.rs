@@ -47,6 +47,7 @@ pub struct DeviceBuilder {
     config: DeviceConfig,
     udp_port: u16,
     same_host: bool,
+    rx_place: bool,
 }
 
 impl DeviceBuilder {
@@ -58,7 +59,7 @@ impl DeviceBuilder {
     /// A device from a registry entry.
     pub fn from_config(config: DeviceConfig) -> DeviceBuilder {
         let udp_port = std::env::var("SOFTRDMA_UDP_PORT").ok().and_then(|p| p.parse().ok()).unwrap_or(ROCE_PORT);
-        DeviceBuilder { config, udp_port, same_host: crate::same_host::enabled_by_env() }
+        DeviceBuilder { config, udp_port, same_host: crate::same_host::enabled_by_env(), rx_place: rx_place_by_env() }
     }
 
     /// Use only this address of the interface (e.g. 127.0.0.2 on `lo`).
@@ -80,11 +81,20 @@ impl DeviceBuilder {
         self
     }
 
+    /// Whether an RC WRITE's packets after its first are received straight into the region
+    /// (crates/verbs place.rs) instead of being copied there from the receive buffer. Default:
+    /// off (measured slower on loopback: the kernel's copy into many iovec pieces costs more than
+    /// the copy it saves, see docs/PERFORMANCE.md), unless `SOFTRDMA_RX_PLACE=1`.
+    pub fn rx_place(mut self, on: bool) -> DeviceBuilder {
+        self.rx_place = on;
+        self
+    }
+
     /// Open the device: resolve the interface, bind the UDP port, start the I/O thread.
     pub fn open(self) -> Result<Context> {
         let info = DeviceInfo::open(&self.config)?;
         let (v4, v6) = bind_addrs(&info);
-        let dev = Device::new(info, v4, v6, self.udp_port, self.same_host)?;
+        let dev = Device::new(info, v4, v6, self.udp_port, self.same_host, self.rx_place)?;
         Ok(Context::new(Arc::new(DeviceHandle::start(dev)?)))
     }
 }
@@ -101,4 +111,10 @@ pub(crate) fn bind_addrs(info: &DeviceInfo) -> (Option<Ipv4Addr>, Option<Ipv6Add
             (v4, v6)
         }
     }
+}
+
+/// Whether `SOFTRDMA_RX_PLACE=1` asks embedded devices to receive RC WRITEs in place (see
+/// [`DeviceBuilder::rx_place`]).
+pub fn rx_place_by_env() -> bool {
+    std::env::var("SOFTRDMA_RX_PLACE").is_ok_and(|v| v == "1")
 }

@@ -37,7 +37,7 @@ mod same_host;
 pub mod verbs;
 
 pub use cm::{modify_for_attr as cm_modify_for_attr, CmEvent, CmEventChannel, CmId};
-pub use device::{devices, open_device, DeviceBuilder};
+pub use device::{devices, open_device, rx_place_by_env, DeviceBuilder};
 pub use error::Error;
 pub use memory::MemoryRegion;
 pub use same_host::SameHostStats;

@@ -194,8 +194,8 @@ pub(crate) struct Device {
     epoch: std::time::Instant,
     /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
     app_progress: AtomicU64,
-    /// Receive RC WRITE continuations in place (see place.rs); `SOFTRDMA_COPY_RX=1` turns it off
-    /// (every payload is copied out of the receive buffer, as before; for A/B runs).
+    /// Receive RC WRITE continuations in place (see place.rs; `DeviceBuilder::rx_place`, off by
+    /// default: every payload is copied out of the receive buffer).
     rx_place: bool,
 }
 
@@ -229,6 +229,7 @@ impl Device {
         v6: Option<Ipv6Addr>,
         udp_port: u16,
         same_host: bool,
+        rx_place: bool,
     ) -> Result<Device> {
         let port = UdpPort::bind(v4, v6, udp_port)?;
         let cm = CmState::new(cm_agent(&info, &port));
@@ -288,7 +289,7 @@ impl Device {
             stop: AtomicBool::new(false),
             epoch: std::time::Instant::now(),
             app_progress: AtomicU64::new(0),
-            rx_place: std::env::var_os("SOFTRDMA_COPY_RX").is_none(),
+            rx_place,
         })
     }
 

@@ -34,8 +34,13 @@ impl Rig {
         // A free port for both (the device and the requester bind it on their own addresses).
         let port = UdpSocket::bind((peer_ip, 0)).unwrap().local_addr().unwrap().port();
         let peer = UdpPort::bind(Some(peer_ip), None, port).unwrap();
-        let ctx =
-            DeviceBuilder::new(name, "lo").addr(IpAddr::V4(dev_ip)).udp_port(port).same_host(false).open().unwrap();
+        let ctx = DeviceBuilder::new(name, "lo")
+            .addr(IpAddr::V4(dev_ip))
+            .udp_port(port)
+            .same_host(false)
+            .rx_place(true)
+            .open()
+            .unwrap();
         let ep = Endpoint::new(ctx, region, 64);
         let mut p = ConnectParams::new(PEER_QPN, Psn::new(0), Gid::from_ip(IpAddr::V4(peer_ip)), Psn::new(0));
         p.mtu = Mtu::M4096;

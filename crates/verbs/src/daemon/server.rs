@@ -178,7 +178,7 @@ impl Daemon {
         let (v4, v6) = crate::device::bind_addrs(&info);
         // softrdmad's devices take part in the same-host link as embedded ones do (their loop
         // polls the lanes through `Device::progress` and sleeps on their doorbells).
-        let dev = Device::new(info, v4, v6, self.opts.udp_port, crate::same_host::enabled_by_env())?;
+        let dev = Device::new(info, v4, v6, self.opts.udp_port, crate::same_host::enabled_by_env(), false)?;
         {
             let mut st = dev.lock();
             st.qp_traffic = Some(HashMap::new());
