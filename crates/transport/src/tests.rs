@@ -113,23 +113,8 @@ impl Rig {
 
     /// Feed one request (`send!`).
     fn send(&mut self, op: u8, psn: u32, ack_req: bool, payload: usize) {
-        let mut repr = IbRepr::new(BthRepr {
-            opcode: Opcode::of(WireQpType::Rc, op).unwrap(),
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: self.qpn,
-            ack_req,
-            psn: Psn::new(psn & 0xff_ffff),
-        });
-        repr.payload_len = payload;
-        let mut buf = vec![0xabu8; repr.buffer_len()];
-        let n = repr.emit(&mut buf).unwrap();
-        let rx = RxInfo { grh: [0; 40] };
-        self.hca.handle_packet(self.now, &buf[..n], &rx, &mut self.mem);
+        let buf = request(self, op, psn & 0xff_ffff, ack_req, None, payload, 0xab);
+        self.hca.handle_packet(self.now, &buf, &RxInfo { grh: [0; 40] }, &mut self.mem);
     }
 
     /// Everything the engine sends now (`recv!`), as (opcode base, PSN, syndrome, MSN).
@@ -389,7 +374,15 @@ fn deferred_payload_names_the_bytes_a_gather_copies() {
 }
 
 /// An RC request for the rig's QP with `payload_len` bytes of `fill` and an optional RETH.
-fn request(r: &Rig, op: u8, psn: u32, reth: Option<(u64, u32)>, payload_len: usize, fill: u8) -> Vec<u8> {
+fn request(
+    r: &Rig,
+    op: u8,
+    psn: u32,
+    ack_req: bool,
+    reth: Option<(u64, u32)>,
+    payload_len: usize,
+    fill: u8,
+) -> Vec<u8> {
     let mut repr = IbRepr::new(BthRepr {
         opcode: Opcode::of(WireQpType::Rc, op).unwrap(),
         solicited: false,
@@ -399,7 +392,7 @@ fn request(r: &Rig, op: u8, psn: u32, reth: Option<(u64, u32)>, payload_len: usi
         fecn: false,
         becn: false,
         dest_qp: r.qpn,
-        ack_req: true,
+        ack_req,
         psn: Psn::new(psn),
     });
     repr.reth = reth.map(|(va, dma_len)| softrdma_wire::RethRepr { va, rkey: 1, dma_len });
@@ -416,7 +409,7 @@ fn placed_write_continuations_complete_without_a_copy() {
     let mut r = Rig::new();
     assert_eq!(r.hca.rx_placement(r.qpn), None, "no write in progress");
     // A 3-packet WRITE (MTU 256) to 0x2000: after its FIRST, the rest goes to 0x2100.
-    let first = request(&r, base::WRITE_FIRST, EPSN, Some((0x2000, 768)), 256, 1);
+    let first = request(&r, base::WRITE_FIRST, EPSN, true, Some((0x2000, 768)), 256, 1);
     r.hca.handle_packet(r.now, &first, &RxInfo { grh: [0; 40] }, &mut r.mem);
     let p = r.hca.rx_placement(r.qpn).unwrap();
     let want = crate::RxPlacement {
@@ -431,7 +424,7 @@ fn placed_write_continuations_complete_without_a_copy() {
     assert_eq!(p, want);
     // The I/O layer put the MIDDLE's payload in place; the engine gets the headers only.
     r.mem.0[0x2100..0x2200].fill(2);
-    let middle = request(&r, base::WRITE_MIDDLE, EPSN + 1, None, 0, 0);
+    let middle = request(&r, base::WRITE_MIDDLE, EPSN + 1, true, None, 0, 0);
     let hdr = IbPacket::new_checked(&middle[..]).unwrap();
     assert!(r.hca.handle_placed(r.now, &hdr, &p, 256, &mut r.mem));
     // The old expectation is stale now: refused, nothing done.
@@ -439,10 +432,10 @@ fn placed_write_continuations_complete_without_a_copy() {
     let p2 = r.hca.rx_placement(r.qpn).unwrap();
     assert_eq!((p2.psn, p2.addr, p2.remaining), (Psn::new(EPSN + 2), 0x2200, 256));
     // A response opcode or a wrong PSN is never taken as placed.
-    let wrong_psn = request(&r, base::WRITE_LAST, EPSN + 3, None, 0, 0);
+    let wrong_psn = request(&r, base::WRITE_LAST, EPSN + 3, true, None, 0, 0);
     assert!(!r.hca.handle_placed(r.now, &IbPacket::new_checked(&wrong_psn[..]).unwrap(), &p2, 256, &mut r.mem));
     r.mem.0[0x2200..0x2300].fill(3);
-    let last = request(&r, base::WRITE_LAST, EPSN + 2, None, 0, 0);
+    let last = request(&r, base::WRITE_LAST, EPSN + 2, true, None, 0, 0);
     assert!(r.hca.handle_placed(r.now, &IbPacket::new_checked(&last[..]).unwrap(), &p2, 256, &mut r.mem));
     assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN + 2, ACK, Some(1))]);
     assert_eq!(r.hca.rx_placement(r.qpn), None);
@@ -455,12 +448,12 @@ fn placed_write_continuations_complete_without_a_copy() {
 #[test]
 fn a_placed_middle_past_the_reth_length_is_an_invalid_request() {
     let mut r = Rig::new();
-    let first = request(&r, base::WRITE_FIRST, EPSN, Some((0x2000, 512)), 256, 1);
+    let first = request(&r, base::WRITE_FIRST, EPSN, true, Some((0x2000, 512)), 256, 1);
     r.hca.handle_packet(r.now, &first, &RxInfo { grh: [0; 40] }, &mut r.mem);
     let p = r.hca.rx_placement(r.qpn).unwrap();
     assert_eq!(p.remaining, 256);
     // More than the WRITE has left is refused before anything happens.
-    let middle = request(&r, base::WRITE_MIDDLE, EPSN + 1, None, 0, 0);
+    let middle = request(&r, base::WRITE_MIDDLE, EPSN + 1, true, None, 0, 0);
     let hdr = IbPacket::new_checked(&middle[..]).unwrap();
     assert!(!r.hca.handle_placed(r.now, &hdr, &p, 257, &mut r.mem));
     // A MIDDLE that fills the rest would leave the LAST nothing: NAKed as the copying path does.

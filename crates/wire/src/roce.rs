@@ -972,27 +972,36 @@ impl RoceV1Repr {
 #[cfg(test)]
 mod tests {
 
+    /// IPv4, IPv4-mapped and plain IPv6 address pairs.
+    fn addr_pairs() -> [(SocketAddr, SocketAddr); 3] {
+        [
+            ("10.1.2.3:50000".parse().unwrap(), "10.3.2.1:4791".parse().unwrap()),
+            ("[::ffff:127.0.0.1]:4791".parse().unwrap(), "[::ffff:127.0.0.2]:4791".parse().unwrap()),
+            ("[fe80::1]:1234".parse().unwrap(), "[2001:db8::7]:4791".parse().unwrap()),
+        ]
+    }
+
+    /// `len` pseudo-random bytes (xorshift from `x`).
+    fn noise(x: &mut u32, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|_| {
+                *x ^= *x << 13;
+                *x ^= *x >> 17;
+                *x ^= *x << 5;
+                *x as u8
+            })
+            .collect()
+    }
+
     #[test]
     fn socket_icrc_matches_the_generic_computation() {
         // The one-pass path (masked header written directly, small packets in one CRC pass) must give
         // the ICRC of socket_headers + icrc::roce_v2 for both families, both sides of the one-pass
         // limit, any identification and DF.
-        let pairs: [(SocketAddr, SocketAddr); 3] = [
-            ("10.1.2.3:50000".parse().unwrap(), "10.3.2.1:4791".parse().unwrap()),
-            ("[::ffff:127.0.0.1]:4791".parse().unwrap(), "[::ffff:127.0.0.2]:4791".parse().unwrap()),
-            ("[fe80::1]:1234".parse().unwrap(), "[2001:db8::7]:4791".parse().unwrap()),
-        ];
         let mut x = 0x1234_5678u32;
-        for (src, dst) in pairs {
+        for (src, dst) in addr_pairs() {
             for len in [12usize, 13, 40, 76, 255, 256, 257, 300, 1024, 4108] {
-                let covered: Vec<u8> = (0..len)
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 17;
-                        x ^= x << 5;
-                        x as u8
-                    })
-                    .collect();
+                let covered = noise(&mut x, len);
                 for (ident, df) in [(0u16, true), (1, true), (0xbeef, false)] {
                     let (h, ip_len) = socket_headers(src, dst, len + 4, ident, df).unwrap();
                     let want = icrc::roce_v2(&h[..ip_len], &h[ip_len..ip_len + udp::HEADER_LEN], &covered).unwrap();
@@ -1011,22 +1020,10 @@ mod tests {
     fn sealer_matches_the_generic_computation() {
         // The sealer (pseudo-header CRC once, identification by linearity, BTH masked in place) must
         // give the ICRC of socket_headers + icrc::roce_v2, and leave the packet's bytes alone.
-        let pairs: [(SocketAddr, SocketAddr); 3] = [
-            ("10.1.2.3:50000".parse().unwrap(), "10.3.2.1:4791".parse().unwrap()),
-            ("[::ffff:127.0.0.1]:4791".parse().unwrap(), "[::ffff:127.0.0.2]:4791".parse().unwrap()),
-            ("[fe80::1]:1234".parse().unwrap(), "[2001:db8::7]:4791".parse().unwrap()),
-        ];
         let mut x = 0x9e37_79b9u32;
-        for (src, dst) in pairs {
+        for (src, dst) in addr_pairs() {
             for len in [16usize, 17, 96, 256, 257, 1036, 4112] {
-                let mut pkt: Vec<u8> = (0..len)
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 17;
-                        x ^= x << 5;
-                        x as u8
-                    })
-                    .collect();
+                let mut pkt = noise(&mut x, len);
                 let sealer = UdpSealer::new(src, dst, len).unwrap();
                 for ident in (0u16..70).chain([0x00ff, 0x1234, 0x8000, 0xffff]) {
                     let (h, ip_len) = socket_headers(src, dst, len, ident, true).unwrap();
