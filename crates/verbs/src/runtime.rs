@@ -129,8 +129,6 @@ pub(crate) struct State {
     /// and whether the last receive found datagrams (then they are polled every time).
     udp_due: Instant,
     udp_busy: bool,
-    /// Empty busy polls in a row that did not read the clock (see [`Device::poll_progress`]).
-    idle_polls: u32,
     tx_buf: Vec<u8>,
     tx_meta: Vec<(usize, SocketAddr, SocketAddr, usize)>,
     /// The ICRC pseudo-header of the last sent packets' addresses and length.
@@ -268,7 +266,6 @@ impl Device {
             link,
             udp_due: Instant::from_nanos(0),
             udp_busy: false,
-            idle_polls: 0,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             tx_meta: Vec::with_capacity(udp::BATCH),
             tx_icrc: IcrcCache::default(),
@@ -662,29 +659,18 @@ impl Device {
         self.progress_at(st, now, false);
     }
 
-    /// [`Device::progress`] for a thread busy polling an embedded device's CQ; false when it only
-    /// looked at the lanes (nothing changed).
-    ///
-    /// When no packet arrived and no timer fired the engine is as the last flush left it (every
-    /// verbs call that changes it flushes on its way out, see [`Device::run`]), so the flush is
-    /// skipped. While same-host lanes are up and hold nothing, only every [`CLOCK_EVERY`]-th such
-    /// poll reads the clock and looks at the sockets, timers and the CM (timers need a precision
-    /// of a hundred microseconds, a poll takes tens of nanoseconds): an empty poll is then a look
-    /// at each lane's next tag.
-    pub fn poll_progress(&self, st: &mut State) -> bool {
-        if st.link.has_inbound() && !st.link.inbound_ready() && !st.link.congested() {
-            st.idle_polls += 1;
-            if st.idle_polls < CLOCK_EVERY {
-                return false;
-            }
-        }
-        st.idle_polls = 0;
+    /// [`Device::progress`] for a thread busy polling an embedded device's CQ: when no packet
+    /// arrived and no timer fired the engine is as the last flush left it (every verbs call that
+    /// changes it flushes on its way out, see [`Device::run`]), so the flush is skipped. That
+    /// keeps an empty poll to a clock read, a look at each lane's next tag and the timer check.
+    /// (Reading the clock only every 32nd empty poll made the same-host ping-pong slower, not
+    /// faster: see docs/PERFORMANCE.md.)
+    pub fn poll_progress(&self, st: &mut State) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
         if self.receive_at(st, now, false) || st.link.congested() {
             self.flush(st, now);
         }
-        true
     }
 
     /// One round of progress. Same-host lanes come first: they cost no system call when empty.
@@ -986,9 +972,6 @@ impl Device {
 
 /// A datagram this large makes the next receive take one datagram at a time (`State::rx_single`).
 const RX_SINGLE_MIN: usize = 2048;
-
-/// While same-host lanes are up and empty, every how many busy polls the clock is read.
-const CLOCK_EVERY: u32 = 32;
 
 /// While same-host lanes are up, how often a busy-polling thread also reads the UDP sockets.
 const UDP_EVERY: Duration = Duration::from_micros(50);

@@ -279,11 +279,6 @@ impl Link {
         !self.inbound.is_empty()
     }
 
-    /// Whether an inbound lane has an entry waiting (one look at each lane's next tag).
-    pub fn inbound_ready(&self) -> bool {
-        self.inbound.iter().any(|l| l.cons.front_tagged().is_some())
-    }
-
     /// The outbound lane for `dst` (sending from `src`), opening one if none was tried recently.
     pub fn lane_for(&mut self, dst: SocketAddr, src: SocketAddr, now: Instant) -> Option<usize> {
         if !self.enabled {
