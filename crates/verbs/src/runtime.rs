@@ -713,18 +713,17 @@ impl Device {
         let mut got = 0;
         let mut buf = std::mem::take(&mut st.rx_buf);
         let mut meta = [None; udp::BATCH];
+        // Receiving in place is on, and the regions are this process's (daemon mode attributes
+        // traffic per QP on the copying path only): otherwise no hint is ever kept.
+        let placing = self.rx_place && st.qp_traffic.is_none();
         for (sock, local) in self.port.sockets() {
             // Up to 256 datagrams per socket and call, udp::BATCH per recvmmsg.
             let mut budget = 256;
             while budget > 0 {
                 // An RC WRITE in progress to a region of this process: receive its continuation in
-                // place (daemon mode attributes traffic per QP on the copying path only).
-                // A peek at the next datagram first (an empty poll costs that one call): only one
-                // that starts as the WRITE's next packet is received along the plan.
-                let plan = match st.rx_hint {
-                    Some(qpn) if st.qp_traffic.is_none() && self.rx_place => Plan::new(&st.hca, &st.mem, qpn),
-                    _ => None,
-                };
+                // place. A peek at the next datagram first (an empty poll costs that one call):
+                // only one that starts as the WRITE's next packet is received along the plan.
+                let plan = st.rx_hint.and_then(|qpn| Plan::new(&st.hca, &st.mem, qpn));
                 let prev_hint = st.rx_hint.take();
                 if let Some(plan) = &plan {
                     let mut head = [0u8; softrdma_wire::bth::BTH_LEN];
@@ -767,8 +766,8 @@ impl Device {
                                     for (k, d) in data.chunks(seg).enumerate() {
                                         self.receive(st, now, d, src, *local, k as u16);
                                     }
-                                    if i + 1 == k {
-                                        st.rx_single = self.rx_place && st.qp_traffic.is_none() && n >= RX_SINGLE_MIN;
+                                    if placing && i + 1 == k {
+                                        st.rx_single = n >= RX_SINGLE_MIN;
                                         st.rx_hint = data.chunks(seg).last().and_then(place::write_hint);
                                     }
                                 }
