@@ -9,7 +9,6 @@ use crate::time::Instant;
 use crate::wr::{RecvWr, Sge, SgeList};
 use crate::{WcOpcode, WcStatus};
 use softrdma_wire::aeth::CREDITS_INVALID;
-use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::opcode::base;
 use softrdma_wire::{BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn, QpType as WireQpType, Qpn, Syndrome};
 
@@ -170,16 +169,8 @@ fn rnr_on_a_write_with_immediate() {
     let repr_write = |r: &mut Rig| {
         // WRITE_ONLY_IMM needs a RETH and ImmDt; build it by hand.
         let mut repr = IbRepr::new(BthRepr {
-            opcode: Opcode::of(WireQpType::Rc, base::WRITE_ONLY_IMM).unwrap(),
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: r.qpn,
             ack_req: true,
-            psn: Psn::new(EPSN),
+            ..BthRepr::new(Opcode::of(WireQpType::Rc, base::WRITE_ONLY_IMM).unwrap(), r.qpn, Psn::new(EPSN))
         });
         repr.reth = Some(softrdma_wire::RethRepr { va: 0x100, rkey: 1, dma_len: 4 });
         repr.imm = Some(0x55);
@@ -218,16 +209,8 @@ fn acks_coalesce_to_the_newest() {
     r.post_recv(4, 4096);
     r.send(base::SEND_ONLY, EPSN + 4, true, 256);
     let mut read = IbRepr::new(BthRepr {
-        opcode: Opcode::of(WireQpType::Rc, base::READ_REQUEST).unwrap(),
-        solicited: false,
-        mig_req: false,
-        pad: 0,
-        pkey: DEFAULT_PKEY,
-        fecn: false,
-        becn: false,
-        dest_qp: r.qpn,
         ack_req: true,
-        psn: Psn::new(EPSN + 5),
+        ..BthRepr::new(Opcode::of(WireQpType::Rc, base::READ_REQUEST).unwrap(), r.qpn, Psn::new(EPSN + 5))
     });
     read.reth = Some(softrdma_wire::RethRepr { va: 0, rkey: 1, dma_len: 16 });
     let mut buf = vec![0u8; read.buffer_len()];
@@ -383,18 +366,8 @@ fn request(
     payload_len: usize,
     fill: u8,
 ) -> Vec<u8> {
-    let mut repr = IbRepr::new(BthRepr {
-        opcode: Opcode::of(WireQpType::Rc, op).unwrap(),
-        solicited: false,
-        mig_req: false,
-        pad: 0,
-        pkey: DEFAULT_PKEY,
-        fecn: false,
-        becn: false,
-        dest_qp: r.qpn,
-        ack_req,
-        psn: Psn::new(psn),
-    });
+    let mut repr =
+        IbRepr::new(BthRepr { ack_req, ..BthRepr::new(Opcode::of(WireQpType::Rc, op).unwrap(), r.qpn, Psn::new(psn)) });
     repr.reth = reth.map(|(va, dma_len)| softrdma_wire::RethRepr { va, rkey: 1, dma_len });
     repr.payload_len = payload_len;
     let mut buf = vec![0u8; repr.buffer_len()];

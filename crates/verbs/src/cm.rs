@@ -30,7 +30,6 @@ use softrdma_cm::{
     Route, UdInfo,
 };
 use softrdma_transport::{Access, AddressVector, Hca, Instant, MemoryAccess, ModifyQp, QpState};
-use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::mad::{GSI_QKEY, MAD_LEN};
 use softrdma_wire::opcode::base;
 use softrdma_wire::{BthRepr, DethRepr, IbPacket, IbRepr, Opcode, Psn, QpType, Qpn};
@@ -379,16 +378,8 @@ impl CmState {
         let psn = self.gsi_psn;
         self.gsi_psn = psn.next();
         let mut repr = IbRepr::new(BthRepr {
-            opcode: Opcode::of(QpType::Ud, base::SEND_ONLY).expect("UD SEND_ONLY"),
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: Qpn::GSI,
             ack_req: true,
-            psn,
+            ..BthRepr::new(Opcode::of(QpType::Ud, base::SEND_ONLY).expect("UD SEND_ONLY"), Qpn::GSI, psn)
         });
         repr.deth = Some(DethRepr { qkey: GSI_QKEY, src_qp: Qpn::GSI });
         repr.payload_len = mad.len();

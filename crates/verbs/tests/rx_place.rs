@@ -60,16 +60,8 @@ impl Rig {
 
     fn packet_to(&self, qpn: Qpn, op: u8, psn: u32, reth: Option<(u64, u32)>, payload: &[u8], ident: u16) -> Vec<u8> {
         let mut repr = IbRepr::new(BthRepr {
-            opcode: Opcode::of(QpType::Rc, op).unwrap(),
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: softrdma_wire::bth::DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: qpn,
             ack_req: reth.is_some() || matches!(op, base::WRITE_LAST),
-            psn: Psn::new(psn),
+            ..BthRepr::new(Opcode::of(QpType::Rc, op).unwrap(), qpn, Psn::new(psn))
         });
         repr.reth = reth.map(|(va, dma_len)| RethRepr { va, rkey: self.ep.mr.rkey(), dma_len });
         repr.payload_len = payload.len();
@@ -208,18 +200,8 @@ fn mispredicted_datagrams_take_the_copying_path() {
     r.send(&[stray], false);
     r.send(&[r.packet(base::WRITE_FIRST, 0, Some((va, data.len() as u32)), &data[..MTU], 0)], false);
     assert_eq!(r.response(), (0, ACK));
-    let mut ack = IbRepr::new(BthRepr {
-        opcode: Opcode::of(QpType::Rc, base::ACKNOWLEDGE).unwrap(),
-        solicited: false,
-        mig_req: false,
-        pad: 0,
-        pkey: softrdma_wire::bth::DEFAULT_PKEY,
-        fecn: false,
-        becn: false,
-        dest_qp: r.ep.qp.qpn(),
-        ack_req: false,
-        psn: Psn::new(1),
-    });
+    let mut ack =
+        IbRepr::new(BthRepr::new(Opcode::of(QpType::Rc, base::ACKNOWLEDGE).unwrap(), r.ep.qp.qpn(), Psn::new(1)));
     ack.aeth = Some(softrdma_wire::AethRepr { syndrome: ACK, msn: 0 });
     let mut buf = vec![0u8; ack.buffer_len()];
     ack.emit(&mut buf).unwrap();

@@ -155,6 +155,23 @@ pub struct BthRepr {
 }
 
 impl BthRepr {
+    /// The BTH most packets carry: no flags, no pad, the default P_Key. Other fields are set with
+    /// struct update syntax (`BthRepr { ack_req: true, ..BthRepr::new(op, qp, psn) }`).
+    pub fn new(opcode: Opcode, dest_qp: Qpn, psn: Psn) -> BthRepr {
+        BthRepr {
+            opcode,
+            solicited: false,
+            mig_req: false,
+            pad: 0,
+            pkey: DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp,
+            ack_req: false,
+            psn,
+        }
+    }
+
     /// Parse a BTH; rejects a header version other than 0. Reserved bits are ignored, as rxe does.
     pub fn parse<T: AsRef<[u8]>>(p: &BthPacket<T>) -> Result<BthRepr> {
         p.check_len()?;

@@ -307,18 +307,7 @@ mod tests {
     use crate::opcode::Opcode;
 
     fn bth(op: u8) -> BthRepr {
-        BthRepr {
-            opcode: Opcode(op),
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: 0xffff,
-            fecn: false,
-            becn: false,
-            dest_qp: Qpn::new(0x11),
-            ack_req: false,
-            psn: Psn::new(7),
-        }
+        BthRepr::new(Opcode(op), Qpn::new(0x11), Psn::new(7))
     }
 
     #[test]

@@ -7,10 +7,7 @@
 //! use softrdma_wire::roce::RoceV2Repr;
 //! use softrdma_wire::{bth::BthRepr, IbRepr, Opcode, Psn, Qpn};
 //!
-//! let bth = BthRepr {
-//!     opcode: Opcode(0x04), solicited: false, mig_req: false, pad: 0, pkey: 0xffff,
-//!     fecn: false, becn: false, dest_qp: Qpn::new(0x11), ack_req: true, psn: Psn::new(1),
-//! };
+//! let bth = BthRepr { ack_req: true, ..BthRepr::new(Opcode(0x04), Qpn::new(0x11), Psn::new(1)) };
 //! let mut ib = IbRepr::new(bth);
 //! ib.payload_len = 5;
 //! let roce = RoceV2Repr::new("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), 0xc000);
@@ -1121,18 +1118,8 @@ mod tests {
     }
 
     fn send_only(len: usize) -> IbRepr {
-        let mut r = IbRepr::new(BthRepr {
-            opcode: Opcode(0x04),
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: 0xffff,
-            fecn: false,
-            becn: false,
-            dest_qp: Qpn::new(0x11),
-            ack_req: true,
-            psn: Psn::new(0x123456),
-        });
+        let mut r =
+            IbRepr::new(BthRepr { ack_req: true, ..BthRepr::new(Opcode(0x04), Qpn::new(0x11), Psn::new(0x123456)) });
         r.payload_len = len;
         r
     }

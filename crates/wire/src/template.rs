@@ -118,16 +118,10 @@ mod tests {
     /// The repr of the same packet as `r` (template for `pkey`, `dest_qp`).
     fn repr(r: &DataRequest, pkey: u16, dest_qp: Qpn) -> IbRepr {
         let mut ib = IbRepr::new(BthRepr {
-            opcode: r.opcode,
             solicited: r.solicited,
-            mig_req: false,
-            pad: 0,
-            pkey,
-            fecn: false,
-            becn: false,
-            dest_qp,
             ack_req: r.ack_req,
-            psn: r.psn,
+            pkey,
+            ..BthRepr::new(r.opcode, dest_qp, r.psn)
         });
         ib.deth = r.deth;
         ib.reth = r.reth;

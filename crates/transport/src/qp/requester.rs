@@ -443,18 +443,7 @@ impl Qp {
             let (hdr, len) = RequestTemplate::new(DEFAULT_PKEY, dest_qp).emit(buf, &r).ok()?;
             (len, hdr..hdr + plen)
         } else {
-            let mut repr = IbRepr::new(BthRepr {
-                opcode,
-                solicited,
-                mig_req: false,
-                pad: 0,
-                pkey: DEFAULT_PKEY,
-                fecn: false,
-                becn: false,
-                dest_qp,
-                ack_req,
-                psn,
-            });
+            let mut repr = IbRepr::new(BthRepr { solicited, ack_req, ..BthRepr::new(opcode, dest_qp, psn) });
             (repr.reth, repr.atomic_eth, repr.deth) = (reth, atomic_eth, deth);
             (repr.emit(buf).ok()?, repr.payload_range())
         };

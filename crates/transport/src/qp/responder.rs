@@ -552,17 +552,8 @@ impl Qp {
     /// Build the next queued response.
     pub(super) fn poll_response(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
         let r = *self.resp.out.front()?;
-        let bth = |op: u8, psn: Psn| BthRepr {
-            opcode: Opcode::of(WireQpType::Rc, op).expect("RC response opcode"),
-            solicited: false,
-            mig_req: false,
-            pad: 0,
-            pkey: DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: self.attr.dest_qpn,
-            ack_req: false,
-            psn,
+        let bth = |op: u8, psn: Psn| {
+            BthRepr::new(Opcode::of(WireQpType::Rc, op).expect("RC response opcode"), self.attr.dest_qpn, psn)
         };
         let ack = |msn| AethRepr { syndrome: Syndrome::Ack { credits: CREDITS_INVALID }, msn };
         let mtu = self.attr.mtu.bytes();
