@@ -8,7 +8,7 @@
 //! compares them, ICRC included, for every opcode this covers); parsing stays with the views.
 
 use crate::bth::BTH_LEN;
-use crate::ext::{DethRepr, RethRepr, DETH_LEN, RETH_LEN, WORD_LEN};
+use crate::ext::{DethPacket, DethRepr, RethPacket, RethRepr, DETH_LEN, RETH_LEN, WORD_LEN};
 use crate::number::{Psn, Qpn};
 use crate::opcode::{Flags, HeaderSet, Opcode};
 use crate::packet::pad_for;
@@ -84,15 +84,11 @@ impl RequestTemplate {
         buf[8..BTH_LEN].copy_from_slice(&((u32::from(r.ack_req) << 31) | r.psn.value()).to_be_bytes());
         let mut at = BTH_LEN;
         if let Some(d) = &r.deth {
-            buf[at..at + 4].copy_from_slice(&d.qkey.to_be_bytes());
-            buf[at + 4..at + 8].copy_from_slice(&d.src_qp.value().to_be_bytes());
-            buf[at + 4] = 0;
+            d.emit(&mut DethPacket::new_unchecked(&mut buf[at..at + DETH_LEN]));
             at += DETH_LEN;
         }
         if let Some(h) = &r.reth {
-            buf[at..at + 8].copy_from_slice(&h.va.to_be_bytes());
-            buf[at + 8..at + 12].copy_from_slice(&h.rkey.to_be_bytes());
-            buf[at + 12..at + 16].copy_from_slice(&h.dma_len.to_be_bytes());
+            h.emit(&mut RethPacket::new_unchecked(&mut buf[at..at + RETH_LEN]));
             at += RETH_LEN;
         }
         if let Some(v) = r.imm {
