@@ -550,3 +550,24 @@ fn a_bad_lkey_found_by_the_gather_fails_the_wqe_as_the_start_check_would() {
         assert_eq!(hca.query_qp(qpn).unwrap().state, QpState::Err);
     }
 }
+
+/// One ACK covering several messages completes them all, in order, and brings the retransmit
+/// timer in line once: armed while something is unacknowledged, stopped when nothing is.
+#[test]
+fn an_ack_of_several_messages_completes_them_in_order() {
+    let (mut hca, mut mem, qpn, cq) = requester(128);
+    for id in 1..=4 {
+        hca.post_send(qpn, write64(id, 1), Instant::ZERO, &mut mem).unwrap();
+    }
+    assert_eq!(sent_psns(&mut hca, &mut mem), [5, 6, 7, 8]);
+    assert!(hca.poll_timeout().is_some());
+    let mut wcs = Vec::new();
+    ack(&mut hca, &mut mem, qpn, 7);
+    hca.poll_cq(cq, 8, &mut wcs).unwrap();
+    assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(hca.poll_timeout().is_some());
+    ack(&mut hca, &mut mem, qpn, 8);
+    hca.poll_cq(cq, 8, &mut wcs).unwrap();
+    assert_eq!(wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>().last(), Some(&(4, WcStatus::Success)));
+    assert_eq!(hca.poll_timeout(), None);
+}
