@@ -189,7 +189,8 @@ pub(crate) struct Device {
     wake_tx: UnixDatagram,
     wake_rx: UnixDatagram,
     stop: AtomicBool,
-    epoch: std::time::Instant,
+    /// `CLOCK_MONOTONIC` (ns) when the device was created: the engine's clock starts there.
+    epoch: u64,
     /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
     app_progress: AtomicU64,
     /// Receive RC WRITE continuations in place (see place.rs; `DeviceBuilder::rx_place`, off by
@@ -284,7 +285,7 @@ impl Device {
             wake_tx,
             wake_rx,
             stop: AtomicBool::new(false),
-            epoch: std::time::Instant::now(),
+            epoch: monotonic_ns(),
             app_progress: AtomicU64::new(0),
             rx_place,
         })
@@ -292,7 +293,7 @@ impl Device {
 
     /// The engine's clock reading.
     pub fn now(&self) -> Instant {
-        Instant::from_nanos(self.epoch.elapsed().as_nanos() as u64)
+        Instant::from_nanos(monotonic_ns().saturating_sub(self.epoch))
     }
 
     /// Take the device lock.
@@ -993,6 +994,15 @@ impl Device {
         let mut buf = [0u8; 64];
         while self.wake_rx.recv(&mut buf).is_ok() {}
     }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds (the clock of `std::time::Instant`), read without
+/// `Instant::elapsed`'s `Duration` arithmetic: every busy poll reads it.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(ts.tv_nsec as u64)
 }
 
 /// How long a thread busy-polls without finding anything before it yields its core after each
