@@ -690,9 +690,11 @@ impl Device {
     /// 0.02–0.04 Mpps instead of 1–2 for 64-byte writes. With no other thread runnable on the core
     /// the yield returns at once.
     pub fn poll_empty(&self, now: Instant) {
+        // On the monotonic clock rather than this device's: a thread may poll several devices.
+        let now = now.as_nanos().wrapping_add(self.epoch);
         EMPTY_SINCE.with(|since| match since.get() {
-            0 => since.set(now.as_nanos().max(1)),
-            t if now.as_nanos().saturating_sub(t) >= YIELD_AFTER.as_nanos() as u64 => {
+            0 => since.set(now.max(1)),
+            t if now.saturating_sub(t) >= YIELD_AFTER.as_nanos() as u64 => {
                 // SAFETY: no arguments, no memory.
                 unsafe { libc::sched_yield() };
             }
@@ -1010,8 +1012,8 @@ fn monotonic_ns() -> u64 {
 const YIELD_AFTER: Duration = Duration::from_micros(20);
 
 thread_local! {
-    /// When this thread's current run of busy polls that found nothing began (engine clock, ns;
-    /// 0: not in one).
+    /// When this thread's current run of busy polls that found nothing began (`CLOCK_MONOTONIC`,
+    /// ns; 0: not in one).
     static EMPTY_SINCE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
