@@ -692,14 +692,15 @@ impl Device {
     pub fn poll_empty(&self, now: Instant) {
         // On the monotonic clock rather than this device's: a thread may poll several devices.
         let now = now.as_nanos().wrapping_add(self.epoch);
-        EMPTY_SINCE.with(|since| match since.get() {
-            0 => since.set(now.max(1)),
-            t if now.saturating_sub(t) >= YIELD_AFTER.as_nanos() as u64 => {
-                // SAFETY: no arguments, no memory.
-                unsafe { libc::sched_yield() };
-            }
-            _ => {}
+        let yield_now = EMPTY_SINCE.with(|since| {
+            let (start, y) = empty_poll(since.get(), now);
+            since.set(start);
+            y
         });
+        if yield_now {
+            // SAFETY: no arguments, no memory.
+            unsafe { libc::sched_yield() };
+        }
     }
 
     /// One round of progress. Same-host lanes come first: they cost no system call when empty.
@@ -1011,6 +1012,15 @@ fn monotonic_ns() -> u64 {
 /// further empty poll (see [`Device::poll_empty`]).
 const YIELD_AFTER: Duration = Duration::from_micros(20);
 
+/// A busy poll at `now` found nothing, in a run of such polls that began at `since` (0: none yet):
+/// when the run began, and whether to yield the core now.
+fn empty_poll(since: u64, now: u64) -> (u64, bool) {
+    match since {
+        0 => (now.max(1), false),
+        t => (t, now.saturating_sub(t) >= YIELD_AFTER.as_nanos() as u64),
+    }
+}
+
 thread_local! {
     /// When this thread's current run of busy polls that found nothing began (`CLOCK_MONOTONIC`,
     /// ns; 0: not in one).
@@ -1052,5 +1062,25 @@ impl Drop for DeviceHandle {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run of empty polls yields from YIELD_AFTER on, after each further poll; a poll that found
+    /// something (the run's start back to 0) starts over.
+    #[test]
+    fn empty_polls_yield_after_a_while() {
+        let after = YIELD_AFTER.as_nanos() as u64;
+        let (start, y) = empty_poll(0, 5_000);
+        assert_eq!((start, y), (5_000, false));
+        assert_eq!(empty_poll(start, 5_000 + after - 1), (5_000, false));
+        assert_eq!(empty_poll(start, 5_000 + after), (5_000, true));
+        assert_eq!(empty_poll(start, 5_000 + 10 * after), (5_000, true));
+        assert_eq!(empty_poll(0, 9_000_000), (9_000_000, false));
+        // A clock reading of 0 still marks a run as begun.
+        assert_eq!(empty_poll(0, 0), (1, false));
     }
 }
