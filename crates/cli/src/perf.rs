@@ -853,8 +853,10 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
         let past = deadline.is_some_and(|d| Instant::now() >= d);
         for q in 0..nqp {
             while !stopped[q] && posted[q] - done[q] < u64::from(plan.tx_depth) {
-                // Up to post_list WRs go in one post (perftest's -l).
+                // Up to post_list WRs go in one post (perftest's -l), with one time stamp (as perftest's
+                // `tposted`: a clock read per WR cost more than the post of a 64-byte WR in a list).
                 list.clear();
+                let tpost = if timed { ns(t0) } else { 0 };
                 while list.len() < plan.post_list as usize
                     && !stopped[q]
                     && posted[q] + (list.len() as u64) - done[q] < u64::from(plan.tx_depth)
@@ -864,7 +866,7 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
                     let signaled = (seq + 1).is_multiple_of(cq_mod) || last;
                     list.push(side.send_wr(plan, q, size, ((q as u64) << 48) | seq, signaled)?);
                     if timed {
-                        tposted[q * iters as usize + seq as usize] = ns(t0);
+                        tposted[q * iters as usize + seq as usize] = tpost;
                     }
                     if last {
                         stopped[q] = true;

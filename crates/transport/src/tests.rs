@@ -435,3 +435,139 @@ fn a_placed_middle_past_the_reth_length_is_an_invalid_request() {
     assert_eq!(r.recv(), vec![(base::ACKNOWLEDGE, EPSN + 1, inv, Some(0))]);
     assert_eq!(r.hca.rx_placement(r.qpn), None);
 }
+
+/// An RC requester in RTS (send PSN 5, MTU 256) with a window of `window` packets, and its CQ.
+fn requester(window: u32) -> (Hca, Flat, Qpn, crate::CqId) {
+    let mut hca = Hca::new(Config { max_inflight_packets: window, ..Config::default() });
+    let cq = hca.create_cq(64);
+    let qpn = rc_qp(&mut hca, cq, 1);
+    let mut mem = Flat(vec![7; 1 << 12]);
+    let steps = [
+        ModifyQp {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(Access::NONE),
+            ..Default::default()
+        },
+        ModifyQp {
+            state: Some(QpState::Rtr),
+            av: Some(AddressVector::default()),
+            path_mtu: Some(Mtu::M256),
+            dest_qpn: Some(PEER),
+            rq_psn: Some(Psn::new(1)),
+            max_dest_rd_atomic: Some(1),
+            min_rnr_timer: Some(12),
+            ..Default::default()
+        },
+        ModifyQp {
+            state: Some(QpState::Rts),
+            sq_psn: Some(Psn::new(5)),
+            timeout: Some(14),
+            retry_cnt: Some(7),
+            rnr_retry: Some(7),
+            max_rd_atomic: Some(1),
+            ..Default::default()
+        },
+    ];
+    for m in &steps {
+        hca.modify_qp(qpn, m, Instant::ZERO, &mut mem).unwrap();
+    }
+    (hca, mem, qpn, cq)
+}
+
+/// A one-packet RDMA WRITE of 64 bytes from `lkey` (the test memory knows key 1 only).
+fn write64(wr_id: u64, lkey: u32) -> crate::SendWr {
+    crate::SendWr {
+        wr_id,
+        op: crate::SendOp::Write { remote_addr: 0x9000, rkey: 7 },
+        payload: crate::wr::Payload::Sgl(SgeList::one(Sge { addr: 0x40, length: 64, lkey })),
+        flags: crate::SendFlags::SIGNALED,
+        ud: None,
+    }
+}
+
+/// The PSNs of the packets `hca` sends now.
+fn sent_psns(hca: &mut Hca, mem: &mut Flat) -> Vec<u32> {
+    let mut buf = vec![0u8; 4096 + 64];
+    let mut out = Vec::new();
+    while let Some(t) = hca.poll_transmit(Instant::ZERO, mem, &mut buf) {
+        out.push(IbPacket::new_checked(&buf[..t.len]).unwrap().bth().psn().value());
+    }
+    out
+}
+
+/// The ACK of everything up to `psn`.
+fn ack(hca: &mut Hca, mem: &mut Flat, qpn: Qpn, psn: u32) {
+    let mut repr =
+        IbRepr::new(BthRepr::new(Opcode::of(WireQpType::Rc, base::ACKNOWLEDGE).unwrap(), qpn, Psn::new(psn)));
+    repr.aeth = Some(softrdma_wire::AethRepr { syndrome: Syndrome::Ack { credits: CREDITS_INVALID }, msn: 1 });
+    let mut buf = vec![0u8; repr.buffer_len()];
+    let n = repr.emit(&mut buf).unwrap();
+    hca.handle_packet(Instant::ZERO, &buf[..n], &RxInfo { grh: [0; 40] }, mem);
+}
+
+/// A one-packet WRITE's region is checked by its gather only (one lookup): a WQE started while
+/// the window is closed is started again, with the same PSN, when it opens.
+#[test]
+fn a_one_packet_write_behind_a_closed_window_keeps_its_psn() {
+    let (mut hca, mut mem, qpn, cq) = requester(1);
+    hca.post_send(qpn, write64(1, 1), Instant::ZERO, &mut mem).unwrap();
+    hca.post_send(qpn, write64(2, 1), Instant::ZERO, &mut mem).unwrap();
+    assert_eq!(sent_psns(&mut hca, &mut mem), [5]);
+    ack(&mut hca, &mut mem, qpn, 5);
+    assert_eq!(sent_psns(&mut hca, &mut mem), [6]);
+    ack(&mut hca, &mut mem, qpn, 6);
+    let mut wcs = Vec::new();
+    hca.poll_cq(cq, 8, &mut wcs).unwrap();
+    assert_eq!(
+        wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+}
+
+/// A bad lkey found by the gather of a one-packet WRITE (behind a closed window or not) is the
+/// same local protection error as the start check's: nothing sent, the WQE completes in order
+/// with LOC_PROT_ERR, the QP goes to ERR and the rest is flushed.
+#[test]
+fn a_bad_lkey_found_by_the_gather_fails_the_wqe_as_the_start_check_would() {
+    for window in [1, 128] {
+        let (mut hca, mut mem, qpn, cq) = requester(window);
+        hca.post_send(qpn, write64(1, 1), Instant::ZERO, &mut mem).unwrap();
+        hca.post_send(qpn, write64(2, 9), Instant::ZERO, &mut mem).unwrap();
+        hca.post_send(qpn, write64(3, 1), Instant::ZERO, &mut mem).unwrap();
+        assert_eq!(sent_psns(&mut hca, &mut mem), [5]);
+        let mut wcs = Vec::new();
+        hca.poll_cq(cq, 8, &mut wcs).unwrap();
+        assert!(wcs.is_empty());
+        ack(&mut hca, &mut mem, qpn, 5);
+        assert_eq!(sent_psns(&mut hca, &mut mem), Vec::<u32>::new());
+        hca.poll_cq(cq, 8, &mut wcs).unwrap();
+        assert_eq!(
+            wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+            [(1, WcStatus::Success), (2, WcStatus::LocProtErr), (3, WcStatus::WrFlushErr)]
+        );
+        assert_eq!(hca.query_qp(qpn).unwrap().state, QpState::Err);
+    }
+}
+
+/// One ACK covering several messages completes them all, in order, and brings the retransmit
+/// timer in line once: armed while something is unacknowledged, stopped when nothing is.
+#[test]
+fn an_ack_of_several_messages_completes_them_in_order() {
+    let (mut hca, mut mem, qpn, cq) = requester(128);
+    for id in 1..=4 {
+        hca.post_send(qpn, write64(id, 1), Instant::ZERO, &mut mem).unwrap();
+    }
+    assert_eq!(sent_psns(&mut hca, &mut mem), [5, 6, 7, 8]);
+    assert!(hca.poll_timeout().is_some());
+    let mut wcs = Vec::new();
+    ack(&mut hca, &mut mem, qpn, 7);
+    hca.poll_cq(cq, 8, &mut wcs).unwrap();
+    assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(hca.poll_timeout().is_some());
+    ack(&mut hca, &mut mem, qpn, 8);
+    hca.poll_cq(cq, 8, &mut wcs).unwrap();
+    assert_eq!(wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>().last(), Some(&(4, WcStatus::Success)));
+    assert_eq!(hca.poll_timeout(), None);
+}

@@ -501,10 +501,20 @@ impl CompletionQueue {
         let mut st = dev.lock();
         let n = st.hca.poll_cq(id, max, out)?;
         if n > 0 || max == 0 {
+            if n > 0 {
+                dev.poll_found();
+            }
             return Ok(n);
         }
-        dev.poll_progress(&mut st);
-        Ok(st.hca.poll_cq(id, max, out)?)
+        let (now, work) = dev.poll_progress(&mut st);
+        let n = st.hca.poll_cq(id, max, out)?;
+        drop(st);
+        if n > 0 || work {
+            dev.poll_found();
+        } else {
+            dev.poll_empty(now);
+        }
+        Ok(n)
     }
 
     /// Ask for a channel event on the next completion (solicited or error only if `solicited_only`).

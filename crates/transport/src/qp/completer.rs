@@ -69,20 +69,29 @@ impl Qp {
 
     /// Complete every WQE that ends before `psn`.
     fn ack_before(&mut self, psn: Psn, ctx: &mut Ctx<'_>) -> Implicit {
+        // The progress of all the WQEs completed goes in once, at the end (an ACK of a batch of
+        // small messages completes several): the same state as one step per WQE.
+        let mut una = None;
+        let mut implicit = Implicit::Done;
         while let Some(w) = self.sq.wqes.front() {
             if !w.started || !w.last_psn().before(psn) {
                 break;
             }
             if w.wr.op.is_read_or_atomic() {
-                return Implicit::LostResponse;
+                implicit = Implicit::LostResponse;
+                break;
             }
-            let last = w.last_psn();
+            una = Some(w.last_psn().next());
             let w = self.sq.pop_head().expect("head exists");
-            self.progress(last.next(), ctx);
             self.finish_send(w, WcStatus::Success, ctx);
         }
-        self.complete_send_head(ctx);
-        Implicit::Done
+        if let Some(una) = una {
+            self.progress(una, ctx);
+        }
+        if matches!(implicit, Implicit::Done) {
+            self.complete_send_head(ctx);
+        }
+        implicit
     }
 
     /// Forward progress to `una`: reset the retry budgets and the retransmit timer.

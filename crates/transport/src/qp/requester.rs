@@ -260,6 +260,9 @@ impl Qp {
         let mtu = self.attr.mtu.bytes();
         let idx = self.sq.cur;
         let w = self.sq.wqes.get(idx)?;
+        // The send PSN before this call started the WQE, when the start left its memory check to
+        // the gather.
+        let mut unchecked = None;
         if !w.started {
             if self.state == QpState::Sqd || w.error.is_some() {
                 return None;
@@ -274,10 +277,17 @@ impl Qp {
             if w.wr.flags.contains(SendFlags::FENCE) && self.sq.rd_atomic_inflight > 0 {
                 return None;
             }
-            if let Some(status) = self.start_check(w, ctx) {
+            // A one-packet message from one SGE is read whole by its gather in this same call, and
+            // that read checks the lkey, PD, rights and bounds as the start check would: the region
+            // is looked up once. Unless the packet is built in this call, the start is undone (below).
+            let by_gather = Self::gather_checks(w, mtu, ctx);
+            if let Some(status) = self.start_check(w, !by_gather, ctx) {
                 self.sq.wqes[idx].error = Some(status);
                 self.complete_send_head(ctx);
                 return None;
+            }
+            if by_gather {
+                unchecked = Some(self.sq.send_psn);
             }
             let npsn = self.sq.npsn;
             let w = &mut self.sq.wqes[idx];
@@ -313,16 +323,50 @@ impl Qp {
             // local ACK timeout. One more packet, asking for an ACK, closes the tail.
             if self.sq.noack == 0 || inflight == 0 {
                 ctx.held = !window_closed;
+                if let Some(prev) = unchecked {
+                    self.unstart(idx, prev);
+                }
                 return None;
             }
             force_ack = true;
         }
-        let n = self.build_request(buf, idx, force_ack, ctx)?;
-        Some(n)
+        let t = self.build_request(buf, idx, force_ack, unchecked, ctx);
+        if let (None, Some(prev)) = (&t, unchecked) {
+            // Not built for another reason than its memory (that undid the start and failed the WQE).
+            if self.sq.wqes.get(idx).is_some_and(|w| w.started && w.error.is_none()) {
+                self.unstart(idx, prev);
+            }
+        }
+        t
     }
 
-    /// Local checks when a WQE starts; a failure is the completion status.
-    fn start_check(&self, w: &SendWqe, ctx: &Ctx<'_>) -> Option<WcStatus> {
+    /// Whether the gather of WQE `w`'s only packet reads every byte its SGL names (one SGE, not
+    /// empty, one packet, copied rather than deferred), so that its local checks are the start
+    /// check's memory check.
+    fn gather_checks(w: &SendWqe, mtu: usize, ctx: &Ctx<'_>) -> bool {
+        let Payload::Sgl(sgl) = &w.wr.payload else { return false };
+        let defer_min = ctx.config.defer_payload_min;
+        sgl.len() == 1
+            && sgl[0].length == w.len
+            && w.len > 0
+            && w.len as usize <= mtu
+            && !w.wr.op.is_read_or_atomic()
+            && (defer_min == 0 || (w.len as usize) < defer_min)
+    }
+
+    /// Undo the start of WQE `idx` in this call (its PSNs go back to the pool; `send_psn` was the
+    /// send PSN before): as if the start had not happened.
+    fn unstart(&mut self, idx: usize, send_psn: Psn) {
+        let w = &mut self.sq.wqes[idx];
+        w.started = false;
+        w.read_expect_first = false;
+        self.sq.npsn = w.first_psn;
+        self.sq.send_psn = send_psn;
+    }
+
+    /// Local checks when a WQE starts; a failure is the completion status. `memory`: check the
+    /// SGL's keys and bounds too.
+    fn start_check(&self, w: &SendWqe, memory: bool, ctx: &Ctx<'_>) -> Option<WcStatus> {
         if u64::from(w.len) > ctx.config.max_msg_size {
             return Some(WcStatus::LocLenErr);
         }
@@ -332,7 +376,7 @@ impl Qp {
         if w.wr.op.is_atomic() && w.len != 8 {
             return Some(WcStatus::LocLenErr);
         }
-        if let Payload::Sgl(sgl) = &w.wr.payload {
+        if let (Payload::Sgl(sgl), true) = (&w.wr.payload, memory) {
             let need = if w.wr.op.is_read_or_atomic() { Access::LOCAL_WRITE } else { Access::NONE };
             if memory::check_sgl(ctx.mem, self.init.pd, sgl, need).is_err() {
                 return Some(WcStatus::LocProtErr);
@@ -341,7 +385,16 @@ impl Qp {
         None
     }
 
-    fn build_request(&mut self, buf: &mut [u8], idx: usize, force_ack: bool, ctx: &mut Ctx<'_>) -> Option<Transmit> {
+    /// Build packet `cur_pkt` of WQE `idx`. `unchecked`: the WQE was started in this call with its
+    /// memory check left to this gather, and the send PSN before (see `poll_request`).
+    fn build_request(
+        &mut self,
+        buf: &mut [u8],
+        idx: usize,
+        force_ack: bool,
+        unchecked: Option<Psn>,
+        ctx: &mut Ctx<'_>,
+    ) -> Option<Transmit> {
         let mtu = self.attr.mtu.bytes();
         let qp_type = self.init.qp_type;
         let k = self.sq.cur_pkt;
@@ -468,7 +521,11 @@ impl Qp {
             Payload::Sgl(sgl) => memory::gather(ctx.mem, self.init.pd, sgl, offset as u64, &mut buf[range]),
         };
         if gathered.is_err() {
-            // The region went away after the start check: a local protection error.
+            // The region went away after the start check (or this was the start's check): a local
+            // protection error, of a WQE that never started in the latter case.
+            if let Some(prev) = unchecked {
+                self.unstart(idx, prev);
+            }
             self.sq.wqes[idx].error = Some(WcStatus::LocProtErr);
             self.complete_send_head(ctx);
             return None;
