@@ -11,6 +11,7 @@
 //! retransmitted every response timeout (4.096 µs × 2^timeout) up to the retry limit; a duplicate of a
 //! message already answered gets the same answer again. UD IDs resolve with SIDR instead.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -142,6 +143,10 @@ pub struct CmAgent {
     port_active: bool,
     /// MADs that did not parse or matched nothing.
     pub dropped: u64,
+    /// The earliest deadline of the ids, once worked out ([`CmAgent::poll_timeout`]); every call
+    /// that may change an id forgets it. A busy-polling driver asks several times per poll, and a
+    /// scan over a thousand ids each time would cost more than the poll.
+    deadline_memo: Cell<Option<Option<Instant>>>,
 }
 
 fn mtu_code(m: softrdma_transport::Mtu) -> u8 {
@@ -180,6 +185,7 @@ impl CmAgent {
             events: VecDeque::new(),
             port_active: true,
             dropped: 0,
+            deadline_memo: Cell::new(None),
         }
     }
 
@@ -212,12 +218,14 @@ impl CmAgent {
 
     /// Change [`AgentConfig::no_listener_retries`] for later connects.
     pub fn set_no_listener_retries(&mut self, retries: u8) {
+        self.deadline_memo.set(None);
         self.config.no_listener_retries = retries;
     }
 
     /// The port's link went down (`false`) or up again: while it is down, address and route
     /// resolution fail (ADDR_ERROR, ROUTE_ERROR with [`status::ENETUNREACH`]).
     pub fn set_port_active(&mut self, up: bool) {
+        self.deadline_memo.set(None);
         self.port_active = up;
     }
 
@@ -225,6 +233,7 @@ impl CmAgent {
     /// GID table changed): later resolutions use the new set; a route from an address that is gone
     /// fails with ROUTE_ERROR ([`status::ENODEV`]).
     pub fn set_addrs(&mut self, addrs: Vec<(IpAddr, u8)>) {
+        self.deadline_memo.set(None);
         self.config.addrs = addrs;
     }
 
@@ -242,6 +251,7 @@ impl CmAgent {
 
     /// Create an ID (`rdma_create_id`).
     pub fn create_id(&mut self, ps: PortSpace) -> IdHandle {
+        self.deadline_memo.set(None);
         let h = IdHandle(self.next_id);
         self.next_id += 1;
         self.ids.insert(h, Id::new(ps));
@@ -250,6 +260,7 @@ impl CmAgent {
 
     /// Destroy an ID (`rdma_destroy_id`): a live connection is torn down with a DREQ first.
     pub fn destroy_id(&mut self, h: IdHandle, now: Instant) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let id = self.ids.get(&h).ok_or(CmError::NoSuchId)?;
         if matches!(id.state, State::Established | State::RepSent) {
             let _ = self.disconnect(h, now);
@@ -286,6 +297,7 @@ impl CmAgent {
 
     /// Bind to a local address (`rdma_bind_addr`); port 0 picks one.
     pub fn bind(&mut self, h: IdHandle, mut addr: SocketAddr) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let ps = self.id(h)?.ps;
         if !addr.ip().is_unspecified() && !self.config.addrs.iter().any(|(a, _)| *a == addr.ip()) {
             return Err(CmError::AddrNotAvailable);
@@ -302,6 +314,7 @@ impl CmAgent {
     /// Resolve the destination (`rdma_resolve_addr`): picks the local address, raises ADDR_RESOLVED
     /// or ADDR_ERROR. No route check: see [`CmAgent::resolve_addr_via`].
     pub fn resolve_addr(&mut self, h: IdHandle, src: Option<IpAddr>, dst: SocketAddr) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         self.resolve_addr_via(h, src, dst, |_, _| Ok(()))
     }
 
@@ -367,6 +380,7 @@ impl CmAgent {
     /// Resolve the route (`rdma_resolve_route`): ROUTE_RESOLVED or ROUTE_ERROR. No route check:
     /// see [`CmAgent::resolve_route_via`].
     pub fn resolve_route(&mut self, h: IdHandle) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         self.resolve_route_via(h, |_, _| Ok(()))
     }
 
@@ -419,6 +433,7 @@ impl CmAgent {
 
     /// Listen (`rdma_listen`); the ID must be bound.
     pub fn listen(&mut self, h: IdHandle, backlog: u32) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let id = self.id(h)?;
         if id.local.is_none() {
             return Err(CmError::InvalidState("listen on an unbound id"));
@@ -453,6 +468,7 @@ impl CmAgent {
 
     /// Connect (`rdma_connect`): REQ (RC/UC) or SIDR_REQ (UD).
     pub fn connect(&mut self, h: IdHandle, param: ConnParam, now: Instant) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let guid = self.config.ca_guid;
         let no_listener_retries = self.config.no_listener_retries;
         let comm_id = self.random();
@@ -532,6 +548,7 @@ impl CmAgent {
     /// Accept a connection request (`rdma_accept`): the QP goes to RTR and RTS, then REP (or
     /// SIDR_REP for UD).
     pub fn accept(&mut self, h: IdHandle, param: ConnParam, now: Instant) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let guid = self.config.ca_guid;
         let id = self.id(h)?;
         let route = id.route.ok_or(CmError::InvalidState("accept"))?;
@@ -614,6 +631,7 @@ impl CmAgent {
     /// Reject a connection request (`rdma_reject`): REJ with reason "consumer reject" (SIDR_REP with
     /// status "rejected" for UD).
     pub fn reject(&mut self, h: IdHandle, private_data: &[u8]) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let id = self.id(h)?;
         let route = id.route.ok_or(CmError::InvalidState("reject"))?;
         let msg = match id.state {
@@ -658,6 +676,7 @@ impl CmAgent {
 
     /// Disconnect (`rdma_disconnect`): the QP goes to ERR and a DREQ is sent.
     pub fn disconnect(&mut self, h: IdHandle, now: Instant) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let id = self.id(h)?;
         if !matches!(id.state, State::Established | State::RepSent) {
             return Err(CmError::InvalidState("disconnect without a connection"));
@@ -686,6 +705,7 @@ impl CmAgent {
 
     /// A MAD received on QP1 from `src_gid`.
     pub fn handle_mad(&mut self, now: Instant, src_gid: [u8; 16], mad: &[u8]) {
+        self.deadline_memo.set(None);
         let Ok((h, msg)) = CmMessage::parse(mad) else {
             self.dropped += 1;
             return;
@@ -888,6 +908,7 @@ impl CmAgent {
     /// CONNECT_RESPONSE: the RTU goes out and the connection is established. As with the kernel,
     /// no event follows on this side (the peer gets ESTABLISHED).
     pub fn establish(&mut self, h: IdHandle) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let id = self.id(h)?;
         if id.state != State::RepRcvd {
             return Err(CmError::InvalidState("establish without a connect response"));
@@ -1142,6 +1163,7 @@ impl CmAgent {
 
     /// Fire expired timers: retransmit, give up, or end time-wait.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.deadline_memo.set(None);
         let due: Vec<IdHandle> =
             self.ids.iter().filter(|(_, i)| i.deadline.is_some_and(|d| d <= now)).map(|(h, _)| *h).collect();
         let timeout = self.response_timeout();
@@ -1193,7 +1215,15 @@ impl CmAgent {
 
     /// The earliest deadline.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.ids.values().filter_map(|i| i.deadline).min()
+        let scan = || self.ids.values().filter_map(|i| i.deadline).min();
+        if let Some(d) = self.deadline_memo.get() {
+            // Every test run that uses the CM checks that no change went unnoticed.
+            debug_assert_eq!(d, scan(), "a CM call changed a deadline without forgetting the memo");
+            return d;
+        }
+        let d = scan();
+        self.deadline_memo.set(Some(d));
+        d
     }
 
     /// The next thing for the device to do.

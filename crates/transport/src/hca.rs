@@ -301,29 +301,47 @@ impl ReadyList {
 
 /// Every QP's earliest timer deadline, ordered, so that the next deadline and the expired QPs are
 /// found in O(log n) instead of a scan over all QPs per call (the driver asks after every flush).
+///
+/// The index is kept *lazily*: an entry may be earlier than its QP's real deadline, never later.
+/// A request arms the retransmit timer and its ACK stops it, so a ping-pong would otherwise remove
+/// and insert an entry on every message; instead an entry moves only when a timer is armed
+/// earlier than it, and a stale one fires as a no-op ([`Hca::handle_timeout`] then files the QP
+/// under its real deadline, if any). State changes ([`Hca::modify_qp`]) file the QP exactly, so an
+/// engine whose QPs were all reset or failed by their timers reports no deadline.
 #[derive(Debug, Default)]
 struct TimerIndex {
-    /// `(deadline, qpn)` for every QP with a timer armed.
+    /// `(deadline, qpn)` for every QP with a timer armed (or, stale, armed until recently).
     by_time: BTreeSet<(Instant, Qpn)>,
     /// Scratch list of expired QPs, kept to avoid an allocation per firing.
     due: Vec<Qpn>,
 }
 
 impl TimerIndex {
-    /// Bring the index in line with `qp`'s timers after a call into it (cheap when they did not
-    /// change, which is the common case: only the first packet after idle, ACKs that make
-    /// progress and retries re-arm).
+    /// Bring the index in line with `qp`'s timers after a call into it: only a deadline earlier
+    /// than the entry (or the first one) moves it.
     fn sync(&mut self, qp: &mut Qp) {
+        let Some(next) = qp.next_deadline() else { return };
+        if qp.indexed_deadline.is_none_or(|old| next < old) {
+            self.file(qp, Some(next));
+        }
+    }
+
+    /// File `qp` under its exact next deadline (none: no entry).
+    fn sync_exact(&mut self, qp: &mut Qp) {
         let next = qp.next_deadline();
         if next != qp.indexed_deadline {
-            if let Some(old) = qp.indexed_deadline {
-                self.by_time.remove(&(old, qp.qpn));
-            }
-            if let Some(new) = next {
-                self.by_time.insert((new, qp.qpn));
-            }
-            qp.indexed_deadline = next;
+            self.file(qp, next);
         }
+    }
+
+    fn file(&mut self, qp: &mut Qp, at: Option<Instant>) {
+        if let Some(old) = qp.indexed_deadline {
+            self.by_time.remove(&(old, qp.qpn));
+        }
+        if let Some(new) = at {
+            self.by_time.insert((new, qp.qpn));
+        }
+        qp.indexed_deadline = at;
     }
 
     fn remove(&mut self, qp: &Qp) {
@@ -618,7 +636,12 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
-        self.with_qp(qpn, now, mem, |qp, ctx| qp.modify(attr, ctx))
+        let r = self.with_qp(qpn, now, mem, |qp, ctx| qp.modify(attr, ctx));
+        // A QP reset or moved to ERR stops its timers: its entry goes now, not when it would fire.
+        if let Some(qp) = self.qps.get_mut(&qpn) {
+            self.timers.sync_exact(qp);
+        }
+        r
     }
 
     /// Query a QP.
@@ -748,13 +771,18 @@ impl Hca {
         for qpn in &due {
             if let Some(qp) = qps.get_mut(qpn) {
                 qp.handle_timeout(&mut ctx);
+                // The entry was due: it is filed again under the QP's real deadline (a stale one
+                // fired nothing).
+                book.timers.sync_exact(qp);
                 book.sync(qp);
             }
         }
         book.timers.due = due;
     }
 
-    /// The earliest timer deadline.
+    /// The earliest timer deadline, or a moment before it: a timer stopped (by an ACK) keeps its
+    /// place until then, and [`Hca::handle_timeout`] at that moment fires nothing (see
+    /// `TimerIndex`). An engine with no timer armed since its QPs changed state reports `None`.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.timers.by_time.first().map(|(at, _)| *at)
     }

@@ -147,7 +147,10 @@ pub(crate) struct State {
 impl State {
     /// The earliest timer of the engine and the CM agent.
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        [self.hca.poll_timeout(), self.cm.agent.poll_timeout()].into_iter().flatten().min()
+        match (self.hca.poll_timeout(), self.cm.agent.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }
 
@@ -717,7 +720,7 @@ impl Device {
     /// anything happened (a packet, a timer, a lane opened or closed).
     fn receive_at(&self, st: &mut State, now: Instant, full: bool) -> bool {
         let mut work = st.link.maintain(now, full);
-        if st.link.has_inbound() {
+        if st.link.inbound_waiting() {
             let mut lanes = st.link.take_inbound();
             work |= lanes.receive(|pkt, src, local| self.receive_local(st, now, pkt, src, local)) > 0;
             st.link.put_inbound(lanes);

@@ -421,9 +421,14 @@ impl Link {
         }
     }
 
+    /// Whether an inbound lane has an entry waiting (or is closing and must be looked at): an
+    /// empty busy poll then leaves the lanes where they are.
+    pub fn inbound_waiting(&self) -> bool {
+        self.inbound.iter().any(|l| l.closing || l.cons.front_tagged().is_some())
+    }
+
     /// The inbound lanes, taken out for [`Lanes::receive`] (so that the packets they hand over can
     /// be delivered to the rest of the device state); give them back with [`Link::put_inbound`].
-    /// Moving a `Vec` is three words: this runs on every busy poll.
     pub fn take_inbound(&mut self) -> Lanes {
         Lanes { lanes: std::mem::take(&mut self.inbound), stats: SameHostStats::default() }
     }

@@ -1,4 +1,5 @@
-//! Data request headers (SEND and RDMA WRITE, every transport) written from a per-QP template.
+//! Data request headers (SEND and RDMA WRITE, every transport) written from a per-QP template, and
+//! RC acknowledgements written directly.
 //!
 //! Consecutive request packets of a QP differ only in a few fields: opcode, SE, pad, AckReq, PSN, and
 //! the RETH, DETH and immediate of the packets that carry them. [`RequestTemplate`] keeps the fixed
@@ -6,11 +7,13 @@
 //! patches the rest in place: one opcode-table lookup to check the headers asked for, no per-header
 //! offset search. The bytes are those [`crate::IbRepr::emit`] writes for the same packet (a test
 //! compares them, ICRC included, for every opcode this covers); parsing stays with the views.
+//! [`emit_acknowledge`] does the same for the 20-byte ACKNOWLEDGE a responder sends per message.
 
+use crate::aeth::{AethPacket, AethRepr, AETH_LEN};
 use crate::bth::BTH_LEN;
 use crate::ext::{DethPacket, DethRepr, RethPacket, RethRepr, DETH_LEN, RETH_LEN, WORD_LEN};
 use crate::number::{Psn, Qpn};
-use crate::opcode::{Flags, HeaderSet, Opcode};
+use crate::opcode::{base, Flags, HeaderSet, Opcode};
 use crate::packet::pad_for;
 use crate::{Error, Result, ICRC_LEN};
 
@@ -101,6 +104,22 @@ impl RequestTemplate {
         buf[len - ICRC_LEN..].fill(0);
         Ok((hdr, len))
     }
+}
+
+/// Write an RC ACKNOWLEDGE to `dest_qp` in partition `pkey` (BTH, AETH, zeroed ICRC slot) into
+/// `buf`; returns its length. The bytes are those [`crate::IbRepr::emit`] writes for it.
+pub fn emit_acknowledge(buf: &mut [u8], pkey: u16, dest_qp: Qpn, psn: Psn, aeth: &AethRepr) -> Result<usize> {
+    const LEN: usize = BTH_LEN + AETH_LEN + ICRC_LEN;
+    let buf = buf.get_mut(..LEN).ok_or(Error::Truncated)?;
+    // RC's opcode prefix is 0; no SE, MigReq, pad or version bits.
+    buf[0] = base::ACKNOWLEDGE;
+    buf[1] = 0;
+    buf[2..4].copy_from_slice(&pkey.to_be_bytes());
+    buf[4..8].copy_from_slice(&(dest_qp.value() & 0xff_ffff).to_be_bytes());
+    buf[8..BTH_LEN].copy_from_slice(&psn.value().to_be_bytes());
+    aeth.emit(&mut AethPacket::new_unchecked(&mut buf[BTH_LEN..BTH_LEN + AETH_LEN]));
+    buf[LEN - ICRC_LEN..].fill(0);
+    Ok(LEN)
 }
 
 #[cfg(test)]
@@ -204,5 +223,43 @@ mod tests {
         assert_eq!(t.emit(&mut buf, &r), Err(Error::Reserved));
         r.opcode = Opcode(0xff);
         assert_eq!(t.emit(&mut buf, &r), Err(Error::UnknownOpcode(0xff)));
+    }
+
+    #[test]
+    fn acknowledgements_are_the_repr_packets() {
+        use crate::aeth::Syndrome;
+        let syndromes = [
+            Syndrome::Ack { credits: crate::aeth::CREDITS_INVALID },
+            Syndrome::Ack { credits: 3 },
+            Syndrome::RnrNak { timer: 14 },
+            Syndrome::Nak(crate::aeth::NakCode::PsnSequenceError),
+            Syndrome::Nak(crate::aeth::NakCode::RemoteAccessError),
+        ];
+        for (k, syndrome) in syndromes.into_iter().enumerate() {
+            let (pkey, dest_qp, psn) = if k % 2 == 0 {
+                (DEFAULT_PKEY, Qpn::new(0x11), Psn::new(0))
+            } else {
+                (0x8001, Qpn::new(0xabcdef), Psn::new(0xff_ffff))
+            };
+            let aeth = AethRepr { syndrome, msn: 0x12_3456 + k as u32 };
+            let mut ib = IbRepr::new(BthRepr { pkey, ..BthRepr::new(Opcode(base::ACKNOWLEDGE), dest_qp, psn) });
+            ib.aeth = Some(aeth);
+            let mut want = [0xeeu8; 32];
+            let n = ib.emit(&mut want).unwrap();
+            let mut got = [0x55u8; 32];
+            assert_eq!(emit_acknowledge(&mut got, pkey, dest_qp, psn, &aeth), Ok(n));
+            assert_eq!(got[..n], want[..n], "{syndrome:?}");
+            assert_eq!(IbPacket::new_checked(&got[..n]).unwrap().aeth().map(|a| a.msn()), Some(aeth.msn));
+        }
+        assert_eq!(
+            emit_acknowledge(
+                &mut [0u8; 19],
+                DEFAULT_PKEY,
+                Qpn::new(1),
+                Psn::new(1),
+                &AethRepr { syndrome: Syndrome::Ack { credits: 0 }, msn: 0 }
+            ),
+            Err(Error::Truncated)
+        );
     }
 }

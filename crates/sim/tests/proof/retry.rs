@@ -327,3 +327,54 @@ fn rnr_under_loss(seed: u64) {
         }
     }
 }
+
+/// The engine files a QP's retransmit timer lazily (an ACK that stops it leaves the entry where it
+/// was): the stale entry must fire as a no-op, and a timer armed later must still fire exactly one
+/// ACK timeout after its packet, not at the stale time. Once everything fired, no deadline is left.
+#[test]
+fn a_stopped_retransmit_timer_fires_nothing_and_a_later_one_fires_on_time() {
+    let timeout = 10;
+    let t = ack_timeout(timeout);
+    let mut net = net("stale_retransmit_timer", Impairments::NONE, 1);
+    let o = ConnOpts { timeout, ..ConnOpts::default() };
+    let (a, b) = pair(&mut net, &o);
+    let ma = net.reg(&a, 4096, ALL_ACCESS, 0xaa);
+    let mb = net.reg(&b, 4096, ALL_ACCESS, 0xbb);
+    net.post_recv(&b, recv(100, &[mb.sge(0, 64)])).unwrap();
+    net.post_recv(&b, recv(101, &[mb.sge(64, 64)])).unwrap();
+
+    // The first message is acknowledged at once: its timer stops, its entry (at t0 + t) stays.
+    let t0 = net.now;
+    net.post_send(&a, wr(1, SendOp::Send, &[ma.sge(0, 64)])).unwrap();
+    net.run_for(DELAY * 4);
+    assert_wcs(&net.send_wcs(&a), &[(1, WcStatus::Success, WcOpcode::Send, 64)]);
+    assert!(net.nodes[0].hca.poll_timeout().is_none_or(|d| d <= t0 + t));
+
+    // Half a timeout later the second message is lost: its timer runs from t1.
+    net.run_to(t0 + t / 2);
+    net.imp.loss = 1.0;
+    let t1 = net.now;
+    let psn = net.nodes[0].hca.query_qp(a.qpn).unwrap().sq_psn;
+    net.post_send(&a, wr(2, SendOp::Send, &[ma.sge(64, 64)])).unwrap();
+
+    // The stale entry comes due at t0 + t: nothing is resent, the QP is filed under t1 + t.
+    net.run_to(t0 + t);
+    assert_eq!(net.nodes[0].hca.counters().ack_timeouts, 0);
+    assert_eq!(net.nodes[0].hca.poll_timeout(), Some(t1 + t));
+
+    // The real timeout resends at t1 + t exactly; this time it gets through.
+    net.imp.loss = 0.0;
+    net.run_to(just_before(t1 + t));
+    assert_eq!(net.nodes[0].hca.counters().ack_timeouts, 0);
+    net.run_to(t1 + t);
+    let sends: Vec<_> = net.frames().into_iter().filter(|f| f.from == 0 && f.psn == psn).map(|f| f.at).collect();
+    assert_eq!(sends, vec![t1, t1 + t]);
+    net.settle();
+    assert_wcs(&net.send_wcs(&a), &[(2, WcStatus::Success, WcOpcode::Send, 64)]);
+    assert_wcs(
+        &net.recv_wcs(&b),
+        &[(100, WcStatus::Success, WcOpcode::Recv, 64), (101, WcStatus::Success, WcOpcode::Recv, 64)],
+    );
+    assert_eq!(net.nodes[0].hca.counters().ack_timeouts, 1);
+    assert_eq!(net.nodes[0].hca.poll_timeout(), None);
+}

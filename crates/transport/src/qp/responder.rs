@@ -19,6 +19,7 @@ use crate::wr::RecvWr;
 use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::opcode::{base, Flags};
+use softrdma_wire::template::emit_acknowledge;
 use softrdma_wire::{
     AethRepr, AtomicAckEthRepr, BthRepr, IbPacket, IbRepr, NakCode, Opcode, Psn, QpType as WireQpType, Syndrome,
 };
@@ -560,9 +561,7 @@ impl Qp {
         let len = match r {
             Response::Ack { psn, syndrome, msn } => {
                 self.resp.out.pop_front();
-                let mut repr = IbRepr::new(bth(base::ACKNOWLEDGE, psn));
-                repr.aeth = Some(AethRepr { syndrome, msn });
-                repr.emit(buf).ok()?
+                emit_acknowledge(buf, DEFAULT_PKEY, self.attr.dest_qpn, psn, &AethRepr { syndrome, msn }).ok()?
             }
             Response::AtomicAck { psn, orig, msn, .. } => {
                 self.resp.out.pop_front();
