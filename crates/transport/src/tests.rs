@@ -277,37 +277,7 @@ fn deferred_payload_names_the_bytes_a_gather_copies() {
         let qpn = rc_qp(&mut hca, cq, 4);
         let mut mem = Flat((0..1 << 16).map(|i| (i * 7 + 3) as u8).collect());
         let now = Instant::ZERO;
-        let steps = [
-            ModifyQp {
-                state: Some(QpState::Init),
-                pkey_index: Some(0),
-                port: Some(1),
-                access: Some(Access::NONE),
-                ..Default::default()
-            },
-            ModifyQp {
-                state: Some(QpState::Rtr),
-                av: Some(AddressVector::default()),
-                path_mtu: Some(Mtu::M256),
-                dest_qpn: Some(PEER),
-                rq_psn: Some(Psn::new(1)),
-                max_dest_rd_atomic: Some(1),
-                min_rnr_timer: Some(12),
-                ..Default::default()
-            },
-            ModifyQp {
-                state: Some(QpState::Rts),
-                sq_psn: Some(Psn::new(5)),
-                timeout: Some(14),
-                retry_cnt: Some(7),
-                rnr_retry: Some(7),
-                max_rd_atomic: Some(1),
-                ..Default::default()
-            },
-        ];
-        for m in &steps {
-            hca.modify_qp(qpn, m, now, &mut mem).unwrap();
-        }
+        to_rts(&mut hca, qpn, &mut mem);
         // 700 bytes from two SGEs (300 + 400): packets of 256, 256 and 188 bytes; the second packet
         // spans both SGEs. Then a 3-SGE message of 3 × 100 bytes: its first packet has three pieces,
         // more than a deferred payload holds, so it is copied; its last (44 bytes) is below the
@@ -442,6 +412,13 @@ fn requester(window: u32) -> (Hca, Flat, Qpn, crate::CqId) {
     let cq = hca.create_cq(64);
     let qpn = rc_qp(&mut hca, cq, 1);
     let mut mem = Flat(vec![7; 1 << 12]);
+    to_rts(&mut hca, qpn, &mut mem);
+    (hca, mem, qpn, cq)
+}
+
+/// Move `qpn` through INIT and RTR (MTU 256, peer [`PEER`], receive PSN 1) to RTS (send PSN 5,
+/// timeout 14, unlimited retries, one READ or atomic in flight).
+fn to_rts(hca: &mut Hca, qpn: Qpn, mem: &mut Flat) {
     let steps = [
         ModifyQp {
             state: Some(QpState::Init),
@@ -471,9 +448,8 @@ fn requester(window: u32) -> (Hca, Flat, Qpn, crate::CqId) {
         },
     ];
     for m in &steps {
-        hca.modify_qp(qpn, m, Instant::ZERO, &mut mem).unwrap();
+        hca.modify_qp(qpn, m, Instant::ZERO, mem).unwrap();
     }
-    (hca, mem, qpn, cq)
 }
 
 /// A one-packet RDMA WRITE of 64 bytes from `lkey` (the test memory knows key 1 only).
