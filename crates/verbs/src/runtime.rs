@@ -22,9 +22,7 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{
-    seal_udp_payload, ud_grh_area, udp_payload_icrc_parts, IcrcCache, UdpSealer, UdpVerdict, VerifyStats,
-};
+use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, udp_payload_icrc_parts, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
 use crate::cm::CmState;
@@ -512,15 +510,12 @@ impl Device {
         // Packets of one length between one pair of addresses (a GSO group, a burst of small
         // messages) share the ICRC's pseudo-header: its CRC is computed once per run of them.
         for &(a, b) in &groups[..ng] {
-            // A group goes to one destination (from one source); only its last packet may be shorter.
-            let mut sealer: Option<UdpSealer> = None;
+            // A group goes to one destination (from one source); only its last packet may be
+            // shorter (the cache then builds the sealer for its length).
             for (j, &(len, dst, src, slot)) in meta.iter().enumerate().take(b).skip(a) {
                 let pkt = &mut tx_buf[slot * TX_SLOT..][..len];
                 let ident = (j - a) as u16;
-                if sealer.as_ref().is_none_or(|s| s.len() != len) {
-                    sealer = icrc.sealer(src, dst, len).ok().cloned();
-                }
-                let sealed = sealer.as_ref().ok_or(softrdma_wire::Error::Reserved).and_then(|s| match in_place(j) {
+                let sealed = icrc.sealer(src, dst, len).and_then(|s| match in_place(j) {
                     None => s.seal(pkt, ident),
                     Some(ip) => {
                         let (mut parts, np) = ip.parts(pkt);

@@ -523,7 +523,7 @@ const IDENT_DELTA: [u32; 16] = {
 /// continues from there over its own bytes.
 ///
 /// The identification's difference is not put into the CRC state (that would mean a new hasher,
-/// and crc32fast's CPU feature check, per packet) but into the packet's first four bytes: a
+/// and crc32fast's CPU feature check, per packet) but into a copy of the packet's first four bytes: a
 /// reflected CRC-32 XORs its state with the next four input bytes (little-endian) before anything
 /// else, so state `s ^ d` over `x` is state `s` over `x` with `d` XORed into its first bytes.
 #[derive(Debug, Clone)]
@@ -536,7 +536,7 @@ pub struct UdpSealer {
     v4: bool,
 }
 
-/// Received packets up to this many bytes are patched in a copy and go through the CRC in one pass.
+/// Packets up to this many bytes are patched in a copy and go through the CRC in one pass.
 const SEAL_COPY: usize = 128;
 
 impl UdpSealer {
@@ -548,16 +548,6 @@ impl UdpSealer {
         let mut base = Hasher::new();
         base.update(&b[..n]);
         Ok(UdpSealer { base, len: udp_payload_len, v4 })
-    }
-
-    /// The UDP payload length this sealer is for.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Never true: a UDP payload holds at least a BTH and an ICRC (for clippy's `len` rule).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// What identification `ident` changes in the CRC state after the pseudo-header, as the four
@@ -575,24 +565,14 @@ impl UdpSealer {
         [d[0], d[1], d[2], d[3], 0xff]
     }
 
-    /// [`seal_udp_payload_ident`] for `ib` (its length must be the sealer's): the first five bytes
-    /// are patched in place while the CRC runs over the packet, and put back.
+    /// [`seal_udp_payload_ident`] for `ib` (its length must be the sealer's).
     pub fn seal(&self, ib: &mut [u8], ident: u16) -> Result<()> {
         if ib.len() != self.len {
             return Err(Error::BadLength);
         }
         let n = ib.len().checked_sub(crate::ICRC_LEN).filter(|&n| n >= BTH_LEN).ok_or(Error::Truncated)?;
-        let patch = self.bth_patch(ident);
-        let mut saved = [0u8; 5];
-        saved.copy_from_slice(&ib[..5]);
-        for (x, p) in ib[..4].iter_mut().zip(&patch) {
-            *x ^= p;
-        }
-        ib[4] = patch[4];
-        let mut h = self.base.clone();
-        h.update(&ib[..n]);
-        ib[..5].copy_from_slice(&saved);
-        icrc::store(ib, h.finalize())
+        let crc = self.icrc_parts(&[&ib[..n]], ident)?;
+        icrc::store(ib, crc)
     }
 
     /// [`udp_payload_icrc_parts`] with this sealer: `parts` concatenated are the packet up to its
