@@ -9,7 +9,7 @@
 //! IB links and RoCEv1, with the link-level VCRC), [`ipv4`], [`ipv6`] and [`udp`] (RoCEv2),
 //! [`ethernet`], the [`icrc`] over each of these encapsulations, [`roce`] (build and verify whole
 //! RoCE packets, including the receiver-side check for a plain UDP socket), [`template`] (data
-//! request headers patched from a per-QP template) and [`capture`] (pcap files and a RoCE frame
+//! request headers patched from a per-QP template, and acknowledgements) and [`capture`] (pcap files and a RoCE frame
 //! classifier).
 //!
 //! No parser here panics or reads out of bounds on any input: every byte sequence yields a value or a

@@ -11,13 +11,13 @@
 
 use crate::aeth::{AethPacket, AethRepr, AETH_LEN};
 use crate::bth::BTH_LEN;
-use crate::ext::{DethPacket, DethRepr, RethPacket, RethRepr, DETH_LEN, RETH_LEN, WORD_LEN};
+use crate::ext::{DethPacket, DethRepr, RethPacket, RethRepr, DETH_LEN, RETH_LEN};
 use crate::number::{Psn, Qpn};
 use crate::opcode::{base, Flags, HeaderSet, Opcode};
 use crate::packet::pad_for;
 use crate::{Error, Result, ICRC_LEN};
 
-/// The fixed bytes of a QP's request BTHs: P_Key and destination QP (bytes 2..8).
+/// The fixed bytes of a QP's BTHs: P_Key and destination QP (bytes 2..8), the rest zero.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestTemplate {
     head: [u8; 8],
@@ -73,10 +73,7 @@ impl RequestTemplate {
         if !info.is(Flags::REQ) || !info.is(Flags::PAYLOAD) || info.headers != want {
             return Err(Error::Reserved);
         }
-        let hdr = BTH_LEN
-            + if r.deth.is_some() { DETH_LEN } else { 0 }
-            + if r.reth.is_some() { RETH_LEN } else { 0 }
-            + if r.imm.is_some() { WORD_LEN } else { 0 };
+        let hdr = want.header_len();
         let pad = pad_for(r.payload_len);
         let len = hdr + r.payload_len + usize::from(pad) + ICRC_LEN;
         let buf = buf.get_mut(..len).ok_or(Error::Truncated)?;
@@ -111,11 +108,10 @@ impl RequestTemplate {
 pub fn emit_acknowledge(buf: &mut [u8], pkey: u16, dest_qp: Qpn, psn: Psn, aeth: &AethRepr) -> Result<usize> {
     const LEN: usize = BTH_LEN + AETH_LEN + ICRC_LEN;
     let buf = buf.get_mut(..LEN).ok_or(Error::Truncated)?;
-    // RC's opcode prefix is 0; no SE, MigReq, pad or version bits.
-    buf[0] = base::ACKNOWLEDGE;
-    buf[1] = 0;
-    buf[2..4].copy_from_slice(&pkey.to_be_bytes());
-    buf[4..8].copy_from_slice(&(dest_qp.value() & 0xff_ffff).to_be_bytes());
+    // The fixed part as a request's; RC's opcode prefix is 0; no SE, MigReq, pad, version or AckReq.
+    let mut bth = RequestTemplate::new(pkey, dest_qp).head;
+    bth[0] = base::ACKNOWLEDGE;
+    buf[..8].copy_from_slice(&bth);
     buf[8..BTH_LEN].copy_from_slice(&psn.value().to_be_bytes());
     aeth.emit(&mut AethPacket::new_unchecked(&mut buf[BTH_LEN..BTH_LEN + AETH_LEN]));
     buf[LEN - ICRC_LEN..].fill(0);
