@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
-use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, udp_payload_icrc_parts, IcrcCache, UdpVerdict, VerifyStats};
+use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
 use crate::cm::CmState;
@@ -904,9 +904,12 @@ impl Device {
         }
         let bth_len = softrdma_wire::bth::BTH_LEN;
         let pad = &hdr[bth_len..hdr.len() - ICRC_LEN];
-        match udp_payload_icrc_parts(src, local, &[&hdr[..bth_len], p.payload, pad], k as u16) {
-            Ok(crc) if crc == ib.icrc() => {}
-            _ => return false,
+        let crc = st
+            .rx_icrc
+            .sealer(src, local, hdr.len() + p.payload.len())
+            .and_then(|s| s.icrc_parts(&[&hdr[..bth_len], p.payload, pad], k as u16));
+        if crc != Ok(ib.icrc()) {
+            return false;
         }
         if !st.hca.handle_placed(now, &ib, &p.expect, p.payload.len(), &mut st.mem) {
             return false;
