@@ -143,8 +143,9 @@ pub struct CmAgent {
     port_active: bool,
     /// MADs that did not parse or matched nothing.
     pub dropped: u64,
-    /// The earliest deadline of the ids, once worked out ([`CmAgent::poll_timeout`]); every call
-    /// that may change an id forgets it. A busy-polling driver asks several times per poll, and a
+    /// The earliest deadline of the ids, once worked out ([`CmAgent::poll_timeout`]); every public
+    /// `&mut self` call but `poll_output` and `poll_event` forgets it first (those that delegate,
+    /// through the one they call). A busy-polling driver asks several times per poll, and a
     /// scan over a thousand ids each time would cost more than the poll.
     deadline_memo: Cell<Option<Option<Instant>>>,
 }
@@ -314,7 +315,6 @@ impl CmAgent {
     /// Resolve the destination (`rdma_resolve_addr`): picks the local address, raises ADDR_RESOLVED
     /// or ADDR_ERROR. No route check: see [`CmAgent::resolve_addr_via`].
     pub fn resolve_addr(&mut self, h: IdHandle, src: Option<IpAddr>, dst: SocketAddr) -> Result<(), CmError> {
-        self.deadline_memo.set(None);
         self.resolve_addr_via(h, src, dst, |_, _| Ok(()))
     }
 
@@ -333,6 +333,7 @@ impl CmAgent {
         mut dst: SocketAddr,
         route: impl FnOnce(IpAddr, SocketAddr) -> Result<(), i32>,
     ) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let id = self.id(h)?;
         if !matches!(id.state, State::Idle | State::AddrResolved) {
             return Err(CmError::InvalidState("resolve_addr"));
@@ -380,7 +381,6 @@ impl CmAgent {
     /// Resolve the route (`rdma_resolve_route`): ROUTE_RESOLVED or ROUTE_ERROR. No route check:
     /// see [`CmAgent::resolve_route_via`].
     pub fn resolve_route(&mut self, h: IdHandle) -> Result<(), CmError> {
-        self.deadline_memo.set(None);
         self.resolve_route_via(h, |_, _| Ok(()))
     }
 
@@ -394,6 +394,7 @@ impl CmAgent {
         h: IdHandle,
         route: impl FnOnce(IpAddr, SocketAddr) -> Result<(), i32>,
     ) -> Result<(), CmError> {
+        self.deadline_memo.set(None);
         let mtu = self.config.mtu;
         let port_active = self.port_active;
         let addrs = self.config.addrs.clone();
