@@ -9,7 +9,7 @@
 //! (`Hca::handle_placed`); anything else is copied out of the pieces and received as usual.
 
 use softrdma_transport::{Hca, RxPlacement};
-use softrdma_wire::bth::BTH_LEN;
+use softrdma_wire::bth::{BthPacket, BTH_LEN};
 use softrdma_wire::opcode::base;
 use softrdma_wire::{Qpn, ICRC_LEN};
 
@@ -83,7 +83,7 @@ impl Plan {
     /// planned: the expected packet of the WRITE (QP, PSN, MIDDLE or LAST) with the planned length.
     /// Only then is it received along the plan; anything else takes the copying path untouched.
     pub(crate) fn starts(&self, head: &[u8; BTH_LEN], len: usize, seg: Option<u16>) -> bool {
-        let Ok(bth) = softrdma_wire::bth::BthPacket::new_checked(&head[..]) else { return false };
+        let Ok(bth) = BthPacket::new_checked(&head[..]) else { return false };
         let first = seg.map_or(len, usize::from).min(len);
         matches!(head[0], base::WRITE_MIDDLE | base::WRITE_LAST)
             && bth.dest_qp() == self.expect.qpn
@@ -210,6 +210,6 @@ pub(crate) unsafe fn copy_out(iov: &[libc::iovec], mut at: usize, out: &mut [u8]
 
 /// The QP whose WRITE continues after a received packet `d` (an RC WRITE FIRST or MIDDLE).
 pub(crate) fn write_hint(d: &[u8]) -> Option<Qpn> {
-    let b = d.get(..8)?;
-    matches!(b[0], base::WRITE_FIRST | base::WRITE_MIDDLE).then(|| Qpn::new(u32::from_be_bytes([0, b[5], b[6], b[7]])))
+    let bth = BthPacket::new_checked(d).ok()?;
+    matches!(bth.opcode().0, base::WRITE_FIRST | base::WRITE_MIDDLE).then(|| bth.dest_qp())
 }
