@@ -1506,7 +1506,7 @@ fn run_side(
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
         eprintln!(
-            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; received in place {}",
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}",
             side.dev_name,
             c.sent_pkts,
             c.rcvd_pkts,
@@ -1517,6 +1517,7 @@ fn run_side(
             v.verified,
             v.recovered,
             v.bad,
+            side.ctx.corked_posts(),
             side.ctx.rx_placed()
         );
     }

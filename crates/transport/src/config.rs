@@ -43,6 +43,12 @@ pub struct Config {
     /// with a full window each would overflow them and lose packets that one QP alone would not.
     /// `u32::MAX` (the default) turns it off.
     pub device_inflight_packets: u32,
+    /// Let sends posted to a busy RC QP wait for the next progress (the I/O layer asks
+    /// [`crate::Hca::may_cork`] after a post): while enough of its packets are unacknowledged, their
+    /// ACK is sure to come and the flush that follows it sends what waited, in one batch, up to this
+    /// many WQEs not yet started. TCP's autocorking for the same reason: one system call per small
+    /// message costs more than the message. 0 (the default) never corks.
+    pub cork_max_queued: usize,
 }
 
 impl Config {
@@ -53,6 +59,9 @@ impl Config {
     pub const MIN_WINDOW_REPEATED: u32 = 8;
     /// Smallest window a QP's share of `device_inflight_packets` goes down to, in packets.
     pub const MIN_SHARE: u32 = 4;
+    /// Packets a QP must have unacknowledged before its new sends may wait (`cork_max_queued`): a
+    /// request-response exchange with a few messages in flight is never delayed.
+    pub const CORK_MIN_INFLIGHT: u32 = 8;
 }
 
 impl Default for Config {
@@ -67,6 +76,7 @@ impl Default for Config {
             adaptive_window: false,
             device_inflight_packets: u32::MAX,
             defer_payload_min: 0,
+            cork_max_queued: 0,
         }
     }
 }

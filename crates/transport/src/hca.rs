@@ -679,6 +679,12 @@ impl Hca {
         self.with_qp(qpn, now, mem, |qp, ctx| wrs.into_iter().try_for_each(|wr| qp.post_send(wr, ctx)))
     }
 
+    /// Whether the packets just posted to `qpn` may wait for the next progress instead of being
+    /// flushed now (`Config::cork_max_queued`; false for an unknown QP).
+    pub fn may_cork(&self, qpn: Qpn) -> bool {
+        self.config.cork_max_queued > 0 && self.qps.get(&qpn).is_some_and(|q| q.may_cork(&self.config))
+    }
+
     /// Post a receive work request.
     pub fn post_recv(
         &mut self,

@@ -553,3 +553,38 @@ fn an_ack_of_several_messages_completes_them_in_order() {
     }
     assert_eq!(hca.poll_timeout(), None);
 }
+
+/// New sends on an RC QP may wait for the next progress (`Config::cork_max_queued`) only while at
+/// least `CORK_MIN_INFLIGHT` packets are unacknowledged (their ACK is sure to drive a flush) and
+/// fewer than `cork_max_queued` WQEs are not started; never with corking off.
+#[test]
+fn sends_may_wait_only_behind_enough_unacknowledged_packets() {
+    for cork_max_queued in [0, 4] {
+        let mut hca = Hca::new(Config { cork_max_queued, ..Config::default() });
+        let cq = hca.create_cq(64);
+        let qpn = rc_qp(&mut hca, cq, 1);
+        let mut mem = Flat(vec![7; 1 << 12]);
+        to_rts(&mut hca, qpn, &mut mem);
+        let on = cork_max_queued > 0;
+        let min = Config::CORK_MIN_INFLIGHT as u64;
+        for id in 1..min {
+            hca.post_send(qpn, write64(id, 1), Instant::ZERO, &mut mem).unwrap();
+        }
+        assert_eq!(sent_psns(&mut hca, &mut mem).len() as u64, min - 1);
+        assert!(!hca.may_cork(qpn), "{} packets in flight", min - 1);
+        hca.post_send(qpn, write64(min, 1), Instant::ZERO, &mut mem).unwrap();
+        assert!(!hca.may_cork(qpn), "not sent yet: still {} in flight", min - 1);
+        sent_psns(&mut hca, &mut mem);
+        assert_eq!(hca.may_cork(qpn), on, "{min} in flight, nothing queued");
+        for (k, id) in (min + 1..=min + 4).enumerate() {
+            hca.post_send(qpn, write64(id, 1), Instant::ZERO, &mut mem).unwrap();
+            assert_eq!(hca.may_cork(qpn), on && k + 1 < 4, "{} queued", k + 1);
+        }
+        assert_eq!(sent_psns(&mut hca, &mut mem).len(), 4);
+        assert_eq!(hca.may_cork(qpn), on);
+        // Everything acknowledged: nothing would bring a flush, so nothing may wait.
+        ack(&mut hca, &mut mem, qpn, 5 + min as u32 + 3);
+        assert!(!hca.may_cork(qpn));
+        assert!(!hca.may_cork(Qpn::new(0x7777)), "unknown QP");
+    }
+}

@@ -111,6 +111,8 @@ pub(crate) struct State {
     rx_icrc: IcrcCache,
     /// Datagrams the socket refused.
     pub tx_errors: u64,
+    /// Posts whose packets waited for the next progress (`Device::run_post`).
+    pub corked: u64,
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
     /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
     /// than this must wake it, or the timer would fire up to an idle wait late.
@@ -245,6 +247,11 @@ impl Device {
             adaptive_window: true,
             device_inflight_packets: 512,
             defer_payload_min: defer_payload_min(),
+            cork_max_queued: if std::env::var_os("SOFTRDMA_CORK").is_some_and(|v| v == "0") {
+                0
+            } else {
+                CORK_MAX_QUEUED
+            },
             ..Config::default()
         };
         let (wake_tx, wake_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the wake-up socket", e))?;
@@ -261,6 +268,7 @@ impl Device {
             verify: VerifyStats::default(),
             rx_icrc: IcrcCache::default(),
             tx_errors: 0,
+            corked: 0,
             io_wake_at: None,
             next_pd: 1,
             qp_traffic: None,
@@ -320,6 +328,24 @@ impl Device {
         let now = self.now();
         let r = f(&mut st, now);
         self.flush(&mut st, now);
+        r
+    }
+
+    /// Run a post `f` to QP `qpn`, then send what it produced, unless the engine lets it wait
+    /// (`Config::cork_max_queued`): the QP has packets unacknowledged, so an ACK or a retransmit
+    /// timeout will come, and the progress that handles it (a poll, or the I/O thread) sends what
+    /// waited, many small messages in one `sendmmsg`. Not while a same-host lane is up: a lane
+    /// costs no system call per packet, so waiting would only add latency.
+    pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> R) -> R {
+        let mut st = self.lock();
+        let now = self.now();
+        let r = f(&mut st, now);
+        if st.hca.may_cork(qpn) && !st.link.has_outbound_lane() {
+            st.corked += 1;
+            self.dispatch(&mut st);
+        } else {
+            self.flush(&mut st, now);
+        }
         r
     }
 
@@ -1011,6 +1037,10 @@ fn monotonic_ns() -> u64 {
 
 /// How long a thread busy-polls without finding anything before it yields its core after each
 /// further empty poll (see [`Device::poll_empty`]).
+/// Most WQEs not yet started that a corked QP lets wait (`Config::cork_max_queued`): the post that
+/// would make one more flushes them all, as one GSO send when they are of one size.
+const CORK_MAX_QUEUED: usize = 32;
+
 const YIELD_AFTER: Duration = Duration::from_micros(20);
 
 /// A busy poll at `now` found nothing, in a run of such polls that began at `since` (0: none yet):

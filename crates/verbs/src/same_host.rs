@@ -279,6 +279,11 @@ impl Link {
         !self.inbound.is_empty()
     }
 
+    /// Whether any outbound lane is up.
+    pub fn has_outbound_lane(&self) -> bool {
+        self.outbound.iter().any(|o| o.lane.is_some())
+    }
+
     /// The outbound lane for `dst` (sending from `src`), opening one if none was tried recently.
     pub fn lane_for(&mut self, dst: SocketAddr, src: SocketAddr, now: Instant) -> Option<usize> {
         if !self.enabled {

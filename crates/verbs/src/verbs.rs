@@ -248,6 +248,16 @@ impl Context {
         }
     }
 
+    /// Posts whose packets did not leave at once but waited for the next progress, to go out
+    /// batched with later ones (the QP had packets unacknowledged: see `Device::run_post`); 0 on a
+    /// softrdmad device, whose daemon batches on its side.
+    pub fn corked_posts(&self) -> u64 {
+        match &self.h {
+            Dev::Embedded(h) => h.dev.lock().corked,
+            Dev::Daemon(_) => 0,
+        }
+    }
+
     /// The embedded device behind this context (for the CM's IDs); an error on a softrdmad device.
     pub(crate) fn embedded(&self) -> Result<&Arc<DeviceHandle>> {
         match &self.h {
@@ -674,7 +684,7 @@ impl QueuePair {
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
         match &self.imp {
             QpImp::Embedded { h, .. } => {
-                h.dev.run(|st, now| {
+                h.dev.run_post(self.qpn, |st, now| {
                     let st = &mut *st;
                     st.hca.post_send(self.qpn, wr, now, &mut st.mem)
                 })?;
@@ -690,7 +700,7 @@ impl QueuePair {
     pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
         match &self.imp {
             QpImp::Embedded { h, .. } => {
-                h.dev.run(|st, now| {
+                h.dev.run_post(self.qpn, |st, now| {
                     let st = &mut *st;
                     st.hca.post_send_list(self.qpn, wrs, now, &mut st.mem)
                 })?;

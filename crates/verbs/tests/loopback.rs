@@ -275,3 +275,45 @@ fn port_in_use_is_a_clear_error() {
         .expect("second bind fails");
     assert!(err.to_string().contains("already in use"), "{err}");
 }
+
+/// Small WRITEs posted one by one to a QP with packets in flight over UDP do not each go out at
+/// once: they wait for the next progress and leave together (corked). Each round checks every byte:
+/// first with the application not touching the device after posting (only the I/O threads run,
+/// and handling the ACKs of what is in flight sends what waited), then with it busy-polling.
+#[test]
+fn small_writes_to_a_busy_qp_leave_in_batches_and_all_land() {
+    let a = side(open(11, 48796), QpType::Rc);
+    let b = side(open(12, 48796), QpType::Rc);
+    connect(&a, &b, Mtu::M1024);
+    const N: usize = 1000;
+    const LEN: usize = 64;
+    let ma = a.pd.reg_mr(N * LEN, rights()).unwrap();
+    let mb = b.pd.reg_mr(N * LEN, rights()).unwrap();
+    for (round, busy_poll) in [(0u8, false), (1, true)] {
+        let data = pattern(N * LEN, 40 + round);
+        ma.write(0, &data).unwrap();
+        mb.fill(0);
+        let corked = a.ctx.corked_posts();
+        for i in 0..N {
+            a.qp.post_send(SendWr {
+                wr_id: i as u64,
+                op: SendOp::Write { remote_addr: mb.addr() + (i * LEN) as u64, rkey: mb.rkey() },
+                payload: Payload::Sgl(vec![ma.sge(i * LEN, LEN).unwrap()].into()),
+                flags: if i + 1 == N { SendFlags::SIGNALED } else { SendFlags::NONE },
+                ud: None,
+            })
+            .unwrap();
+        }
+        if !busy_poll {
+            let start = Instant::now();
+            while mb.to_vec(0, N * LEN).unwrap() != data {
+                assert!(start.elapsed() < Duration::from_secs(20), "round {round}: writes still missing");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let wc = wait(&a.cq, 1);
+        assert_eq!((wc[0].wr_id, wc[0].status), ((N - 1) as u64, WcStatus::Success), "round {round}");
+        assert!(mb.to_vec(0, N * LEN).unwrap() == data, "round {round}: written data");
+        assert!(a.ctx.corked_posts() > corked, "round {round}: no post waited");
+    }
+}

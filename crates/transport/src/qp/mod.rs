@@ -14,6 +14,7 @@ mod rtt;
 use std::collections::VecDeque;
 
 use crate::attr::{check_modify, AddressVector, ModifyQp, Mtu, QpInit, QpState, QpType};
+use crate::config::Config;
 use crate::cq::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 use crate::error::VerbsError;
 use crate::hca::{AsyncEvent, Ctx, Transmit};
@@ -158,6 +159,18 @@ impl Qp {
 
     pub fn qp_type(&self) -> QpType {
         self.init.qp_type
+    }
+
+    /// Whether what was just posted may wait for the next progress instead of going out now
+    /// (see [`Config::cork_max_queued`]): an RC QP in RTS with at least
+    /// [`Config::CORK_MIN_INFLIGHT`] packets unacknowledged, whose ACK (or its retransmit timer)
+    /// is sure to come and drive the next flush, and fewer than `cork_max_queued` WQEs not yet
+    /// started.
+    pub fn may_cork(&self, config: &Config) -> bool {
+        self.init.qp_type == QpType::Rc
+            && self.state == QpState::Rts
+            && self.sq.send_psn.diff(self.sq.una) >= Config::CORK_MIN_INFLIGHT as i32
+            && self.sq.len() - self.sq.cur.min(self.sq.len()) < config.cork_max_queued
     }
 
     pub fn info(&self) -> QpInfo {
