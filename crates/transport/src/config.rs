@@ -44,10 +44,11 @@ pub struct Config {
     /// `u32::MAX` (the default) turns it off.
     pub device_inflight_packets: u32,
     /// Let sends posted to a busy RC QP wait for the next progress (the I/O layer asks
-    /// [`crate::Hca::may_cork`] after a post): while enough of its packets are unacknowledged, their
-    /// ACK is sure to come and the flush that follows it sends what waited, in one batch, up to this
-    /// many WQEs not yet started. TCP's autocorking for the same reason: one system call per small
-    /// message costs more than the message. 0 (the default) never corks.
+    /// [`crate::Hca::cork`] after a post): while enough of its packets are unacknowledged, their
+    /// ACK comes about a round trip later and the flush that follows it sends what waited, in one
+    /// batch, up to this many WQEs not yet started; should that ACK be lost, the cork timer
+    /// ([`Config::CORK_WAIT`]) sends them. TCP's autocorking, for the same reason: one system call
+    /// per small message costs more than the message. 0 (the default) never corks.
     pub cork_max_queued: usize,
 }
 
@@ -62,6 +63,9 @@ impl Config {
     /// Packets a QP must have unacknowledged before its new sends may wait (`cork_max_queued`): a
     /// request-response exchange with a few messages in flight is never delayed.
     pub const CORK_MIN_INFLIGHT: u32 = 8;
+    /// Longest a corked send waits (`cork_max_queued`): many round trips on a LAN, far below the
+    /// local ACK timeout, so a lost ACK costs this instead of a retransmission timeout.
+    pub const CORK_WAIT: core::time::Duration = core::time::Duration::from_millis(1);
 }
 
 impl Default for Config {

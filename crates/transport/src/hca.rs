@@ -679,10 +679,18 @@ impl Hca {
         self.with_qp(qpn, now, mem, |qp, ctx| wrs.into_iter().try_for_each(|wr| qp.post_send(wr, ctx)))
     }
 
-    /// Whether the packets just posted to `qpn` may wait for the next progress instead of being
-    /// flushed now (`Config::cork_max_queued`; false for an unknown QP).
-    pub fn may_cork(&self, qpn: Qpn) -> bool {
-        self.config.cork_max_queued > 0 && self.qps.get(&qpn).is_some_and(|q| q.may_cork(&self.config))
+    /// Asked by the I/O layer right after a post to `qpn`: whether what it produced may wait for
+    /// the next progress instead of being flushed now (`Config::cork_max_queued`; false for an
+    /// unknown QP). True arms the QP's cork timer, so [`Hca::poll_timeout`] brings the flush by
+    /// [`Config::CORK_WAIT`] at the latest.
+    pub fn cork(&mut self, qpn: Qpn, now: Instant) -> bool {
+        if self.config.cork_max_queued == 0 {
+            return false;
+        }
+        let Some(qp) = self.qps.get_mut(&qpn) else { return false };
+        let cork = qp.cork(&self.config, now);
+        self.timers.sync(qp);
+        cork
     }
 
     /// Post a receive work request.

@@ -555,10 +555,13 @@ fn an_ack_of_several_messages_completes_them_in_order() {
 }
 
 /// New sends on an RC QP may wait for the next progress (`Config::cork_max_queued`) only while at
-/// least `CORK_MIN_INFLIGHT` packets are unacknowledged (their ACK is sure to drive a flush) and
-/// fewer than `cork_max_queued` WQEs are not started; never with corking off.
+/// least `CORK_MIN_INFLIGHT` packets are unacknowledged (their ACK is to drive a flush) and fewer
+/// than `cork_max_queued` WQEs are not started; never with corking off. A cork arms the cork
+/// timer, so the engine asks to be woken by `CORK_WAIT` at the latest even if no ACK ever comes;
+/// it fires as a no-op (the I/O layer's flush after it sends what waited).
 #[test]
 fn sends_may_wait_only_behind_enough_unacknowledged_packets() {
+    let now = Instant::ZERO;
     for cork_max_queued in [0, 4] {
         let mut hca = Hca::new(Config { cork_max_queued, ..Config::default() });
         let cq = hca.create_cq(64);
@@ -568,23 +571,34 @@ fn sends_may_wait_only_behind_enough_unacknowledged_packets() {
         let on = cork_max_queued > 0;
         let min = Config::CORK_MIN_INFLIGHT as u64;
         for id in 1..min {
-            hca.post_send(qpn, write64(id, 1), Instant::ZERO, &mut mem).unwrap();
+            hca.post_send(qpn, write64(id, 1), now, &mut mem).unwrap();
         }
         assert_eq!(sent_psns(&mut hca, &mut mem).len() as u64, min - 1);
-        assert!(!hca.may_cork(qpn), "{} packets in flight", min - 1);
-        hca.post_send(qpn, write64(min, 1), Instant::ZERO, &mut mem).unwrap();
-        assert!(!hca.may_cork(qpn), "not sent yet: still {} in flight", min - 1);
+        assert!(!hca.cork(qpn, now), "{} packets in flight", min - 1);
+        let ack_timeout = hca.poll_timeout().expect("retransmit timer");
+        assert!(ack_timeout > now + Config::CORK_WAIT, "the test needs the ACK timeout later than the cork's");
+        hca.post_send(qpn, write64(min, 1), now, &mut mem).unwrap();
+        assert!(!hca.cork(qpn, now), "not sent yet: still {} in flight", min - 1);
         sent_psns(&mut hca, &mut mem);
-        assert_eq!(hca.may_cork(qpn), on, "{min} in flight, nothing queued");
+        assert_eq!(hca.cork(qpn, now), on, "{min} in flight, nothing queued");
+        let want = if on { now + Config::CORK_WAIT } else { ack_timeout };
+        assert_eq!(hca.poll_timeout(), Some(want));
         for (k, id) in (min + 1..=min + 4).enumerate() {
-            hca.post_send(qpn, write64(id, 1), Instant::ZERO, &mut mem).unwrap();
-            assert_eq!(hca.may_cork(qpn), on && k + 1 < 4, "{} queued", k + 1);
+            hca.post_send(qpn, write64(id, 1), now, &mut mem).unwrap();
+            assert_eq!(hca.cork(qpn, now), on && k + 1 < 4, "{} queued", k + 1);
+        }
+        // The cork timer fires: nothing happens in the engine (the packets were ready all along),
+        // no retransmission, no timeout counted; the retransmit timer stays.
+        if on {
+            hca.handle_timeout(want, &mut mem);
+            assert_eq!(hca.poll_timeout(), Some(ack_timeout));
         }
         assert_eq!(sent_psns(&mut hca, &mut mem).len(), 4);
-        assert_eq!(hca.may_cork(qpn), on);
+        assert_eq!((hca.counters().ack_timeouts, hca.counters().retransmits), (0, 0));
+        assert_eq!(hca.cork(qpn, now + Config::CORK_WAIT), on);
         // Everything acknowledged: nothing would bring a flush, so nothing may wait.
         ack(&mut hca, &mut mem, qpn, 5 + min as u32 + 3);
-        assert!(!hca.may_cork(qpn));
-        assert!(!hca.may_cork(Qpn::new(0x7777)), "unknown QP");
+        assert!(!hca.cork(qpn, now));
+        assert!(!hca.cork(Qpn::new(0x7777), now), "unknown QP");
     }
 }

@@ -332,15 +332,16 @@ impl Device {
     }
 
     /// Run a post `f` to QP `qpn`, then send what it produced, unless the engine lets it wait
-    /// (`Config::cork_max_queued`): the QP has packets unacknowledged, so an ACK or a retransmit
-    /// timeout will come, and the progress that handles it (a poll, or the I/O thread) sends what
-    /// waited, many small messages in one `sendmmsg`. Not while a same-host lane is up: a lane
+    /// (`Hca::cork`): the QP has packets unacknowledged, so their ACK comes about a round trip
+    /// later, and the progress that handles it (a polling thread, or the I/O thread) sends what
+    /// waited, many small messages in one `sendmmsg`; the engine's cork timer bounds the wait
+    /// (`Config::CORK_WAIT`) should that ACK be lost. Not while a same-host lane is up: a lane
     /// costs no system call per packet, so waiting would only add latency.
     pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let mut st = self.lock();
         let now = self.now();
         let r = f(&mut st, now);
-        if st.hca.may_cork(qpn) && !st.link.has_outbound_lane() {
+        if !st.link.has_outbound_lane() && st.hca.cork(qpn, now) {
             st.corked += 1;
             self.dispatch(&mut st);
         } else {
@@ -686,7 +687,9 @@ impl Device {
 
     /// [`Device::progress`] for a thread busy polling an embedded device's CQ: when no packet
     /// arrived and no timer fired the engine is as the last flush left it (every verbs call that
-    /// changes it flushes on its way out, see [`Device::run`]), so the flush is skipped. That
+    /// changes it flushes on its way out, see [`Device::run`], except a corked post, whose packets
+    /// wait for an ACK or the cork timer, both work here: [`Device::run_post`]), so the flush is
+    /// skipped. That
     /// keeps an empty poll to a clock read, a look at each lane's next tag and the timer check.
     /// (Reading the clock only every 32nd empty poll made the same-host ping-pong slower, not
     /// faster: see docs/PERFORMANCE.md.)
@@ -1035,12 +1038,12 @@ fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(ts.tv_nsec as u64)
 }
 
-/// How long a thread busy-polls without finding anything before it yields its core after each
-/// further empty poll (see [`Device::poll_empty`]).
 /// Most WQEs not yet started that a corked QP lets wait (`Config::cork_max_queued`): the post that
 /// would make one more flushes them all, as one GSO send when they are of one size.
 const CORK_MAX_QUEUED: usize = 32;
 
+/// How long a thread busy-polls without finding anything before it yields its core after each
+/// further empty poll (see [`Device::poll_empty`]).
 const YIELD_AFTER: Duration = Duration::from_micros(20);
 
 /// A busy poll at `now` found nothing, in a run of such polls that began at `since` (0: none yet):

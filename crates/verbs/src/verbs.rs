@@ -678,7 +678,9 @@ impl QueuePair {
         }
     }
 
-    /// Post a send work request. Embedded: its packets leave before this returns. Daemon: it is
+    /// Post a send work request. Embedded: its packets leave before this returns, unless the QP
+    /// has packets unacknowledged over UDP: then they may wait for the progress that handles the
+    /// ACK and leave batched with later ones (corked: see `Device::run_post`). Daemon: it is
     /// written to the send ring in shared memory (a doorbell system call only if the daemon's
     /// device loop sleeps).
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
@@ -695,7 +697,8 @@ impl QueuePair {
     }
 
     /// Post a list of send work requests under one lock (`ibv_post_send` with a chained list): the
-    /// packets they produce leave in `sendmmsg` batches before this returns. On the first refused
+    /// packets they produce leave in `sendmmsg` batches before this returns (or wait, corked, as
+    /// for [`QueuePair::post_send`]). On the first refused
     /// request the error is returned; the requests before it stay posted (verbs' `bad_wr`).
     pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
         match &self.imp {

@@ -315,5 +315,97 @@ fn small_writes_to_a_busy_qp_leave_in_batches_and_all_land() {
         assert_eq!((wc[0].wr_id, wc[0].status), ((N - 1) as u64, WcStatus::Success), "round {round}");
         assert!(mb.to_vec(0, N * LEN).unwrap() == data, "round {round}: written data");
         assert!(a.ctx.corked_posts() > corked, "round {round}: no post waited");
+        // Nothing waited for a retransmission: no ACK timeout, nothing sent twice.
+        let c = a.ctx.counters();
+        assert_eq!((c.ack_timeouts, c.retransmits), (0, 0), "round {round}");
     }
+}
+
+/// Corked sends do not depend on the ACK that was to flush them: towards a peer that never
+/// answers, with no retransmit timer (timeout 0: wait forever), the sends posted behind 8 packets
+/// in flight still leave while the application busy-polls its CQ (which flushes only when
+/// something happened: here the cork timer, and keeps the I/O thread asleep). The engine's test
+/// `sends_may_wait_only_behind_enough_unacknowledged_packets` checks the timer's deadline itself.
+#[test]
+fn corked_sends_leave_even_if_no_ack_ever_comes() {
+    let peer_ip = Ipv4Addr::new(127, 0, 9, 14);
+    let peer = std::net::UdpSocket::bind((peer_ip, 48797)).unwrap();
+    peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let a = side(open(13, 48797), QpType::Rc);
+    let steps = [
+        ModifyQp {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(rights()),
+            ..Default::default()
+        },
+        ModifyQp {
+            state: Some(QpState::Rtr),
+            av: Some(a.pd.path(&AhAttr::new(softrdma_verbs::Gid::from_ip(IpAddr::V4(peer_ip)), 1)).unwrap()),
+            path_mtu: Some(Mtu::M1024),
+            dest_qpn: Some(softrdma_verbs::Qpn::new(0x99)),
+            rq_psn: Some(Psn::new(0)),
+            max_dest_rd_atomic: Some(1),
+            min_rnr_timer: Some(12),
+            ..Default::default()
+        },
+        ModifyQp {
+            state: Some(QpState::Rts),
+            sq_psn: Some(Psn::new(0)),
+            timeout: Some(0),
+            retry_cnt: Some(7),
+            rnr_retry: Some(7),
+            max_rd_atomic: Some(1),
+            ..Default::default()
+        },
+    ];
+    for m in &steps {
+        a.qp.modify(m).unwrap();
+    }
+    let ma = a.pd.reg_mr(4096, rights()).unwrap();
+    const N: u32 = 11;
+    for i in 0..N {
+        a.qp.post_send(SendWr {
+            wr_id: u64::from(i),
+            op: SendOp::Write { remote_addr: 0x1000, rkey: 0x77 },
+            payload: Payload::Sgl(vec![ma.sge(0, 64).unwrap()].into()),
+            flags: SendFlags::SIGNALED,
+            ud: None,
+        })
+        .unwrap();
+    }
+    // The first 8 went out at once; the last 3 waited behind them.
+    assert_eq!(a.ctx.corked_posts(), u64::from(N) - 8);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut wcs = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                a.cq.poll(16, &mut wcs).unwrap();
+            }
+            assert!(wcs.is_empty(), "nothing can complete: {wcs:?}");
+        });
+        let psns = receive_psns(&peer, N as usize);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(psns, (0..N).collect::<Vec<_>>());
+    });
+    assert_eq!(a.ctx.counters().ack_timeouts, 0);
+}
+
+/// The PSNs of the next `n` requests `peer` receives from 127.0.9.13:48797.
+fn receive_psns(peer: &std::net::UdpSocket, n: usize) -> Vec<u32> {
+    let mut buf = [0u8; 2048];
+    let mut psns = Vec::new();
+    while psns.len() < n {
+        let (n, _) = peer.recv_from(&mut buf).expect("every request, the corked ones included");
+        let (pkt, _) = softrdma_wire::roce::verify_udp_payload(
+            std::net::SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 9, 13)), 48797),
+            peer.local_addr().unwrap(),
+            &buf[..n],
+        )
+        .unwrap();
+        psns.push(pkt.bth().psn().value());
+    }
+    psns
 }

@@ -33,9 +33,13 @@ pub(crate) enum Timer {
     Retransmit = 0,
     /// Waiting out an RNR NAK before retrying.
     RnrWait = 1,
+    /// Sends left waiting by a post ([`Hca::cork`](crate::Hca::cork)) go out by now at the
+    /// latest, should the ACK that was to bring the next flush be lost. Firing does nothing in the
+    /// engine: the I/O layer's flush after `handle_timeout` sends them.
+    Cork = 2,
 }
 
-const TIMERS: usize = 2;
+const TIMERS: usize = 3;
 
 /// A queue pair.
 pub(crate) struct Qp {
@@ -163,14 +167,19 @@ impl Qp {
 
     /// Whether what was just posted may wait for the next progress instead of going out now
     /// (see [`Config::cork_max_queued`]): an RC QP in RTS with at least
-    /// [`Config::CORK_MIN_INFLIGHT`] packets unacknowledged, whose ACK (or its retransmit timer)
-    /// is sure to come and drive the next flush, and fewer than `cork_max_queued` WQEs not yet
-    /// started.
-    pub fn may_cork(&self, config: &Config) -> bool {
-        self.init.qp_type == QpType::Rc
+    /// [`Config::CORK_MIN_INFLIGHT`] packets unacknowledged, whose ACK is expected to drive the
+    /// next flush, and fewer than `cork_max_queued` WQEs not yet started. If so, the cork timer
+    /// is armed (unless it already runs): the sends go out [`Config::CORK_WAIT`] later at the
+    /// latest, whatever becomes of that ACK.
+    pub fn cork(&mut self, config: &Config, now: Instant) -> bool {
+        let cork = self.init.qp_type == QpType::Rc
             && self.state == QpState::Rts
             && self.sq.send_psn.diff(self.sq.una) >= Config::CORK_MIN_INFLIGHT as i32
-            && self.sq.len() - self.sq.cur.min(self.sq.len()) < config.cork_max_queued
+            && self.sq.len() - self.sq.cur.min(self.sq.len()) < config.cork_max_queued;
+        if cork && self.timer(Timer::Cork).is_none() {
+            self.set_timer(Timer::Cork, Some(now + Config::CORK_WAIT));
+        }
+        cork
     }
 
     pub fn info(&self) -> QpInfo {
@@ -212,12 +221,13 @@ impl Qp {
 
     /// Fire every expired timer.
     pub fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
-        for t in [Timer::Retransmit, Timer::RnrWait] {
+        for t in [Timer::Retransmit, Timer::RnrWait, Timer::Cork] {
             if self.timer(t).is_some_and(|at| at <= ctx.now) {
                 self.set_timer(t, None);
                 match t {
                     Timer::Retransmit => self.on_ack_timeout(ctx),
                     Timer::RnrWait => self.on_rnr_wait_over(ctx),
+                    Timer::Cork => {}
                 }
             }
         }
