@@ -671,3 +671,45 @@ impl std::fmt::Debug for MemoryRegion {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mapped client region is addressed by the client's address, checked as any other region,
+    /// and every access lands in the memfd (seen through a second mapping, as the client sees it).
+    #[test]
+    fn mapped_region_is_reached_by_client_address() {
+        let fd = softrdma_abi::shm::sealed_memfd("mr-test", 8192).unwrap();
+        let client = RegionMap::map(&fd, 8192, false).unwrap();
+        let map = RegionMap::open_client(&fd, 6000).unwrap();
+        let mut t = MrTable::default();
+        let (pd, at) = (PdId(3), 0x7f00_0000_1000u64);
+        let rw = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
+        let key = t.insert_mapped(pd, map, at, 6000, rw);
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 1) as u8).collect();
+        t.write(pd, key, KeyKind::Remote, at + 5000, &data).unwrap();
+        let mut seen = vec![0u8; 1000];
+        // SAFETY: 5000 + 1000 bytes lie inside the client's 8192-byte mapping.
+        unsafe { std::ptr::copy_nonoverlapping(client.as_ptr().add(5000), seen.as_mut_ptr(), 1000) };
+        assert_eq!(seen, data);
+        let mut back = vec![0u8; 1000];
+        t.read(pd, key, KeyKind::Remote, at + 5000, &mut back).unwrap();
+        assert_eq!(back, data);
+        // SAFETY: offset 8 is inside the client's mapping and 8-byte aligned.
+        unsafe { (client.as_ptr().add(8) as *mut u64).write(40) };
+        assert_eq!(t.atomic(pd, key, at + 8, AtomicOp::FetchAdd { add: 2 }), Ok(40));
+        // SAFETY: as above.
+        assert_eq!(unsafe { (client.as_ptr().add(8) as *const u64).read() }, 42);
+        // Bounds are the registered length at the client's address, not the mapping's.
+        assert_eq!(t.write(pd, key, KeyKind::Remote, at + 5001, &data), Err(MemError::OutOfBounds));
+        assert_eq!(t.read(pd, key, KeyKind::Remote, at - 1, &mut back), Err(MemError::OutOfBounds));
+        assert_eq!(t.read(PdId(4), key, KeyKind::Remote, at, &mut back), Err(MemError::PdMismatch));
+        assert_eq!(t.atomic(pd, key, at + 4, AtomicOp::FetchAdd { add: 1 }), Err(MemError::Misaligned));
+        assert!(t.remote_write_ptr(pd, key, at, 6000).is_some());
+        assert!(t.remote_write_ptr(pd, key, at, 6001).is_none());
+        t.remove(key);
+        assert_eq!(t.read(pd, key, KeyKind::Remote, at, &mut back), Err(MemError::InvalidKey));
+        assert_eq!(t.len(), 0);
+    }
+}
