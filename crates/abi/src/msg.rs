@@ -44,6 +44,11 @@ pub enum Request {
     DeallocPd { pd: u32 },
     /// Register `len` bytes at `addr` of the client's address space.
     RegMr { pd: u32, addr: u64, len: u64, access: u32 },
+    /// Register a region that lives in a memfd shared with the daemon: the memfd comes with the
+    /// request as its one descriptor (sealed against shrinking and growing, at least `len` bytes);
+    /// `addr` is where the client maps it, the region's address in SGEs and RETHs. The daemon maps
+    /// the memfd itself and copies to and from its own mapping. Answered with [`Response::Id`] (the key).
+    RegMrShared { pd: u32, addr: u64, len: u64, access: u32 },
     /// Deregister.
     DeregMr { key: u32 },
     /// A completion channel; the datagram socket to send CQ handles on comes as a descriptor.
@@ -816,6 +821,10 @@ impl Request {
                 header(&mut w, 6);
                 w.u32(*pd).u64(*addr).u64(*len).u32(*access);
             }
+            Request::RegMrShared { pd, addr, len, access } => {
+                header(&mut w, 24);
+                w.u32(*pd).u64(*addr).u64(*len).u32(*access);
+            }
             Request::DeregMr { key } => {
                 header(&mut w, 7);
                 w.u32(*key);
@@ -1019,6 +1028,7 @@ impl Request {
             21 => Request::LinkDelete { name: r.str()? },
             22 => Request::Rename { name: r.str()?, new_name: r.str()? },
             23 => Request::RoceMode { name: r.str()?, port: r.u8()?, v1: r.bool()? },
+            24 => Request::RegMrShared { pd: r.u32()?, addr: r.u64()?, len: r.u64()?, access: r.u32()? },
             40 => Request::CmCreateChannel,
             41 => Request::CmDestroyChannel { channel: r.u32()? },
             42 => Request::CmCreateId { channel: r.u32()?, ps: ps_from(&mut r)? },
@@ -1261,6 +1271,7 @@ mod tests {
             Request::Hello,
             Request::OpenDevice { name: "rxe0".into() },
             Request::RegMr { pd: 2, addr: 0x7fff_0000, len: 4096, access: 7 },
+            Request::RegMrShared { pd: 3, addr: 0x7f12_3456_7000, len: 65_537, access: 0xf },
             Request::CreateCq { cqe: 16, channel: Some(3) },
             Request::CreateQp {
                 pd: 2,

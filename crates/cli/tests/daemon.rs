@@ -499,6 +499,111 @@ fn stream_role(ctx: &Context) {
     std::process::exit(1);
 }
 
+/// Regions from `reg_mr`, which on a daemon device live in memfds the daemon maps, and one from
+/// `reg_mr_raw` (the process_vm path): SENDs of sizes across the MTU, RDMA WRITEs (unaligned, and
+/// into the raw region), an RDMA READ and two atomics, all towards the peer process, checked byte
+/// for byte. Then (at `PHASE2`) the test looks at the daemon's mappings and says go; each side
+/// checks what the peer did to its memory, and holds its regions (`HOLDING`) until told to exit,
+/// or killed.
+fn shared_role(ctx: &Context) {
+    const SIZES: [usize; 6] = [1, 1023, 1024, 1025, 4096 + 17, 3 * MSG + 5];
+    let (pd, cq, qp) = rc_qp(ctx);
+    let me = qp.qpn().value();
+    let send_mr = pd.reg_mr(SIZES.len() * 8192, Access::LOCAL_WRITE).unwrap();
+    let recv_mr = pd.reg_mr((SIZES.len() + 1) * 8192, Access::LOCAL_WRITE).unwrap();
+    let write_area = pd.reg_mr(AREA + 3, RW).unwrap();
+    let read_area = pd.reg_mr(AREA, Access::REMOTE_READ).unwrap();
+    let atomic_area = pd.reg_mr(64, RW).unwrap();
+    let local = pd.reg_mr(AREA + 64, Access::LOCAL_WRITE).unwrap();
+    let mut raw = vec![0u8; AREA];
+    // SAFETY: `raw` outlives the region (dropped after it, at the end of this function) and is
+    // only read again after the peer's WRITE into it completed.
+    let raw_mr = unsafe { pd.reg_mr_raw(raw.as_mut_ptr(), raw.len(), RW) }.unwrap();
+    send_mr.write(0, &pattern(me, b'S', SIZES.len() * 8192)).unwrap();
+    read_area.write(0, &pattern(me, b'R', AREA)).unwrap();
+    atomic_area.write(8, &(u64::from(me) * 1000).to_ne_bytes()).unwrap();
+    qp.init(RW).unwrap();
+    for i in 0..=SIZES.len() {
+        qp.post_recv(RecvWr { wr_id: 1000 + i as u64, sgl: vec![recv_mr.sge(i * 8192, 8192).unwrap()].into() })
+            .unwrap();
+    }
+    let gid = ctx.query_gid(1, 1).unwrap();
+    out(&format!(
+        "{me} {} {} {} {} {} {} {} {}",
+        write_area.addr(),
+        write_area.rkey(),
+        read_area.addr(),
+        read_area.rkey(),
+        atomic_area.addr(),
+        atomic_area.rkey(),
+        raw_mr.addr(),
+        raw_mr.rkey()
+    ));
+    let peer: Vec<u64> = input().split(' ').map(|w| w.parse().unwrap()).collect();
+    let pqpn = peer[0] as u32;
+    let (pw, pr, pa, praw) =
+        ((peer[1], peer[2] as u32), (peer[3], peer[4] as u32), (peer[5], peer[6] as u32), (peer[7], peer[8] as u32));
+    qp.connect(&pd, &ConnectParams::new(softrdma_verbs::Qpn::new(pqpn), Psn::new(pqpn), gid, Psn::new(me))).unwrap();
+
+    // SENDs.
+    for (i, &n) in SIZES.iter().enumerate() {
+        qp.post_send(send(i as u64, SendOp::Send, &send_mr, i * 8192, n)).unwrap();
+    }
+    let wcs = wait_wcs(&cq, 2 * SIZES.len(), 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    let peer_send = pattern(pqpn, b'S', SIZES.len() * 8192);
+    for wc in wcs.iter().filter(|w| w.opcode == WcOpcode::Recv) {
+        let i = (wc.wr_id - 1000) as usize;
+        assert_eq!(wc.byte_len as usize, SIZES[i]);
+        assert_eq!(recv_mr.to_vec(i * 8192, SIZES[i]).unwrap(), &peer_send[i * 8192..i * 8192 + SIZES[i]], "SEND {i}");
+    }
+
+    // RDMA WRITEs: into the peer's shared region at an odd offset, and into its raw region.
+    local.write(0, &pattern(me, b'W', AREA)).unwrap();
+    qp.post_send(send(1, SendOp::Write { remote_addr: pw.0 + 3, rkey: pw.1 }, &local, 0, AREA)).unwrap();
+    qp.post_send(send(2, SendOp::Write { remote_addr: praw.0, rkey: praw.1 }, &local, 0, AREA)).unwrap();
+    qp.post_send(send(3, SendOp::SendWithImm(me), &local, 0, 0)).unwrap();
+    let wcs = wait_wcs(&cq, 4, 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == pqpn));
+    let mut want = vec![0u8; 3];
+    want.extend(pattern(pqpn, b'W', AREA));
+    assert_eq!(write_area.to_vec(0, AREA + 3).unwrap(), want, "RDMA WRITE data");
+
+    // RDMA READ.
+    local.fill(0);
+    qp.post_send(send(4, SendOp::Read { remote_addr: pr.0, rkey: pr.1 }, &local, 0, AREA)).unwrap();
+    let wcs = wait_wcs(&cq, 1, 30);
+    assert_eq!(wcs[0].status, WcStatus::Success);
+    assert_eq!(local.to_vec(0, AREA).unwrap(), pattern(pqpn, b'R', AREA), "RDMA READ data");
+
+    // Atomics on the peer's word at offset 8: fetch-and-add 5, then compare-and-swap.
+    let orig = u64::from(pqpn) * 1000;
+    let swap = 0xdead_beef_0000_0000 | u64::from(pqpn);
+    qp.post_send(send(5, SendOp::FetchAdd { remote_addr: pa.0 + 8, rkey: pa.1, add: 5 }, &local, AREA, 8)).unwrap();
+    let wcs = wait_wcs(&cq, 1, 30);
+    assert_eq!(wcs[0].status, WcStatus::Success, "{wcs:?}");
+    assert_eq!(local.to_vec(AREA, 8).unwrap(), orig.to_ne_bytes(), "fetch-and-add result");
+    let cas = SendOp::CompareSwap { remote_addr: pa.0 + 8, rkey: pa.1, compare: orig + 5, swap };
+    qp.post_send(send(6, cas, &local, AREA + 8, 8)).unwrap();
+    let wcs = wait_wcs(&cq, 1, 30);
+    assert_eq!(wcs[0].status, WcStatus::Success, "{wcs:?}");
+    assert_eq!(local.to_vec(AREA + 8, 8).unwrap(), (orig + 5).to_ne_bytes(), "compare-and-swap result");
+
+    out("PHASE2");
+    assert_eq!(input(), "go");
+    // What the peer did here: its atomics and its WRITE into the raw region.
+    let mut want = [0u8; 64];
+    want[8..16].copy_from_slice(&(0xdead_beef_0000_0000 | u64::from(me)).to_ne_bytes());
+    assert_eq!(atomic_area.to_vec(0, 64).unwrap(), want, "atomics");
+    drop(raw_mr);
+    assert_eq!(raw, pattern(pqpn, b'W', AREA), "RDMA WRITE into the reg_mr_raw region");
+    out("HOLDING");
+    assert_eq!(input(), "exit");
+    drop((send_mr, recv_mr, write_area, read_area, atomic_area, local, qp, cq, pd));
+    out("OK");
+}
+
 /// Two QPs of one process connected to each other: what a non-root user runs.
 fn selftest_role(ctx: &Context) {
     let (pd, cq, a) = rc_qp(ctx);
@@ -638,6 +743,7 @@ fn child() {
         "ud" => ud_role(&ctx),
         "stream" => stream_role(&ctx),
         "selftest" => selftest_role(&ctx),
+        "shared" => shared_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
         "portwatch" => portwatch_role(&ctx),
         "cmserver" => cm_server_role(&ctx),
@@ -1065,4 +1171,103 @@ fn rdma_cm_ids_of_a_dead_process_are_destroyed() {
         assert!(t.elapsed() < Duration::from_secs(10), "CM IDs left");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// How many of the daemon's mappings are clients' region memfds (`reg_mr` on a daemon device).
+fn region_maps(d: &Daemon) -> usize {
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", d.child.id())).unwrap();
+    maps.lines().filter(|l| l.contains("/memfd:softrdma-mr")).count()
+}
+
+/// Regions of `reg_mr` live in memfds the daemon maps: SEND, WRITE, READ and atomics between two
+/// processes land byte for byte (and a `reg_mr_raw` region still works through process_vm); the
+/// daemon's mappings go when a client deregisters (exit) and when it is killed.
+#[test]
+fn shared_regions_between_two_processes() {
+    let dir = Daemon::dir("shared", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18968, None);
+    assert_eq!(region_maps(&d), 0);
+    let mut a = Client::spawn(&d, "shared", false);
+    let mut b = Client::spawn(&d, "shared", false);
+    pair(&mut a, &mut b);
+    assert_eq!(a.line(), "PHASE2");
+    assert_eq!(b.line(), "PHASE2");
+    // Six memfd regions per client, mapped by the daemon.
+    assert_eq!(region_maps(&d), 12);
+    a.send("go");
+    b.send("go");
+    assert_eq!(a.line(), "HOLDING");
+    assert_eq!(b.line(), "HOLDING");
+    let pid = a.pid();
+    // SAFETY: kill(2) on our own child.
+    unsafe { kill(pid as i32, 9) };
+    let _ = a.child.wait();
+    b.send("exit");
+    assert_eq!(b.finish(), "OK");
+    d.wait_idle();
+    assert_eq!(region_maps(&d), 0, "the daemon still maps regions of gone clients");
+    assert!(
+        d.log().contains(&format!("client pid {pid} uid 0 gone: freed 1 QPs, 1 CQs, 0 SRQs, 6 MRs")),
+        "{}",
+        d.log()
+    );
+}
+
+/// Registrations of shared regions that could fault the daemon or do not match are refused with
+/// a reason: no descriptor, two, a pipe, an unsealed memfd, one sealed against shrinking only, one
+/// too short, a foreign PD; a proper one is accepted, and the daemon keeps serving.
+#[test]
+fn bad_shared_region_registrations_are_refused() {
+    use softrdma_abi::msg::{Refusal, Request, Response};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let dir = Daemon::dir("badshm", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18969, None);
+    let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
+    let call = |r: Request, fds: &[i32]| {
+        conn.send(&r.encode(), fds).unwrap();
+        Response::decode(&conn.recv().unwrap().unwrap().0).unwrap()
+    };
+    assert!(matches!(call(Request::OpenDevice { name: "rxe0".into() }, &[]), Response::Opened(_)));
+    let Response::Id(pd) = call(Request::AllocPd, &[]) else { panic!() };
+    let reg = |len: u64| Request::RegMrShared { pd, addr: 0x7000_0000, len, access: RW.bits() };
+    let refused = |r: Response, why: &str| match r {
+        Response::Error(Refusal::InvalidArgument(m)) => assert!(m.contains(why), "{m}"),
+        other => panic!("not refused ({why}): {other:?}"),
+    };
+    let memfd = |name: &std::ffi::CStr, len: i64, seals: i32| {
+        // SAFETY: a valid C string and flags; the new descriptor is owned at once.
+        let fd = unsafe { OwnedFd::from_raw_fd(libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING)) };
+        // SAFETY: plain calls on our own memfd.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), len), 0);
+            assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals), 0);
+        }
+        fd
+    };
+    let both = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    refused(call(reg(4096), &[]), "exactly one memfd");
+    let good = memfd(c"softrdma-mr", 8192, both | libc::F_SEAL_SEAL);
+    refused(call(reg(4096), &[good.as_raw_fd(), good.as_raw_fd()]), "exactly one memfd");
+    let (r, _w) = std::io::pipe().unwrap();
+    refused(call(reg(4096), &[r.as_raw_fd()]), "not a memfd");
+    let file = std::fs::File::open(env!("CARGO_BIN_EXE_softrdma")).unwrap();
+    refused(call(reg(4096), &[file.as_raw_fd()]), "not a memfd");
+    refused(call(reg(4096), &[memfd(c"unsealed", 4096, 0).as_raw_fd()]), "not sealed");
+    refused(call(reg(4096), &[memfd(c"shrink", 4096, libc::F_SEAL_SHRINK).as_raw_fd()]), "not sealed");
+    refused(call(reg(4096), &[memfd(c"grow", 4096, libc::F_SEAL_GROW).as_raw_fd()]), "not sealed");
+    refused(call(reg(8193), &[good.as_raw_fd()]), "fewer than the region's 8193");
+    let Response::Error(Refusal::Verbs(_)) =
+        call(Request::RegMrShared { pd: pd + 1000, addr: 0x7000_0000, len: 4096, access: 1 }, &[good.as_raw_fd()])
+    else {
+        panic!("foreign PD accepted")
+    };
+    assert_eq!(region_maps(&d), 0);
+    let Response::Id(key) = call(reg(8192), &[good.as_raw_fd()]) else { panic!("good memfd refused") };
+    assert_eq!(region_maps(&d), 1);
+    assert_eq!(call(Request::DeregMr { key }, &[]), Response::Ok);
+    assert_eq!(region_maps(&d), 0);
+    // Still serving.
+    assert!(Client::spawn(&d, "selftest", false).finish().starts_with("OK"));
+    drop(conn);
+    d.wait_idle();
 }

@@ -8,10 +8,18 @@
 //! bounds check against the entry. So no access touches freed memory, none goes out of bounds, and
 //! no two accesses race. The one exception is the unsafe `reg_mr_raw` entry point for the C ABI,
 //! where the caller owns the memory and promises it outlives the region, as `ibv_reg_mr` requires.
+//!
+//! In the daemon (softrdmad) the table also holds clients' regions: a region registered with
+//! `reg_mr_raw` stays in its process and is reached with `process_vm_readv/writev`; one allocated by
+//! `reg_mr` lives in a sealed memfd the client sent, which the table entry maps and *owns*
+//! ([`MrTable::insert_mapped`]): removing the entry (under the device lock, like every access)
+//! unmaps it, so no access can follow the unmap, and the seals mean the client cannot shrink the
+//! file under the mapping.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
 
+use softrdma_abi::shm::RegionMap;
 use softrdma_transport::{Access, AtomicOp, DeferredPayload, KeyKind, MemError, MemoryAccess, PdId, Sge};
 
 use crate::error::{Error, Result};
@@ -76,16 +84,27 @@ fn unpin(ptr: *mut u8, len: usize) {
     unsafe { libc::munlock(ptr as *const libc::c_void, len.max(1)) };
 }
 
+/// Where a region's bytes are.
+#[derive(Debug)]
+enum Home {
+    /// In this process, at the entry's `ptr`.
+    Here,
+    /// In another process (a daemon client): `ptr` is an address there, reached only through
+    /// `process_vm_readv`/`process_vm_writev`, never dereferenced.
+    Process(u32),
+    /// In a client's memfd that this entry maps (and unmaps when it is dropped): `ptr` is the
+    /// client's address of the first byte (what SGEs and RETHs name), the map's first byte is ours.
+    Mapped(RegionMap),
+}
+
 /// One region in the table.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct Entry {
     pd: PdId,
     ptr: *mut u8,
     len: usize,
     access: Access,
-    /// `Some(pid)`: the region lives in another process (a daemon client); `ptr` is an address
-    /// there, reached only through `process_vm_readv`/`process_vm_writev`, never dereferenced.
-    pid: Option<u32>,
+    home: Home,
 }
 
 /// Where a resolved access goes.
@@ -161,11 +180,26 @@ unsafe impl Send for MrTable {}
 impl MrTable {
     /// Register `len` bytes at `addr` in process `pid` (the daemon registering a client's region).
     pub(crate) fn insert_remote(&mut self, pd: PdId, pid: u32, addr: u64, len: usize, access: Access) -> u32 {
-        self.insert_entry(Entry { pd, ptr: addr as *mut u8, len, access, pid: Some(pid) })
+        self.insert_entry(Entry { pd, ptr: addr as *mut u8, len, access, home: Home::Process(pid) })
+    }
+
+    /// Register `len` bytes of a client's memfd region, mapped here as `map`, that the client
+    /// addresses at `client_addr` (the daemon's path for `reg_mr`). The table owns the mapping
+    /// from now on: [`MrTable::remove`] unmaps it. `len` is cut to the mapping's length.
+    pub(crate) fn insert_mapped(
+        &mut self,
+        pd: PdId,
+        map: RegionMap,
+        client_addr: u64,
+        len: usize,
+        access: Access,
+    ) -> u32 {
+        let len = len.min(map.mapped_len());
+        self.insert_entry(Entry { pd, ptr: client_addr as *mut u8, len, access, home: Home::Mapped(map) })
     }
 
     fn insert(&mut self, pd: PdId, ptr: *mut u8, len: usize, access: Access) -> u32 {
-        self.insert_entry(Entry { pd, ptr, len, access, pid: None })
+        self.insert_entry(Entry { pd, ptr, len, access, home: Home::Here })
     }
 
     fn insert_entry(&mut self, entry: Entry) -> u32 {
@@ -180,6 +214,8 @@ impl MrTable {
         }
     }
 
+    /// Forget region `key`; a mapped client region is unmapped here, after which no access can
+    /// reach it (callers hold the device lock, as for every access).
     pub(crate) fn remove(&mut self, key: u32) {
         self.entries.remove(&key);
     }
@@ -202,11 +238,14 @@ impl MrTable {
         if addr < start || end > start + e.len as u64 {
             return Err(MemError::OutOfBounds);
         }
-        if let Some(pid) = e.pid {
-            return Ok(Loc::Remote(pid, addr));
-        }
-        // SAFETY: addr - start < e.len, so the offset stays inside the allocation.
-        Ok(Loc::Local(unsafe { e.ptr.add((addr - start) as usize) }))
+        let base = match &e.home {
+            Home::Here => e.ptr,
+            Home::Process(pid) => return Ok(Loc::Remote(*pid, addr)),
+            Home::Mapped(m) => m.as_ptr(),
+        };
+        // SAFETY: addr - start < e.len, so the offset stays inside the allocation (for a mapped
+        // region, inside the mapping, which is at least e.len bytes: see `insert_mapped`).
+        Ok(Loc::Local(unsafe { base.add((addr - start) as usize) }))
     }
 }
 
@@ -254,8 +293,9 @@ impl MrTable {
         Ok(())
     }
 
-    /// Resolve a deferred payload to pointers into this process's memory. A region of another
-    /// process (daemon mode) cannot be sent from in place: the payload is copied into the hole in
+    /// Resolve a deferred payload to pointers into this process's memory (a client's mapped memfd
+    /// region included). A region reached through process_vm (daemon mode, `reg_mr_raw`) cannot be
+    /// sent from in place: the payload is copied into the hole in
     /// `pkt` instead and `Ok(None)` returned.
     pub(crate) fn in_place(
         &self,
@@ -279,8 +319,9 @@ impl MrTable {
 
 impl MrTable {
     /// A pointer to `[addr, addr + len)` of a region of this process that `rkey` in `pd` opens
-    /// for remote writes, for receiving a payload in place (see `place.rs`); `None` for anything
-    /// else, a region of another process (daemon mode) included. Valid while the device lock is held.
+    /// for remote writes, for receiving a payload in place (see `place.rs`), a client's mapped memfd
+    /// region included; `None` for anything else, a region reached through process_vm (daemon
+    /// mode, `reg_mr_raw`) included. Valid while the device lock is held.
     pub(crate) fn remote_write_ptr(&self, pd: PdId, rkey: u32, addr: u64, len: u64) -> Option<*mut u8> {
         match self.resolve(pd, rkey, addr, len, Access::REMOTE_WRITE) {
             Ok(Loc::Local(p)) => Some(p),
@@ -361,11 +402,13 @@ impl MemoryAccess for MrTable {
                 return Ok(orig);
             }
         };
-        // SAFETY: in bounds and 8-byte aligned (the buffer is page aligned and addr % 8 == 0); the
-        // device lock serialises every access to registered memory.
+        // SAFETY: in bounds and 8-byte aligned (the buffer or mapping is page aligned and
+        // addr % 8 == 0); the device lock serialises every access to registered memory. Volatile:
+        // a mapped region is shared with its client process, which the compiler cannot see; the
+        // read-modify-write is atomic with respect to RDMA accesses only (IBV_ATOMIC_HCA).
         unsafe {
-            let orig = p.read();
-            p.write(op.apply(orig));
+            let orig = p.read_volatile();
+            p.write_volatile(op.apply(orig));
             Ok(orig)
         }
     }
@@ -381,8 +424,10 @@ impl MemoryAccess for MrTable {
 /// memory of the caller's registered through the unsafe [`crate::ProtectionDomain::reg_mr_raw`] (the
 /// C ABI's `ibv_reg_mr`).
 ///
-/// In daemon mode the buffer lives in this process as usual; softrdmad reaches it with
-/// `process_vm_readv`/`process_vm_writev` (as a NIC would by DMA), and the region's own
+/// In daemon mode `reg_mr`'s buffer is a sealed memfd this region maps and owns, shared with
+/// softrdmad, which maps it too and copies to and from it directly; memory registered with
+/// `reg_mr_raw` stays the caller's and softrdmad reaches it with
+/// `process_vm_readv`/`process_vm_writev` (as a NIC would by DMA). The region's own
 /// [`read`](MemoryRegion::read)/[`write`](MemoryRegion::write) copy without a lock: ordering them
 /// against the device's accesses is the application's job, through completions, as with hardware.
 pub struct MemoryRegion {
@@ -391,7 +436,17 @@ pub struct MemoryRegion {
     access: Access,
     ptr: *mut u8,
     len: usize,
-    _owned: Option<AlignedBuf>,
+    _owned: Backing,
+}
+
+/// The memory a [`MemoryRegion`] owns.
+enum Backing {
+    /// The caller's (`reg_mr_raw`).
+    Caller,
+    /// A heap buffer (embedded devices).
+    Heap(#[allow(dead_code)] AlignedBuf),
+    /// A sealed memfd shared with softrdmad (daemon devices), mapped here.
+    Shared(#[allow(dead_code)] RegionMap),
 }
 
 // SAFETY: the pointer is to memory owned by this region or promised live by the caller of
@@ -430,6 +485,10 @@ impl MemoryRegion {
 
     pub(crate) fn register(dev: Dev, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
         Self::check_access(access)?;
+        if let Dev::Daemon(s) = &dev {
+            let s = std::sync::Arc::clone(s);
+            return Self::register_shared(dev, &s, pd, len, access);
+        }
         let buf = AlignedBuf::new(len)?;
         pin(buf.ptr, len)?;
         let (ptr, len) = (buf.ptr, buf.len);
@@ -440,7 +499,45 @@ impl MemoryRegion {
                 return Err(e);
             }
         };
-        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Some(buf) })
+        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Heap(buf) })
+    }
+
+    /// `reg_mr` on a daemon device: the buffer is a new sealed memfd (zeroed, whole pages), mapped
+    /// and pinned here, and sent to the daemon, which maps it too (see `RegMrShared`). The
+    /// descriptor is closed once sent; the two mappings keep the memory.
+    fn register_shared(
+        dev: Dev,
+        s: &crate::daemon::client::Session,
+        pd: PdId,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        if len > isize::MAX as usize / 2 {
+            return Err(Error::InvalidArgument(format!("memory region of {len} bytes is too large")));
+        }
+        let io = |e| Error::io("allocating a shared memory region", e);
+        let fd = softrdma_abi::shm::sealed_memfd("softrdma-mr", len.max(1).next_multiple_of(PAGE)).map_err(io)?;
+        let map = RegionMap::map(&fd, len, false).map_err(io)?;
+        let ptr = map.as_ptr();
+        pin(ptr, len)?;
+        let req = softrdma_abi::msg::Request::RegMrShared {
+            pd: pd.0,
+            addr: ptr as u64,
+            len: len as u64,
+            access: access.bits(),
+        };
+        let key = match s.call(&req, &[std::os::fd::AsRawFd::as_raw_fd(&fd)]) {
+            Ok((softrdma_abi::msg::Response::Id(k), _)) => k,
+            Ok(_) => {
+                unpin(ptr, len);
+                return Err(Error::Daemon("unexpected answer to a shared region registration".into()));
+            }
+            Err(e) => {
+                unpin(ptr, len);
+                return Err(e);
+            }
+        };
+        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Shared(map) })
     }
 
     /// Register caller memory.
@@ -469,7 +566,7 @@ impl MemoryRegion {
                 return Err(e);
             }
         };
-        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: None })
+        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Caller })
     }
 
     /// Local key.
@@ -572,5 +669,47 @@ impl std::fmt::Debug for MemoryRegion {
             .field("addr", &self.addr())
             .field("len", &self.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mapped client region is addressed by the client's address, checked as any other region,
+    /// and every access lands in the memfd (seen through a second mapping, as the client sees it).
+    #[test]
+    fn mapped_region_is_reached_by_client_address() {
+        let fd = softrdma_abi::shm::sealed_memfd("mr-test", 8192).unwrap();
+        let client = RegionMap::map(&fd, 8192, false).unwrap();
+        let map = RegionMap::open_client(&fd, 6000).unwrap();
+        let mut t = MrTable::default();
+        let (pd, at) = (PdId(3), 0x7f00_0000_1000u64);
+        let rw = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
+        let key = t.insert_mapped(pd, map, at, 6000, rw);
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 1) as u8).collect();
+        t.write(pd, key, KeyKind::Remote, at + 5000, &data).unwrap();
+        let mut seen = vec![0u8; 1000];
+        // SAFETY: 5000 + 1000 bytes lie inside the client's 8192-byte mapping.
+        unsafe { std::ptr::copy_nonoverlapping(client.as_ptr().add(5000), seen.as_mut_ptr(), 1000) };
+        assert_eq!(seen, data);
+        let mut back = vec![0u8; 1000];
+        t.read(pd, key, KeyKind::Remote, at + 5000, &mut back).unwrap();
+        assert_eq!(back, data);
+        // SAFETY: offset 8 is inside the client's mapping and 8-byte aligned.
+        unsafe { (client.as_ptr().add(8) as *mut u64).write(40) };
+        assert_eq!(t.atomic(pd, key, at + 8, AtomicOp::FetchAdd { add: 2 }), Ok(40));
+        // SAFETY: as above.
+        assert_eq!(unsafe { (client.as_ptr().add(8) as *const u64).read() }, 42);
+        // Bounds are the registered length at the client's address, not the mapping's.
+        assert_eq!(t.write(pd, key, KeyKind::Remote, at + 5001, &data), Err(MemError::OutOfBounds));
+        assert_eq!(t.read(pd, key, KeyKind::Remote, at - 1, &mut back), Err(MemError::OutOfBounds));
+        assert_eq!(t.read(PdId(4), key, KeyKind::Remote, at, &mut back), Err(MemError::PdMismatch));
+        assert_eq!(t.atomic(pd, key, at + 4, AtomicOp::FetchAdd { add: 1 }), Err(MemError::Misaligned));
+        assert!(t.remote_write_ptr(pd, key, at, 6000).is_some());
+        assert!(t.remote_write_ptr(pd, key, at, 6001).is_none());
+        t.remove(key);
+        assert_eq!(t.read(pd, key, KeyKind::Remote, at, &mut back), Err(MemError::InvalidKey));
+        assert_eq!(t.len(), 0);
     }
 }

@@ -349,6 +349,10 @@ impl AhAttr {
 
 impl ProtectionDomain {
     /// Register `len` bytes of fresh, zeroed, pinned memory with `access`.
+    ///
+    /// On a softrdmad device the memory is a sealed memfd mapped both here and in the daemon, which
+    /// copies to and from it directly (no system call per access). Being a shared mapping, it stays
+    /// shared with a child after `fork` rather than copied on write.
     pub fn reg_mr(&self, len: usize, access: Access) -> Result<MemoryRegion> {
         MemoryRegion::register(self.h.clone(), self.id, len, access)
     }

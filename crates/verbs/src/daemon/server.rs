@@ -29,7 +29,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use softrdma_abi::msg::{encode_event, DeviceEntry, DeviceStats, QpStats, Refusal, Request, Response};
 use softrdma_abi::ring::{ring_bytes, Consumer, Producer, ARMED_ANY};
-use softrdma_abi::shm::Shm;
+use softrdma_abi::shm::{RegionMap, Shm};
 use softrdma_abi::slot::{self, CQE_LEN};
 use softrdma_abi::sock::{Conn, Listener, PeerCred};
 use softrdma_device::registry::{Registry, RegistryError};
@@ -1205,6 +1205,7 @@ impl Session {
             req,
             Request::AllocPd
                 | Request::RegMr { .. }
+                | Request::RegMrShared { .. }
                 | Request::CreateChannel
                 | Request::CreateCq { .. }
                 | Request::CreateSrq { .. }
@@ -1255,6 +1256,32 @@ impl Session {
                 }
                 probe(self.cred.pid, addr, len)?;
                 let key = dev.dev.lock().mem.insert_remote(PdId(pd), self.cred.pid, addr, len as usize, access);
+                svc.mrs.insert(key, me);
+                count(svc, 1);
+                ok(Response::Id(key))
+            }
+            Request::RegMrShared { pd, addr, len, access } => {
+                if !owns_pd(svc, pd) {
+                    return Err(nso());
+                }
+                let access = Access::from_bits(access);
+                let needs_local_write = access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
+                if needs_local_write && !access.contains(Access::LOCAL_WRITE) {
+                    return Err(Refusal::InvalidArgument("REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too".into()));
+                }
+                if len > attr.max_mr_size || addr.checked_add(len).is_none() {
+                    return Err(Refusal::InvalidArgument(format!("memory region of {len} bytes is too large")));
+                }
+                let [fd] = <[OwnedFd; 1]>::try_from(fds).map_err(|f| {
+                    Refusal::InvalidArgument(format!(
+                        "a shared memory region comes with exactly one memfd ({} descriptors sent)",
+                        f.len()
+                    ))
+                })?;
+                let map = RegionMap::open_client(&fd, len as usize)
+                    .map_err(|e| Refusal::InvalidArgument(format!("shared memory region refused: {e}")))?;
+                drop(fd);
+                let key = dev.dev.lock().mem.insert_mapped(PdId(pd), map, addr, len as usize, access);
                 svc.mrs.insert(key, me);
                 count(svc, 1);
                 ok(Response::Id(key))
