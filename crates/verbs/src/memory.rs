@@ -443,10 +443,10 @@ pub struct MemoryRegion {
 enum Backing {
     /// The caller's (`reg_mr_raw`).
     Caller,
-    /// A heap buffer (embedded devices).
-    Heap(#[allow(dead_code)] AlignedBuf),
-    /// A sealed memfd shared with softrdmad (daemon devices), mapped here.
-    Shared(#[allow(dead_code)] RegionMap),
+    /// A heap buffer (embedded devices), freed with the region.
+    Heap { _buf: AlignedBuf },
+    /// A sealed memfd shared with softrdmad (daemon devices), mapped here, unmapped with the region.
+    Shared { _map: RegionMap },
 }
 
 // SAFETY: the pointer is to memory owned by this region or promised live by the caller of
@@ -499,7 +499,7 @@ impl MemoryRegion {
                 return Err(e);
             }
         };
-        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Heap(buf) })
+        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Heap { _buf: buf } })
     }
 
     /// `reg_mr` on a daemon device: the buffer is a new sealed memfd (zeroed, whole pages), mapped
@@ -537,7 +537,7 @@ impl MemoryRegion {
                 return Err(e);
             }
         };
-        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Shared(map) })
+        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Shared { _map: map } })
     }
 
     /// Register caller memory.
