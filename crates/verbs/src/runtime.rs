@@ -10,7 +10,7 @@
 //! an idle period, an RNR wait) wakes it once, so the timer fires on time even if the application
 //! then blocks instead of polling.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{self, ErrorKind};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
@@ -119,8 +119,9 @@ pub(crate) struct State {
     pub(crate) io_wake_at: Option<Instant>,
     pub next_pd: u32,
     /// Per-QP traffic (packets sent, bytes sent, packets received, bytes received), kept only when
-    /// the device runs in the daemon (`None` in embedded mode costs nothing).
-    pub qp_traffic: Option<HashMap<softrdma_wire::Qpn, QpTraffic>>,
+    /// the device runs in the daemon (`None` in embedded mode costs nothing). Looked up per packet:
+    /// ordered by QPN rather than hashed (SipHash cost more than the search through a few QPs).
+    pub qp_traffic: Option<BTreeMap<softrdma_wire::Qpn, QpTraffic>>,
     /// The connection manager of the device (QP1).
     pub cm: CmState,
     /// The same-host link (shared-memory lanes to other softrdma devices on this host).

@@ -181,7 +181,7 @@ impl Daemon {
         let dev = Device::new(info, v4, v6, self.opts.udp_port, crate::same_host::enabled_by_env(), false)?;
         {
             let mut st = dev.lock();
-            st.qp_traffic = Some(HashMap::new());
+            st.qp_traffic = Some(BTreeMap::new());
             st.cm.unrouted = Some(Default::default());
         }
         let sd = Arc::new(SvcDevice {
