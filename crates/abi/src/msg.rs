@@ -28,6 +28,11 @@ use crate::ABI_VERSION;
 /// Largest control message.
 pub const MAX_MSG: usize = 64 * 1024;
 
+/// How a refusal of a `RegMrShared` for the memfd itself begins (the client then registers its
+/// region for `process_vm` access instead): the daemon's kernel lacks what the checks need, or
+/// the memfd failed them.
+pub const SHARED_REGION_REFUSED: &str = "shared memory region refused";
+
 /// What a client asks.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]

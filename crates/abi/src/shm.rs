@@ -64,6 +64,28 @@ pub fn sealed_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// A new memfd of `len` bytes (zeroed) for a memory region a client shares with softrdmad:
+/// sealed against shrinking and growing, but not with `F_SEAL_SEAL`, so that the daemon can add
+/// `F_SEAL_FUTURE_WRITE` once it has mapped it (see [`RegionMap::open_client`]).
+pub fn region_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
+    let cname = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: a valid C string; the flags are valid.
+    let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a new descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: plain syscalls on our descriptor.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0
+        || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } != 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
 impl Shm {
     /// A new sealed memfd of `len` bytes (zeroed), mapped.
     pub fn create(name: &str, len: usize) -> io::Result<Shm> {
@@ -149,18 +171,22 @@ unsafe impl Send for RegionMap {}
 unsafe impl Sync for RegionMap {}
 
 impl RegionMap {
-    /// Map the first `len` bytes (rounded up to pages) of `fd` read/write, shared. With
-    /// `populate`, the page tables are filled at once (`MAP_POPULATE`), so later accesses do
-    /// not fault.
-    pub fn map(fd: &OwnedFd, len: usize, populate: bool) -> io::Result<RegionMap> {
+    /// Map the first `len` bytes (rounded up to pages) of `fd` read/write, shared.
+    pub fn map(fd: &OwnedFd, len: usize) -> io::Result<RegionMap> {
         if len > isize::MAX as usize / 2 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
         let mapped = len.max(1).next_multiple_of(PAGE);
-        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a fresh shared mapping of a file we hold open; the kernel picks the address.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), mapped, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
@@ -168,36 +194,70 @@ impl RegionMap {
         Ok(RegionMap { ptr: p as *mut u8, mapped })
     }
 
-    /// Map a region's memfd that a client sent (the daemon's side): refused unless it is a memfd
-    /// (a regular file on the kernel's internal tmpfs; hugetlbfs is refused too) whose seals
-    /// include `F_SEAL_SHRINK` and `F_SEAL_GROW`, at least `len` bytes long, and mappable
-    /// read/write. The error says which check failed.
+    /// Map a region's memfd that a client sent (the daemon's side), so that no access through the
+    /// mapping can ever fault or allocate memory: refused unless
+    /// - it is a memfd (a regular file on the kernel's internal tmpfs; hugetlbfs is refused too);
+    /// - its seals include `F_SEAL_SHRINK` and `F_SEAL_GROW` (read *before* the size, which they
+    ///   freeze: a client cannot shrink it between the check and the mapping);
+    /// - it is at least `len` bytes long and mappable read/write;
+    /// - the daemon can add `F_SEAL_FUTURE_WRITE` after mapping it (Linux 5.1 or later, and no
+    ///   `F_SEAL_SEAL`): from then on nobody can punch holes into it (`fallocate`, `MADV_REMOVE`),
+    ///   which would make the daemon's next access allocate a page, or fault under strict
+    ///   accounting; the client's and the daemon's existing mappings stay writable;
+    /// - it has no hole in its first `len` bytes: every page is allocated (the client pinned them),
+    ///   so a sparse file cannot make the daemon allocate memory the client never paid for.
+    ///
+    /// The error says which check failed.
     pub fn open_client(fd: &OwnedFd, len: usize) -> io::Result<RegionMap> {
         let refuse = |why: String| Err(io::Error::new(io::ErrorKind::InvalidInput, why));
+        let raw = fd.as_raw_fd();
         // SAFETY: fstat into a zeroed struct we own.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        if unsafe { libc::fstat(raw, &mut st) } != 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: fstatfs into a zeroed struct we own.
         let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
-        let fs_ok = unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } == 0;
+        let fs_ok = unsafe { libc::fstatfs(raw, &mut fs) } == 0;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || !fs_ok || fs.f_type != libc::TMPFS_MAGIC {
             return refuse("the descriptor is not a memfd".into());
         }
         // SAFETY: F_GET_SEALS takes no argument.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let seals = unsafe { libc::fcntl(raw, libc::F_GET_SEALS) };
         let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
         if seals < 0 || seals & need != need {
             return refuse("the memfd is not sealed with F_SEAL_SHRINK and F_SEAL_GROW".into());
         }
+        // The size now, after the seals that freeze it.
+        // SAFETY: as above.
+        if unsafe { libc::fstat(raw, &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
         if st.st_size < 0 || (st.st_size as u64) < len as u64 {
             return refuse(format!("the memfd has {} bytes, fewer than the region's {len}", st.st_size));
         }
-        RegionMap::map(fd, len, true)
-            .map_err(|e| io::Error::new(e.kind(), format!("the memfd cannot be mapped read/write: {e}")))
+        let map = RegionMap::map(fd, len)
+            .map_err(|e| io::Error::new(e.kind(), format!("the memfd cannot be mapped read/write: {e}")))?;
+        // SAFETY: F_ADD_SEALS with an int argument on a descriptor we hold.
+        if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, libc::F_SEAL_FUTURE_WRITE) } != 0 {
+            let e = io::Error::last_os_error();
+            return refuse(format!(
+                "the memfd cannot be sealed with F_SEAL_FUTURE_WRITE (needs Linux 5.1; no F_SEAL_SEAL): {e}"
+            ));
+        }
+        if len > 0 {
+            // SAFETY: lseek on a descriptor we hold; SEEK_HOLE finds the first hole at or after 0
+            // (the end of the file counts as one).
+            let hole = unsafe { libc::lseek(raw, 0, libc::SEEK_HOLE) };
+            if hole < 0 || (hole as u64) < len as u64 {
+                return refuse(format!(
+                    "the memfd has unallocated pages from byte {hole}: a region's pages must all be allocated (pinned)"
+                ));
+            }
+        }
+        Ok(map)
     }
 
     /// The first byte of the mapping.
@@ -245,14 +305,33 @@ mod tests {
         assert!(Shm::open(a.fd().try_clone().unwrap(), 8192).is_err(), "too short");
     }
 
+    /// Touch every page of `map` (as a client's pinning does), so the file has no hole.
+    fn fill(map: &RegionMap) {
+        // SAFETY: the mapping covers `mapped_len` bytes.
+        unsafe { std::ptr::write_bytes(map.as_ptr(), 0, map.mapped_len()) };
+    }
+
     #[test]
     fn region_memfd_shared_and_checked() {
-        let fd = sealed_memfd("mr", 8192).unwrap();
-        let client = RegionMap::map(&fd, 8000, false).unwrap();
+        // Pages never touched are holes: refused (a sparse file would make the daemon allocate).
+        let fd = region_memfd("sparse", 8192).unwrap();
+        let e = RegionMap::open_client(&fd, 8000).unwrap_err();
+        assert!(e.to_string().contains("unallocated pages from byte 0"), "{e}");
+
+        let fd = region_memfd("mr", 8192).unwrap();
+        let client = RegionMap::map(&fd, 8000).unwrap();
         assert_eq!(client.mapped_len(), 8192);
+        fill(&client);
         let daemon = RegionMap::open_client(&fd, 8000).unwrap();
+        // Sealed against future writes now: nobody can punch a hole under the daemon's mapping.
+        // SAFETY: fcntl and fallocate on our memfd.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        assert_ne!(seals & libc::F_SEAL_FUTURE_WRITE, 0);
+        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        // SAFETY: as above.
+        assert_ne!(unsafe { libc::fallocate(fd.as_raw_fd(), punch, 0, 4096) }, 0, "hole punched");
         drop(fd);
-        // SAFETY: both mappings cover 8192 bytes of the same file.
+        // SAFETY: both mappings cover 8192 bytes of the same file, and stay writable.
         unsafe {
             client.as_ptr().add(7999).write(0xa5);
             assert_eq!(daemon.as_ptr().add(7999).read(), 0xa5);
@@ -260,9 +339,25 @@ mod tests {
             assert_eq!(client.as_ptr().read(), 0x5a);
         }
 
-        let fd = sealed_memfd("short", 4096).unwrap();
+        let fd = region_memfd("short", 4096).unwrap();
+        fill(&RegionMap::map(&fd, 4096).unwrap());
         let e = RegionMap::open_client(&fd, 4097).unwrap_err();
         assert!(e.to_string().contains("fewer than"), "{e}");
+
+        // Sealed with F_SEAL_SEAL (as rings are): the daemon cannot add its seal.
+        let fd = sealed_memfd("sealed", 4096).unwrap();
+        fill(&RegionMap::map(&fd, 4096).unwrap());
+        let e = RegionMap::open_client(&fd, 4096).unwrap_err();
+        assert!(e.to_string().contains("F_SEAL_FUTURE_WRITE"), "{e}");
+
+        // A hole in the middle: refused from there.
+        let fd = region_memfd("hole", 3 * 4096).unwrap();
+        let m = RegionMap::map(&fd, 3 * 4096).unwrap();
+        fill(&m);
+        // SAFETY: fallocate on our memfd (not yet sealed against it).
+        assert_eq!(unsafe { libc::fallocate(fd.as_raw_fd(), punch, 4096, 4096) }, 0);
+        let e = RegionMap::open_client(&fd, 3 * 4096).unwrap_err();
+        assert!(e.to_string().contains("unallocated pages from byte 4096"), "{e}");
 
         // Unsealed: a memfd without seals.
         // SAFETY: valid C string and flags.

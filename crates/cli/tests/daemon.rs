@@ -1234,35 +1234,50 @@ fn bad_shared_region_registrations_are_refused() {
         Response::Error(Refusal::InvalidArgument(m)) => assert!(m.contains(why), "{m}"),
         other => panic!("not refused ({why}): {other:?}"),
     };
-    let memfd = |name: &std::ffi::CStr, len: i64, seals: i32| {
+    // A memfd of `len` bytes with `seals`; its pages allocated unless `sparse`.
+    let memfd = |name: &std::ffi::CStr, len: i64, seals: i32, sparse: bool| {
         // SAFETY: a valid C string and flags; the new descriptor is owned at once.
         let fd = unsafe { OwnedFd::from_raw_fd(libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING)) };
         // SAFETY: plain calls on our own memfd.
         unsafe {
             assert_eq!(libc::ftruncate(fd.as_raw_fd(), len), 0);
+            if !sparse {
+                // Written, not just fallocated: tmpfs counts fallocated pages as holes until then.
+                let zeros = vec![0u8; len as usize];
+                assert_eq!(libc::pwrite(fd.as_raw_fd(), zeros.as_ptr().cast(), zeros.len(), 0), len as isize);
+            }
             assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals), 0);
         }
         fd
     };
     let both = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
     refused(call(reg(4096), &[]), "exactly one memfd");
-    let good = memfd(c"softrdma-mr", 8192, both | libc::F_SEAL_SEAL);
+    let good = memfd(c"softrdma-mr", 8192, both, false);
     refused(call(reg(4096), &[good.as_raw_fd(), good.as_raw_fd()]), "exactly one memfd");
     let (r, _w) = std::io::pipe().unwrap();
     refused(call(reg(4096), &[r.as_raw_fd()]), "not a memfd");
     let file = std::fs::File::open(env!("CARGO_BIN_EXE_softrdma")).unwrap();
     refused(call(reg(4096), &[file.as_raw_fd()]), "not a memfd");
-    refused(call(reg(4096), &[memfd(c"unsealed", 4096, 0).as_raw_fd()]), "not sealed");
-    refused(call(reg(4096), &[memfd(c"shrink", 4096, libc::F_SEAL_SHRINK).as_raw_fd()]), "not sealed");
-    refused(call(reg(4096), &[memfd(c"grow", 4096, libc::F_SEAL_GROW).as_raw_fd()]), "not sealed");
+    refused(call(reg(4096), &[memfd(c"unsealed", 4096, 0, false).as_raw_fd()]), "not sealed");
+    refused(call(reg(4096), &[memfd(c"shrink", 4096, libc::F_SEAL_SHRINK, false).as_raw_fd()]), "not sealed");
+    refused(call(reg(4096), &[memfd(c"grow", 4096, libc::F_SEAL_GROW, false).as_raw_fd()]), "not sealed");
     refused(call(reg(8193), &[good.as_raw_fd()]), "fewer than the region's 8193");
+    // Sparse: the daemon would allocate what the client never did.
+    refused(call(reg(8192), &[memfd(c"sparse", 8192, both, true).as_raw_fd()]), "unallocated pages from byte 0");
+    // Sealed for good: the daemon cannot seal it against hole punching.
+    let sealed = memfd(c"sealed", 8192, both | libc::F_SEAL_SEAL, false);
+    refused(call(reg(8192), &[sealed.as_raw_fd()]), "F_SEAL_FUTURE_WRITE");
+    // Not where a client's mapping starts: the daemon's atomics would be misaligned.
+    let odd = Request::RegMrShared { pd, addr: 0x7000_0004, len: 4096, access: RW.bits() };
+    refused(call(odd, &[good.as_raw_fd()]), "not page aligned");
     let Response::Error(Refusal::Verbs(_)) =
         call(Request::RegMrShared { pd: pd + 1000, addr: 0x7000_0000, len: 4096, access: 1 }, &[good.as_raw_fd()])
     else {
         panic!("foreign PD accepted")
     };
     assert_eq!(region_maps(&d), 0);
-    let Response::Id(key) = call(reg(8192), &[good.as_raw_fd()]) else { panic!("good memfd refused") };
+    let r = call(reg(8192), &[good.as_raw_fd()]);
+    let Response::Id(key) = r else { panic!("good memfd refused: {r:?}") };
     assert_eq!(region_maps(&d), 1);
     assert_eq!(call(Request::DeregMr { key }, &[]), Response::Ok);
     assert_eq!(region_maps(&d), 0);

@@ -486,8 +486,15 @@ impl MemoryRegion {
     pub(crate) fn register(dev: Dev, pd: PdId, len: usize, access: Access) -> Result<MemoryRegion> {
         Self::check_access(access)?;
         if let Dev::Daemon(s) = &dev {
-            let s = std::sync::Arc::clone(s);
-            return Self::register_shared(dev, &s, pd, len, access);
+            if s.shared_regions.load(std::sync::atomic::Ordering::Relaxed) {
+                let s = std::sync::Arc::clone(s);
+                match Self::register_shared(dev.clone(), &s, pd, len, access)? {
+                    Some(mr) => return Ok(mr),
+                    // Refused (an older daemon, an older kernel): the heap buffer below, reached
+                    // by process_vm, from now on.
+                    None => s.shared_regions.store(false, std::sync::atomic::Ordering::Relaxed),
+                }
+            }
         }
         let buf = AlignedBuf::new(len)?;
         pin(buf.ptr, len)?;
@@ -504,21 +511,24 @@ impl MemoryRegion {
 
     /// `reg_mr` on a daemon device: the buffer is a new sealed memfd (zeroed, whole pages), mapped
     /// and pinned here, and sent to the daemon, which maps it too (see `RegMrShared`). The
-    /// descriptor is closed once sent; the two mappings keep the memory.
+    /// descriptor is closed once sent; the two mappings keep the memory. `Ok(None)` when the daemon
+    /// does not take shared regions (an older one answers an unknown request; one on a kernel
+    /// without `F_SEAL_FUTURE_WRITE` refuses the memfd).
     fn register_shared(
         dev: Dev,
         s: &crate::daemon::client::Session,
         pd: PdId,
         len: usize,
         access: Access,
-    ) -> Result<MemoryRegion> {
+    ) -> Result<Option<MemoryRegion>> {
         if len > isize::MAX as usize / 2 {
             return Err(Error::InvalidArgument(format!("memory region of {len} bytes is too large")));
         }
         let io = |e| Error::io("allocating a shared memory region", e);
-        let fd = softrdma_abi::shm::sealed_memfd("softrdma-mr", len.max(1).next_multiple_of(PAGE)).map_err(io)?;
-        let map = RegionMap::map(&fd, len, false).map_err(io)?;
+        let fd = softrdma_abi::shm::region_memfd("softrdma-mr", len.max(1).next_multiple_of(PAGE)).map_err(io)?;
+        let map = RegionMap::map(&fd, len).map_err(io)?;
         let ptr = map.as_ptr();
+        // Pinning allocates every page, which the daemon requires (a sparse file is refused).
         pin(ptr, len)?;
         let req = softrdma_abi::msg::Request::RegMrShared {
             pd: pd.0,
@@ -534,10 +544,14 @@ impl MemoryRegion {
             }
             Err(e) => {
                 unpin(ptr, len);
-                return Err(e);
+                return match e {
+                    Error::Daemon(_) => Ok(None),
+                    Error::InvalidArgument(m) if m.starts_with(softrdma_abi::msg::SHARED_REGION_REFUSED) => Ok(None),
+                    e => Err(e),
+                };
             }
         };
-        Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Shared { _map: map } })
+        Ok(Some(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Shared { _map: map } }))
     }
 
     /// Register caller memory.
@@ -680,8 +694,10 @@ mod tests {
     /// and every access lands in the memfd (seen through a second mapping, as the client sees it).
     #[test]
     fn mapped_region_is_reached_by_client_address() {
-        let fd = softrdma_abi::shm::sealed_memfd("mr-test", 8192).unwrap();
-        let client = RegionMap::map(&fd, 8192, false).unwrap();
+        let fd = softrdma_abi::shm::region_memfd("mr-test", 8192).unwrap();
+        let client = RegionMap::map(&fd, 8192).unwrap();
+        // SAFETY: the mapping covers 8192 bytes; every page allocated, as a client's pinning does.
+        unsafe { std::ptr::write_bytes(client.as_ptr(), 0, 8192) };
         let map = RegionMap::open_client(&fd, 6000).unwrap();
         let mut t = MrTable::default();
         let (pd, at) = (PdId(3), 0x7f00_0000_1000u64);

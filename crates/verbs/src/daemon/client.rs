@@ -130,6 +130,10 @@ pub(crate) struct Session {
     pub udp_port: u16,
     doorbell: OwnedFd,
     events: UnixDatagram,
+    /// The daemon maps `reg_mr` regions shared with it (`RegMrShared`); cleared at its first
+    /// refusal (an older daemon, or a kernel without `F_SEAL_FUTURE_WRITE`), after which regions
+    /// are registered for `process_vm` access (`RegMr`) without asking again.
+    pub shared_regions: std::sync::atomic::AtomicBool,
 }
 
 impl Session {
@@ -153,7 +157,14 @@ impl Session {
         let netdev = entry.netdev.ok_or_else(|| Error::Daemon(format!("device {name} has no netdev at the daemon")))?;
         let info = DeviceInfo::new(&entry.config, netdev)?;
         allow_daemon_access(ctl.daemon_pid);
-        Ok(Some(Arc::new(Session { ctl, info, udp_port: entry.udp_port, doorbell, events })))
+        Ok(Some(Arc::new(Session {
+            ctl,
+            info,
+            udp_port: entry.udp_port,
+            doorbell,
+            events,
+            shared_regions: std::sync::atomic::AtomicBool::new(true),
+        })))
     }
 
     /// A control request.

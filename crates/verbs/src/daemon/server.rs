@@ -27,7 +27,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant as StdInstant};
 
-use softrdma_abi::msg::{encode_event, DeviceEntry, DeviceStats, QpStats, Refusal, Request, Response};
+use softrdma_abi::msg::{
+    encode_event, DeviceEntry, DeviceStats, QpStats, Refusal, Request, Response, SHARED_REGION_REFUSED,
+};
 use softrdma_abi::ring::{ring_bytes, Consumer, Producer, ARMED_ANY};
 use softrdma_abi::shm::{RegionMap, Shm};
 use softrdma_abi::slot::{self, CQE_LEN};
@@ -1278,8 +1280,15 @@ impl Session {
                         f.len()
                     ))
                 })?;
+                if addr % 4096 != 0 {
+                    // The client's mapping starts on a page: anything else would misalign the
+                    // daemon's 8-byte atomics against the client's addresses.
+                    return Err(Refusal::InvalidArgument(format!(
+                        "{SHARED_REGION_REFUSED}: address {addr:#x} is not page aligned"
+                    )));
+                }
                 let map = RegionMap::open_client(&fd, len as usize)
-                    .map_err(|e| Refusal::InvalidArgument(format!("shared memory region refused: {e}")))?;
+                    .map_err(|e| Refusal::InvalidArgument(format!("{SHARED_REGION_REFUSED}: {e}")))?;
                 drop(fd);
                 let key = dev.dev.lock().mem.insert_mapped(PdId(pd), map, addr, len as usize, access);
                 svc.mrs.insert(key, me);
