@@ -849,6 +849,15 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
     let deadline = plan.duration.map(|d| t0 + d);
     let mut wcs = Vec::with_capacity(64);
     let mut list = Vec::with_capacity(plan.post_list as usize);
+    // One WR per QP built up front, copied per post with its id and flags (as perftest reuses its
+    // prepared WRs): building each from scratch cost more than posting it.
+    let templates = (0..nqp).map(|q| side.send_wr(plan, q, size, 0, false)).collect::<Result<Vec<_>, _>>()?;
+    let wr = |q: usize, wr_id: u64, signaled: bool| {
+        let mut w = templates[q].clone();
+        w.wr_id = wr_id;
+        w.flags = if signaled { SendFlags::SIGNALED } else { SendFlags::NONE };
+        w
+    };
     loop {
         let past = deadline.is_some_and(|d| Instant::now() >= d);
         for q in 0..nqp {
@@ -864,7 +873,7 @@ fn bw_client(side: &mut Side, plan: &Plan, size: u64) -> Result<BwResult, String
                     let seq = posted[q] + list.len() as u64;
                     let last = if timed { seq + 1 == iters } else { past };
                     let signaled = (seq + 1).is_multiple_of(cq_mod) || last;
-                    list.push(side.send_wr(plan, q, size, ((q as u64) << 48) | seq, signaled)?);
+                    list.push(wr(q, ((q as u64) << 48) | seq, signaled));
                     if timed {
                         tposted[q * iters as usize + seq as usize] = tpost;
                     }
