@@ -43,31 +43,18 @@ fn map(fd: &OwnedFd, len: usize) -> io::Result<*mut u8> {
 /// A new memfd (close-on-exec) of `len` bytes, zeroed, sealed with
 /// `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`.
 pub fn sealed_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
-    let cname = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: a valid C string; the flags are valid.
-    let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: memfd_create returned a new descriptor that nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    // SAFETY: plain syscalls on our descriptor.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-    // SAFETY: as above.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(fd)
+    memfd(name, len, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL)
 }
 
 /// A new memfd of `len` bytes (zeroed) for a memory region a client shares with softrdmad:
 /// sealed against shrinking and growing, but not with `F_SEAL_SEAL`, so that the daemon can add
 /// `F_SEAL_FUTURE_WRITE` once it has mapped it (see [`RegionMap::open_client`]).
 pub fn region_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
+    memfd(name, len, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW)
+}
+
+/// A new memfd of `len` bytes (zeroed) with `seals`.
+fn memfd(name: &str, len: usize, seals: libc::c_int) -> io::Result<OwnedFd> {
     let cname = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let len = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: a valid C string; the flags are valid.
@@ -79,7 +66,7 @@ pub fn region_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: plain syscalls on our descriptor.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0
-        || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } != 0
+        || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0
     {
         return Err(io::Error::last_os_error());
     }

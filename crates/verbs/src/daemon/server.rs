@@ -1087,6 +1087,24 @@ fn ok(r: Response) -> Reply {
     Ok((r, Vec::new()))
 }
 
+/// The checks every region registration passes first: the PD is the client's (`own_pd`), remote
+/// write and atomic rights come with local write, and the range fits the device and the address
+/// space. Returns the rights.
+fn region_rights(own_pd: bool, addr: u64, len: u64, access: u32, max_mr_size: u64) -> Result<Access, Refusal> {
+    if !own_pd {
+        return Err(nso());
+    }
+    let access = Access::from_bits(access);
+    let needs_local_write = access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
+    if needs_local_write && !access.contains(Access::LOCAL_WRITE) {
+        return Err(Refusal::InvalidArgument("REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too".into()));
+    }
+    if len > max_mr_size || addr.checked_add(len).is_none() {
+        return Err(Refusal::InvalidArgument(format!("memory region of {len} bytes is too large")));
+    }
+    Ok(access)
+}
+
 fn eventfd() -> std::io::Result<OwnedFd> {
     // SAFETY: plain eventfd(2).
     let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -1245,17 +1263,7 @@ impl Session {
                 ok(Response::Ok)
             }
             Request::RegMr { pd, addr, len, access } => {
-                if !owns_pd(svc, pd) {
-                    return Err(nso());
-                }
-                let access = Access::from_bits(access);
-                let needs_local_write = access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
-                if needs_local_write && !access.contains(Access::LOCAL_WRITE) {
-                    return Err(Refusal::InvalidArgument("REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too".into()));
-                }
-                if len > attr.max_mr_size || addr.checked_add(len).is_none() {
-                    return Err(Refusal::InvalidArgument(format!("memory region of {len} bytes is too large")));
-                }
+                let access = region_rights(owns_pd(svc, pd), addr, len, access, attr.max_mr_size)?;
                 probe(self.cred.pid, addr, len)?;
                 let key = dev.dev.lock().mem.insert_remote(PdId(pd), self.cred.pid, addr, len as usize, access);
                 svc.mrs.insert(key, me);
@@ -1263,17 +1271,7 @@ impl Session {
                 ok(Response::Id(key))
             }
             Request::RegMrShared { pd, addr, len, access } => {
-                if !owns_pd(svc, pd) {
-                    return Err(nso());
-                }
-                let access = Access::from_bits(access);
-                let needs_local_write = access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
-                if needs_local_write && !access.contains(Access::LOCAL_WRITE) {
-                    return Err(Refusal::InvalidArgument("REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too".into()));
-                }
-                if len > attr.max_mr_size || addr.checked_add(len).is_none() {
-                    return Err(Refusal::InvalidArgument(format!("memory region of {len} bytes is too large")));
-                }
+                let access = region_rights(owns_pd(svc, pd), addr, len, access, attr.max_mr_size)?;
                 let [fd] = <[OwnedFd; 1]>::try_from(fds).map_err(|f| {
                     Refusal::InvalidArgument(format!(
                         "a shared memory region comes with exactly one memfd ({} descriptors sent)",
