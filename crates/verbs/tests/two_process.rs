@@ -251,9 +251,10 @@ fn parent(same_host: bool) {
         let t = Instant::now();
         requester(&ep, &peer, &mut ctl, 1);
         responder(&ep, &mut ctl, 2);
+        // Before the goodbye: once the peer has exited its lanes are gone.
+        check_path(&ep, same_host);
         ctl.send("BYE");
         ctl.expect("BYE");
-        check_path(&ep, same_host);
         eprintln!("parent: both directions done in {:.2?}; counters {:?}", t.elapsed(), ep.ctx.counters());
     }));
     let status = guard.wait(Duration::from_secs(30));
