@@ -35,6 +35,10 @@ pub struct DaemonArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9471).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
+    /// Map no client memory: every region is reached with process_vm_readv/writev (one system call
+    /// per access), as for memory the C library's ibv_reg_mr registers.
+    #[arg(long)]
+    pub no_shared_regions: bool,
 }
 
 /// `softrdma link …`.
@@ -118,6 +122,7 @@ pub fn run_daemon(args: DaemonArgs) -> ExitCode {
         opts.udp_port = p;
     }
     opts.metrics = args.metrics;
+    opts.shared_regions = !args.no_shared_regions;
     match server::run(opts) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),

@@ -25,6 +25,8 @@ struct Daemon {
     dir: PathBuf,
     port: u16,
     metrics: Option<u16>,
+    /// More command-line arguments of `softrdma daemon`.
+    args: Vec<&'static str>,
 }
 
 fn softrdma() -> Command {
@@ -43,8 +45,12 @@ impl Daemon {
     }
 
     fn start(dir: &Path, port: u16, metrics: Option<u16>) -> Daemon {
-        let child = Daemon::spawn(dir, port, metrics);
-        let d = Daemon { child, dir: dir.to_owned(), port, metrics };
+        Daemon::start_with(dir, port, metrics, Vec::new())
+    }
+
+    fn start_with(dir: &Path, port: u16, metrics: Option<u16>, args: Vec<&'static str>) -> Daemon {
+        let child = Daemon::spawn(dir, port, metrics, &args);
+        let d = Daemon { child, dir: dir.to_owned(), port, metrics, args };
         d.wait_up();
         d
     }
@@ -52,14 +58,15 @@ impl Daemon {
     /// Stop and start again on the same directory.
     fn restart(&mut self) {
         self.stop();
-        self.child = Daemon::spawn(&self.dir, self.port, self.metrics);
+        self.child = Daemon::spawn(&self.dir, self.port, self.metrics, &self.args);
         self.wait_up();
     }
 
-    fn spawn(dir: &Path, port: u16, metrics: Option<u16>) -> Child {
+    fn spawn(dir: &Path, port: u16, metrics: Option<u16>, args: &[&str]) -> Child {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("log")).unwrap();
         let mut cmd = softrdma();
         cmd.args(["daemon", "--udp-port", &port.to_string()])
+            .args(args)
             .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
             .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
             .stdout(Stdio::null())
@@ -998,7 +1005,7 @@ fn port_state_follows_the_netdev() {
         .stderr(log)
         .spawn()
         .unwrap();
-    let d = Daemon { child, dir: dir.clone(), port: 18966, metrics: None };
+    let d = Daemon { child, dir: dir.clone(), port: 18966, metrics: None, args: Vec::new() };
     d.wait_up();
     let ip = |args: &str| {
         let pid = d.child.id().to_string();
@@ -1211,6 +1218,30 @@ fn shared_regions_between_two_processes() {
         "{}",
         d.log()
     );
+}
+
+/// A daemon that maps no client memory (`--no-shared-regions`, as an older daemon or a kernel
+/// without `F_SEAL_FUTURE_WRITE` would refuse): the clients' `reg_mr` regions fall back to
+/// process_vm access, and the same traffic lands byte for byte.
+#[test]
+fn regions_fall_back_to_process_vm_when_the_daemon_maps_none() {
+    let dir = Daemon::dir("noshared", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start_with(&dir, 18967, None, vec!["--no-shared-regions"]);
+    let mut a = Client::spawn(&d, "shared", false);
+    let mut b = Client::spawn(&d, "shared", false);
+    pair(&mut a, &mut b);
+    assert_eq!(a.line(), "PHASE2");
+    assert_eq!(b.line(), "PHASE2");
+    assert_eq!(region_maps(&d), 0, "the daemon mapped a region");
+    a.send("go");
+    b.send("go");
+    assert_eq!(a.line(), "HOLDING");
+    assert_eq!(b.line(), "HOLDING");
+    a.send("exit");
+    b.send("exit");
+    assert_eq!(a.finish(), "OK");
+    assert_eq!(b.finish(), "OK");
+    d.wait_idle();
 }
 
 /// Registrations of shared regions that could fault the daemon or do not match are refused with

@@ -30,7 +30,13 @@ fn start_daemon_with(tag: &str, conf: &str) -> Daemon {
     std::fs::write(&config, conf).unwrap();
     let socket = dir.join("softrdmad.sock");
     let udp = free_udp_port();
-    let opts = DaemonOptions { socket: socket.clone(), config: config.clone(), udp_port: udp, metrics: None };
+    let opts = DaemonOptions {
+        socket: socket.clone(),
+        config: config.clone(),
+        udp_port: udp,
+        metrics: None,
+        shared_regions: true,
+    };
     std::thread::spawn(move || run(opts));
     let start = Instant::now();
     while !socket.exists() {

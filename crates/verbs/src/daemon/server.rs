@@ -56,6 +56,9 @@ pub struct DaemonOptions {
     pub udp_port: u16,
     /// Serve Prometheus text at `http://ADDR/metrics`.
     pub metrics: Option<SocketAddr>,
+    /// Map clients' `reg_mr` regions (`RegMrShared`); off, every region is reached with
+    /// process_vm, as for `reg_mr_raw`.
+    pub shared_regions: bool,
 }
 
 impl DaemonOptions {
@@ -68,6 +71,7 @@ impl DaemonOptions {
             config: softrdma_device::registry::config_path(),
             udp_port,
             metrics: None,
+            shared_regions: true,
         }
     }
 }
@@ -1272,6 +1276,11 @@ impl Session {
             }
             Request::RegMrShared { pd, addr, len, access } => {
                 let access = region_rights(owns_pd(svc, pd), addr, len, access, attr.max_mr_size)?;
+                if !self.d.opts.shared_regions {
+                    return Err(Refusal::InvalidArgument(format!(
+                        "{SHARED_REGION_REFUSED}: off (softrdma daemon --no-shared-regions)"
+                    )));
+                }
                 let [fd] = <[OwnedFd; 1]>::try_from(fds).map_err(|f| {
                     Refusal::InvalidArgument(format!(
                         "a shared memory region comes with exactly one memfd ({} descriptors sent)",
