@@ -50,9 +50,10 @@ pub enum Request {
     /// Register `len` bytes at `addr` of the client's address space.
     RegMr { pd: u32, addr: u64, len: u64, access: u32 },
     /// Register a region that lives in a memfd shared with the daemon: the memfd comes with the
-    /// request as its one descriptor (sealed against shrinking and growing, at least `len` bytes);
-    /// `addr` is where the client maps it, the region's address in SGEs and RETHs. The daemon maps
-    /// the memfd itself and copies to and from its own mapping. Answered with [`Response::Id`] (the key).
+    /// request as its one descriptor (what the daemon requires of it: `shm::RegionMap::open_client`);
+    /// `addr` is where the client maps it (page aligned), the region's address in SGEs and RETHs.
+    /// The daemon maps the memfd itself and copies to and from its own mapping. Answered with
+    /// [`Response::Id`] (the key), or refused with a message beginning [`SHARED_REGION_REFUSED`].
     RegMrShared { pd: u32, addr: u64, len: u64, access: u32 },
     /// Deregister.
     DeregMr { key: u32 },

@@ -137,7 +137,8 @@ impl Drop for Shm {
     }
 }
 
-const PAGE: usize = 4096;
+/// The page size the mappings are rounded to, and a shared region's client address is aligned to.
+pub const PAGE: usize = 4096;
 
 /// A read/write `MAP_SHARED` mapping of a memory region's memfd, owned by this value and unmapped
 /// when it is dropped; the descriptor itself is not kept (one region, no open file).

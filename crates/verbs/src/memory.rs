@@ -19,13 +19,11 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
 
-use softrdma_abi::shm::RegionMap;
+use softrdma_abi::shm::{RegionMap, PAGE};
 use softrdma_transport::{Access, AtomicOp, DeferredPayload, KeyKind, MemError, MemoryAccess, PdId, Sge};
 
 use crate::error::{Error, Result};
 use crate::verbs::Dev;
-
-const PAGE: usize = 4096;
 
 /// A zeroed, page-aligned heap buffer.
 pub(crate) struct AlignedBuf {

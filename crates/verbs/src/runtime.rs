@@ -690,8 +690,8 @@ impl Device {
     /// arrived and no timer fired the engine is as the last flush left it (every verbs call that
     /// changes it flushes on its way out, see [`Device::run`], except a corked post, whose packets
     /// wait for an ACK or the cork timer, both work here: [`Device::run_post`]), so the flush is
-    /// skipped. That
-    /// keeps an empty poll to a clock read, a look at each lane's next tag and the timer check.
+    /// skipped. That keeps an empty poll to a clock read, a look at each lane's next tag and the
+    /// timer check.
     /// (Reading the clock only every 32nd empty poll made the same-host ping-pong slower, not
     /// faster: see docs/PERFORMANCE.md.)
     /// Returns the clock reading and whether anything happened (see [`Device::poll_empty`]).

@@ -1287,7 +1287,7 @@ impl Session {
                         f.len()
                     ))
                 })?;
-                if addr % 4096 != 0 {
+                if addr % softrdma_abi::shm::PAGE as u64 != 0 {
                     // The client's mapping starts on a page: anything else would misalign the
                     // daemon's 8-byte atomics against the client's addresses.
                     return Err(Refusal::InvalidArgument(format!(
