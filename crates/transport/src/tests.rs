@@ -408,7 +408,12 @@ fn a_placed_middle_past_the_reth_length_is_an_invalid_request() {
 
 /// An RC requester in RTS (send PSN 5, MTU 256) with a window of `window` packets, and its CQ.
 fn requester(window: u32) -> (Hca, Flat, Qpn, crate::CqId) {
-    let mut hca = Hca::new(Config { max_inflight_packets: window, ..Config::default() });
+    requester_with(Config { max_inflight_packets: window, ..Config::default() })
+}
+
+/// An RC requester in RTS (send PSN 5, MTU 256) on an engine configured by `config`, and its CQ.
+fn requester_with(config: Config) -> (Hca, Flat, Qpn, crate::CqId) {
+    let mut hca = Hca::new(config);
     let cq = hca.create_cq(64);
     let qpn = rc_qp(&mut hca, cq, 1);
     let mut mem = Flat(vec![7; 1 << 12]);
@@ -563,11 +568,7 @@ fn an_ack_of_several_messages_completes_them_in_order() {
 fn sends_may_wait_only_behind_enough_unacknowledged_packets() {
     let now = Instant::ZERO;
     for cork_max_queued in [0, 4] {
-        let mut hca = Hca::new(Config { cork_max_queued, ..Config::default() });
-        let cq = hca.create_cq(64);
-        let qpn = rc_qp(&mut hca, cq, 1);
-        let mut mem = Flat(vec![7; 1 << 12]);
-        to_rts(&mut hca, qpn, &mut mem);
+        let (mut hca, mut mem, qpn, _) = requester_with(Config { cork_max_queued, ..Config::default() });
         let on = cork_max_queued > 0;
         let min = Config::CORK_MIN_INFLIGHT as u64;
         for id in 1..min {

@@ -6,8 +6,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use softrdma_verbs::{
-    Access, AhAttr, CompletionQueue, Context, DeviceBuilder, ModifyQp, Mtu, Payload, ProtectionDomain, Psn, QpCap,
-    QpInitAttr, QpState, QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    Access, AhAttr, CompletionQueue, Context, DeviceBuilder, Gid, ModifyQp, Mtu, Payload, ProtectionDomain, Psn, QpCap,
+    QpInitAttr, QpState, QpType, Qpn, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// A port of our own per test so tests run in parallel.
@@ -42,45 +42,45 @@ fn side(ctx: Context, qp_type: QpType) -> Side {
 
 fn connect(a: &Side, b: &Side, mtu: Mtu) {
     for (me, peer, sq, rq) in [(a, b, 100, 200), (b, a, 200, 100)] {
-        me.qp
-            .modify(&ModifyQp {
-                state: Some(QpState::Init),
-                pkey_index: Some(0),
-                port: Some(1),
-                access: Some(
-                    Access::LOCAL_WRITE
-                        .with(Access::REMOTE_WRITE)
-                        .with(Access::REMOTE_READ)
-                        .with(Access::REMOTE_ATOMIC),
-                ),
-                ..Default::default()
-            })
-            .unwrap();
-        let dgid = peer.ctx.query_gid(1, 1).unwrap();
-        me.qp
-            .modify(&ModifyQp {
-                state: Some(QpState::Rtr),
-                av: Some(me.pd.path(&AhAttr::new(dgid, 1)).unwrap()),
-                path_mtu: Some(mtu),
-                dest_qpn: Some(peer.qp.qpn()),
-                rq_psn: Some(Psn::new(rq)),
-                max_dest_rd_atomic: Some(16),
-                min_rnr_timer: Some(12),
-                ..Default::default()
-            })
-            .unwrap();
-        me.qp
-            .modify(&ModifyQp {
-                state: Some(QpState::Rts),
-                sq_psn: Some(Psn::new(sq)),
-                timeout: Some(14),
-                retry_cnt: Some(7),
-                rnr_retry: Some(7),
-                max_rd_atomic: Some(16),
-                ..Default::default()
-            })
-            .unwrap();
+        to_rts(me, peer.ctx.query_gid(1, 1).unwrap(), peer.qp.qpn(), mtu, (sq, rq), 14);
     }
+}
+
+/// Move `me`'s QP through INIT (every right) and RTR (towards `dgid`/`dest`) to RTS, with send and
+/// receive PSNs `psns` and the local ACK timeout code `timeout` (0: no retransmit timer).
+fn to_rts(me: &Side, dgid: Gid, dest: Qpn, mtu: Mtu, psns: (u32, u32), timeout: u8) {
+    me.qp
+        .modify(&ModifyQp {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(rights()),
+            ..Default::default()
+        })
+        .unwrap();
+    me.qp
+        .modify(&ModifyQp {
+            state: Some(QpState::Rtr),
+            av: Some(me.pd.path(&AhAttr::new(dgid, 1)).unwrap()),
+            path_mtu: Some(mtu),
+            dest_qpn: Some(dest),
+            rq_psn: Some(Psn::new(psns.1)),
+            max_dest_rd_atomic: Some(16),
+            min_rnr_timer: Some(12),
+            ..Default::default()
+        })
+        .unwrap();
+    me.qp
+        .modify(&ModifyQp {
+            state: Some(QpState::Rts),
+            sq_psn: Some(Psn::new(psns.0)),
+            timeout: Some(timeout),
+            retry_cnt: Some(7),
+            rnr_retry: Some(7),
+            max_rd_atomic: Some(16),
+            ..Default::default()
+        })
+        .unwrap();
 }
 
 fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
@@ -332,37 +332,7 @@ fn corked_sends_leave_even_if_no_ack_ever_comes() {
     let peer = std::net::UdpSocket::bind((peer_ip, 48797)).unwrap();
     peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let a = side(open(13, 48797), QpType::Rc);
-    let steps = [
-        ModifyQp {
-            state: Some(QpState::Init),
-            pkey_index: Some(0),
-            port: Some(1),
-            access: Some(rights()),
-            ..Default::default()
-        },
-        ModifyQp {
-            state: Some(QpState::Rtr),
-            av: Some(a.pd.path(&AhAttr::new(softrdma_verbs::Gid::from_ip(IpAddr::V4(peer_ip)), 1)).unwrap()),
-            path_mtu: Some(Mtu::M1024),
-            dest_qpn: Some(softrdma_verbs::Qpn::new(0x99)),
-            rq_psn: Some(Psn::new(0)),
-            max_dest_rd_atomic: Some(1),
-            min_rnr_timer: Some(12),
-            ..Default::default()
-        },
-        ModifyQp {
-            state: Some(QpState::Rts),
-            sq_psn: Some(Psn::new(0)),
-            timeout: Some(0),
-            retry_cnt: Some(7),
-            rnr_retry: Some(7),
-            max_rd_atomic: Some(1),
-            ..Default::default()
-        },
-    ];
-    for m in &steps {
-        a.qp.modify(m).unwrap();
-    }
+    to_rts(&a, Gid::from_ip(IpAddr::V4(peer_ip)), Qpn::new(0x99), Mtu::M1024, (0, 0), 0);
     let ma = a.pd.reg_mr(4096, rights()).unwrap();
     const N: u32 = 11;
     for i in 0..N {
