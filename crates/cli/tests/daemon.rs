@@ -1211,6 +1211,10 @@ fn shared_regions_between_two_processes() {
     let _ = a.child.wait();
     b.send("exit");
     assert_eq!(b.finish(), "OK");
+    // The two clients' QPs are on one device: their packets never left the daemon, and the
+    // WRITEs between mapped regions went region to region.
+    assert!(d.counter("same_host_loopback_placed") > 0);
+    assert_eq!((d.counter("same_host_tx_pkts"), d.counter("icrc_verified")), (0, 0));
     d.wait_idle();
     assert_eq!(region_maps(&d), 0, "the daemon still maps regions of gone clients");
     assert!(
@@ -1241,6 +1245,9 @@ fn regions_fall_back_to_process_vm_when_the_daemon_maps_none() {
     b.send("exit");
     assert_eq!(a.finish(), "OK");
     assert_eq!(b.finish(), "OK");
+    // Looped back inside the daemon, but no region is in its memory to place a payload in.
+    assert!(d.counter("same_host_loopback_pkts") > 0);
+    assert_eq!(d.counter("same_host_loopback_placed"), 0);
     d.wait_idle();
 }
 

@@ -30,6 +30,7 @@ pub mod daemon;
 pub mod device;
 pub mod error;
 pub mod io;
+mod loopback;
 pub mod memory;
 mod place;
 mod runtime;

@@ -276,6 +276,23 @@ impl InPlace {
         parts[1 + self.n] = &pkt[self.at + self.len..];
         (parts, 2 + self.n)
     }
+
+    /// Copy the payload, from where it is, to `dst`; the two may overlap (a WRITE within one
+    /// region).
+    ///
+    /// # Safety
+    ///
+    /// `dst` must be valid for writes of the payload's length, and the regions must stay
+    /// registered meanwhile (the device lock is held).
+    pub(crate) unsafe fn copy_payload(&self, dst: *mut u8) {
+        let mut at = 0;
+        for &(p, l) in &self.ptrs[..self.n] {
+            // SAFETY: (p, l) was resolved inside a live region (`MrTable::local_pieces`); `dst` has
+            // room for the payload (the caller's promise), of which this piece is a part.
+            unsafe { std::ptr::copy(p, dst.add(at), l) };
+            at += l;
+        }
+    }
 }
 
 impl MrTable {
@@ -300,15 +317,22 @@ impl MrTable {
         d: &DeferredPayload,
         pkt: &mut [u8],
     ) -> core::result::Result<Option<InPlace>, MemError> {
+        let ip = self.local_pieces(d)?;
+        if ip.is_none() {
+            self.fill(d, pkt)?;
+        }
+        Ok(ip)
+    }
+
+    /// A deferred payload's pieces as pointers into this process's memory (a client's mapped
+    /// memfd region included); `Ok(None)` when a piece is in a region reached through process_vm.
+    pub(crate) fn local_pieces(&self, d: &DeferredPayload) -> core::result::Result<Option<InPlace>, MemError> {
         let mut ip =
             InPlace { at: d.at, len: d.len, n: d.n, ptrs: [(std::ptr::null(), 0); DeferredPayload::MAX_PIECES] };
         for (slot, s) in ip.ptrs.iter_mut().zip(d.pieces()) {
             match self.resolve(d.pd, s.lkey, s.addr, u64::from(s.length), Access::NONE)? {
                 Loc::Local(p) => *slot = (p as *const u8, s.length as usize),
-                Loc::Remote(..) => {
-                    self.fill(d, pkt)?;
-                    return Ok(None);
-                }
+                Loc::Remote(..) => return Ok(None),
             }
         }
         Ok(Some(ip))

@@ -28,6 +28,7 @@ use softrdma_wire::{IbPacket, ICRC_LEN};
 use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
+use crate::loopback;
 use crate::memory::{InPlace, MrTable};
 use crate::place::{self, Plan};
 use crate::same_host::Link;
@@ -37,6 +38,44 @@ const TX_SLOT: usize = 4096 + 512;
 /// Bytes per receive slot: a whole GRO batch (up to 64 KiB of coalesced datagrams); larger
 /// datagrams are truncated by the kernel and dropped as malformed.
 const RX_SLOT: usize = 65536;
+
+/// The parts of the device state that take a received packet in (borrowed apart from the transmit
+/// side, so that the flush can hand over the packets the device sends to itself: loopback.rs).
+pub(crate) struct Receiver<'a> {
+    pub cm: &'a mut CmState,
+    pub hca: &'a mut Hca,
+    pub mem: &'a mut MrTable,
+    pub qp_traffic: &'a mut Option<BTreeMap<softrdma_wire::Qpn, QpTraffic>>,
+}
+
+impl Receiver<'_> {
+    /// A received packet that parsed (and passed its ICRC check, if it had one): to the CM if it
+    /// is a MAD for it, else to the engine.
+    pub fn deliver(&mut self, now: Instant, payload: &[u8], ib: &IbPacket<&[u8]>, src: SocketAddr, local: SocketAddr) {
+        if self.cm.handle_packet(now, src.ip(), ib) {
+            return;
+        }
+        // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
+        let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
+        let rx = RxInfo { grh };
+        self.traffic(payload.get(5..8), payload.len(), |hca, mem| hca.handle_parsed(now, ib, &rx, mem));
+    }
+
+    /// Run `f` (the engine taking in a packet of `len` bytes for the QP whose number is the 3
+    /// bytes `qpn`) and, in daemon mode, add what it did to that QP's traffic.
+    pub fn traffic<R>(&mut self, qpn: Option<&[u8]>, len: usize, f: impl FnOnce(&mut Hca, &mut MrTable) -> R) -> R {
+        let qpn = qpn.map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
+        let (Some(map), Some(qpn)) = (self.qp_traffic.as_mut(), qpn) else { return f(self.hca, self.mem) };
+        let before = *self.hca.counters();
+        let r = f(self.hca, self.mem);
+        if let Some(c) = map.get_mut(&qpn) {
+            c.pkts[2] += 1;
+            c.pkts[3] += len as u64;
+            add_delta(&mut c.engine, &before, self.hca.counters());
+        }
+        r
+    }
+}
 
 /// One QP's share of the device's traffic and engine counters (daemon mode).
 #[derive(Debug, Clone, Copy, Default)]
@@ -146,6 +185,11 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// The receiving parts of the state.
+    fn receiver(&mut self) -> Receiver<'_> {
+        Receiver { cm: &mut self.cm, hca: &mut self.hca, mem: &mut self.mem, qp_traffic: &mut self.qp_traffic }
+    }
+
     /// The earliest timer of the engine and the CM agent.
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         match (self.hca.poll_timeout(), self.cm.agent.poll_timeout()) {
@@ -364,20 +408,36 @@ impl Device {
         // of the lane the previous packet went to: a burst goes to one peer, so the payload is
         // copied once, from registered memory into the ring. When the guess is wrong the packet is
         // copied to where it belongs (the transmit slot, or another lane).
-        {
+        // The CM's MADs; those to this device itself are handed to its CM at once (loopback.rs),
+        // and what that makes it say is drained in the next round.
+        for _ in 0..CM_LOOP_ROUNDS {
+            let mut to_self: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
             let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
             cm.drain(hca, mem, now, |dgid, pkt| {
                 let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
-                let sent = self.port.local_for(&dst).is_some_and(|src| match link.lane_for(dst, src, now) {
-                    Some(li) => link.push(li, pkt),
-                    None => seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok(),
+                let sent = self.port.local_for(&dst).is_some_and(|src| {
+                    if src == dst && link.loops_back() {
+                        to_self.push((pkt.to_vec(), dst));
+                        return true;
+                    }
+                    match link.lane_for(dst, src, now) {
+                        Some(li) => link.push(li, pkt),
+                        None => seal_udp_payload(src, dst, pkt).is_ok() && self.port.send_to(pkt, dst).is_ok(),
+                    }
                 });
                 if !sent {
                     *tx_errors += 1;
                 }
             });
+            if to_self.is_empty() {
+                break;
+            }
+            for (mut pkt, addr) in to_self {
+                st.link.looped(now, false);
+                let _ = loopback::hand_over(&mut st.receiver(), now, &mut pkt, None, addr);
+            }
         }
-        let State { hca, mem, tx_buf, tx_meta, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
+        let State { cm, hca, mem, tx_buf, tx_meta, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
         // Busy polling calls this on every empty poll: nothing is set up while the engine has
         // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
         // full stops the building: the packets stay in the engine until the receiver made room.
@@ -436,6 +496,26 @@ impl Device {
                         (dst, src)
                     }
                 };
+                // A packet for this device itself is taken in at once (loopback.rs).
+                if dst == src && link.loops_back() {
+                    let pkt = &mut slot[..t.len];
+                    let deferred = match built_in {
+                        // Built in a lane's ring, its payload copied there: moved out whole.
+                        Some(bi) => {
+                            link.copy_unpublished(bi, pkt);
+                            None
+                        }
+                        None => t.deferred.as_ref(),
+                    };
+                    link.clear_spec();
+                    let mut to = Receiver { cm, hca, mem, qp_traffic };
+                    match loopback::hand_over(&mut to, now, pkt, deferred, dst) {
+                        Ok(how) => link.looped(now, how == loopback::Looped::Placed),
+                        // The engine checked the keys under this lock: cannot happen.
+                        Err(_) => *tx_errors += 1,
+                    }
+                    continue;
+                }
                 // A deferred payload (`Config::defer_payload_min`) stays in registered memory when
                 // the packet goes to UDP (`sendmsg` gathers it from there); on a lane it is copied
                 // into the packet (into the ring slot when the engine built it there, above).
@@ -626,7 +706,7 @@ impl Device {
             }
             Ok((ib, verdict)) => {
                 st.verify.record(verdict);
-                self.deliver(st, now, payload, &ib, src, local);
+                st.receiver().deliver(now, payload, &ib, src, local);
             }
         }
     }
@@ -640,40 +720,7 @@ impl Device {
                 counters.rcvd_pkts += 1;
                 counters.drop_malformed += 1;
             }
-            Ok(ib) => self.deliver(st, now, payload, &ib, src, local),
-        }
-    }
-
-    /// A received packet that parsed (and passed its ICRC check, if it had one): to the CM if it
-    /// is a MAD for it, else to the engine.
-    fn deliver(
-        &self,
-        st: &mut State,
-        now: Instant,
-        payload: &[u8],
-        ib: &IbPacket<&[u8]>,
-        src: SocketAddr,
-        local: SocketAddr,
-    ) {
-        if st.cm.handle_packet(now, src.ip(), ib) {
-            return;
-        }
-        // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
-        let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
-        let rx = RxInfo { grh };
-        let qpn = payload.get(5..8).map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
-        match (st.qp_traffic.is_some(), qpn) {
-            (true, Some(qpn)) => {
-                let before = *st.hca.counters();
-                st.hca.handle_parsed(now, ib, &rx, &mut st.mem);
-                let after = *st.hca.counters();
-                if let Some(c) = st.qp_traffic.as_mut().and_then(|m| m.get_mut(&qpn)) {
-                    c.pkts[2] += 1;
-                    c.pkts[3] += payload.len() as u64;
-                    add_delta(&mut c.engine, &before, &after);
-                }
-            }
-            _ => st.hca.handle_parsed(now, ib, &rx, &mut st.mem),
+            Ok(ib) => st.receiver().deliver(now, payload, &ib, src, local),
         }
     }
 
@@ -750,7 +797,7 @@ impl Device {
             work |= lanes.receive(|pkt, src, local| self.receive_local(st, now, pkt, src, local)) > 0;
             st.link.put_inbound(lanes);
         }
-        if full || st.udp_busy || now >= st.udp_due || !st.link.has_inbound() {
+        if full || st.udp_busy || now >= st.udp_due || !st.link.receives_locally(now) {
             st.udp_due = now + UDP_EVERY;
             st.udp_busy = self.receive_udp(st, now) > 0;
             work |= st.udp_busy;
@@ -1064,6 +1111,10 @@ thread_local! {
 
 /// A datagram this large makes the next receive take one datagram at a time (`State::rx_single`).
 const RX_SINGLE_MIN: usize = 2048;
+
+/// Rounds of the CM's MADs to the device itself per flush (each answer can make an answer; a
+/// connection's exchange takes three): what is left waits for the next flush.
+const CM_LOOP_ROUNDS: usize = 4;
 
 /// While same-host lanes are up, how often a busy-polling thread also reads the UDP sockets.
 const UDP_EVERY: Duration = Duration::from_micros(50);

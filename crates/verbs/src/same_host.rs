@@ -88,6 +88,9 @@ const MAX_SLOTS: u32 = 1 << 14;
 pub(crate) const RETRY: Duration = Duration::from_secs(1);
 /// How long the I/O thread sleeps at most while the link is [`Link::congested`].
 pub(crate) const CONGESTED_WAIT: Duration = Duration::from_micros(50);
+/// How long after its last packet to itself a device still counts as receiving locally
+/// ([`Link::receives_locally`]).
+pub(crate) const LOOPBACK_QUIET: Duration = Duration::from_millis(100);
 /// Connection housekeeping period on the busy-polling path.
 pub(crate) const MAINTAIN_EVERY: Duration = Duration::from_millis(1);
 /// Entries taken from one lane per progress call (bounded work per call).
@@ -134,6 +137,11 @@ pub struct SameHostStats {
     pub peer_gone: u64,
     /// Doorbells rung (one byte written to a sleeping receiver).
     pub doorbells: u64,
+    /// Packets the device sent to itself (between two of its QPs, or its CM's MADs), taken in
+    /// without a socket or a lane (see `loopback.rs`).
+    pub loopback_pkts: u64,
+    /// Of `loopback_pkts`, RDMA WRITE packets whose payload went straight from region to region.
+    pub loopback_placed: u64,
 }
 
 /// The counters of [`SameHostStats`] under the names softrdmad exports them (`same_host_` + field).
@@ -174,7 +182,9 @@ same_host_counters!(
     accepts,
     refused,
     peer_gone,
-    doorbells
+    doorbells,
+    loopback_pkts,
+    loopback_placed
 );
 
 /// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
@@ -252,6 +262,8 @@ pub(crate) struct Link {
     spec: Option<usize>,
     next_maintain: Instant,
     pfds: Vec<libc::pollfd>,
+    /// When the device last sent a packet to itself (see `loopback.rs`).
+    looped_at: Option<Instant>,
     pub stats: SameHostStats,
 }
 
@@ -274,9 +286,24 @@ impl Link {
         l
     }
 
-    /// Whether any inbound lane is up (the runtime then polls UDP less often).
-    pub fn has_inbound(&self) -> bool {
-        !self.inbound.is_empty()
+    /// Whether packets a device sends to itself skip the socket too (see `loopback.rs`): with the
+    /// link, `SOFTRDMA_SAME_HOST=0` sends them over UDP.
+    pub fn loops_back(&self) -> bool {
+        self.enabled
+    }
+
+    /// Count a packet the device sent to itself at `now`; `placed`: it went region to region.
+    pub fn looped(&mut self, now: Instant, placed: bool) {
+        self.looped_at = Some(now);
+        self.stats.loopback_pkts += 1;
+        self.stats.loopback_placed += u64::from(placed);
+    }
+
+    /// Whether packets arrive without a socket: an inbound lane is up, or the device sent itself a
+    /// packet within [`LOOPBACK_QUIET`]. A busy poll then reads the UDP sockets less often (see
+    /// the runtime's `UDP_EVERY`).
+    pub fn receives_locally(&self, now: Instant) -> bool {
+        !self.inbound.is_empty() || self.looped_at.is_some_and(|t| now < t + LOOPBACK_QUIET)
     }
 
     /// Whether any outbound lane is up.
@@ -729,7 +756,7 @@ mod tests {
         let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
         s = SameHostStats::from_named(&list);
         assert_eq!(s.named(), list);
-        assert_eq!(names.len(), 17);
+        assert_eq!(names.len(), 19);
         assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
     }
 }

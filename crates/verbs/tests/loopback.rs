@@ -1,6 +1,7 @@
 //! Two embedded devices in one process, on two loopback addresses, doing every operation with
 //! byte-for-byte checks: over real UDP sockets (the same-host link off) and over the same-host
-//! link (its default).
+//! link (its default); and two QPs of one device, which takes its own packets in directly (its
+//! internal loopback) or, with the link off, over UDP to its own address.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
@@ -102,19 +103,53 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8).collect()
 }
 
+/// Where the two QPs of a test are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Between {
+    /// Two devices, over UDP.
+    Udp,
+    /// Two devices, over the same-host link.
+    SameHost,
+    /// One device, its internal loopback.
+    OneDevice,
+    /// One device, over UDP to its own address (the same-host link off).
+    OneDeviceUdp,
+}
+
+impl Between {
+    fn sides(self, first: u8, port: u16, qp_type: QpType) -> (Side, Side) {
+        let same_host = matches!(self, Between::SameHost | Between::OneDevice);
+        let a = open_with(first, port, same_host);
+        let b = match self {
+            Between::OneDevice | Between::OneDeviceUdp => a.clone(),
+            _ => open_with(first + 1, port, same_host),
+        };
+        (side(a, qp_type), side(b, qp_type))
+    }
+}
+
 #[test]
 fn rc_every_operation_and_size() {
-    rc_every_operation(1, 48791, false);
+    rc_every_operation(1, 48791, Between::Udp);
 }
 
 #[test]
 fn rc_every_operation_and_size_same_host() {
-    rc_every_operation(6, 48794, true);
+    rc_every_operation(6, 48794, Between::SameHost);
 }
 
-fn rc_every_operation(first: u8, port: u16, same_host: bool) {
-    let a = side(open_with(first, port, same_host), QpType::Rc);
-    let b = side(open_with(first + 1, port, same_host), QpType::Rc);
+#[test]
+fn rc_every_operation_and_size_one_device() {
+    rc_every_operation(21, 48801, Between::OneDevice);
+}
+
+#[test]
+fn rc_every_operation_and_size_one_device_over_udp() {
+    rc_every_operation(23, 48802, Between::OneDeviceUdp);
+}
+
+fn rc_every_operation(first: u8, port: u16, between: Between) {
+    let (a, b) = between.sides(first, port, QpType::Rc);
     connect(&a, &b, Mtu::M4096);
     const BIG: usize = 16 << 20;
     let ma = a.pd.reg_mr(2 * BIG, rights()).unwrap();
@@ -203,30 +238,61 @@ fn rc_every_operation(first: u8, port: u16, same_host: bool) {
     assert_eq!(mb.to_vec(64, 8).unwrap(), 1u64.to_ne_bytes());
     let icrc = b.ctx.icrc_stats();
     let link = (a.ctx.same_host_stats(), b.ctx.same_host_stats());
-    if same_host {
-        // Every packet went through shared memory, unsealed and unchecked; none over UDP.
-        assert!(link.0.tx_pkts > 0 && link.1.rx_pkts > 0 && link.1.tx_pkts > 0, "{link:?}");
-        assert_eq!((link.0.lanes_out, link.1.lanes_in, link.1.rx_malformed, link.1.ring_corrupt), (1, 1, 0, 0));
-        assert_eq!((icrc.verified, icrc.bad), (0, 0), "{icrc:?}");
-    } else {
-        assert!(icrc.verified > 0 && icrc.bad == 0, "{icrc:?}");
-        assert_eq!((link.0.tx_pkts, link.1.rx_pkts, link.1.lanes_in), (0, 0, 0), "{link:?}");
+    match between {
+        Between::SameHost => {
+            // Every packet went through shared memory, unsealed and unchecked; none over UDP.
+            assert!(link.0.tx_pkts > 0 && link.1.rx_pkts > 0 && link.1.tx_pkts > 0, "{link:?}");
+            assert_eq!((link.0.lanes_out, link.1.lanes_in, link.1.rx_malformed, link.1.ring_corrupt), (1, 1, 0, 0));
+            assert_eq!((icrc.verified, icrc.bad), (0, 0), "{icrc:?}");
+        }
+        Between::OneDevice => {
+            // Taken in directly: no lane, no UDP; the WRITEs' later packets placed region to
+            // region (16 MiB of WRITE and WRITE with immediate: thousands of packets).
+            assert_eq!((link.0.tx_pkts, link.0.lanes_out, link.0.lanes_in), (0, 0, 0), "{link:?}");
+            assert!(link.0.loopback_placed > 4000 && link.0.loopback_pkts > link.0.loopback_placed, "{link:?}");
+            assert_eq!((icrc.verified, icrc.bad), (0, 0), "{icrc:?}");
+        }
+        Between::Udp | Between::OneDeviceUdp => {
+            assert!(icrc.verified > 0 && icrc.bad == 0, "{icrc:?}");
+            assert_eq!(
+                (link.0.tx_pkts, link.1.rx_pkts, link.1.lanes_in, link.0.loopback_pkts),
+                (0, 0, 0, 0),
+                "{link:?}"
+            );
+        }
     }
+    // A WRITE under a wrong rkey: the responder refuses it at its FIRST packet, the requester
+    // completes it with a remote access error, and not a byte of the target changes.
+    mb.fill(0x5a);
+    a.qp.post_send(SendWr {
+        wr_id: 7,
+        op: SendOp::Write { remote_addr: mb.addr(), rkey: mb.rkey() ^ 0x100 },
+        payload: Payload::Sgl(vec![ma.sge(0, 1 << 20).unwrap()].into()),
+        flags: SendFlags::SIGNALED,
+        ud: None,
+    })
+    .unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::RemAccessErr);
+    assert!(mb.to_vec(0, 2 * BIG).unwrap().iter().all(|&x| x == 0x5a), "the target was written");
 }
 
 #[test]
 fn ud_send_with_grh() {
-    ud_send(3, 48792, false);
+    ud_send(3, 48792, Between::Udp);
 }
 
 #[test]
 fn ud_send_with_grh_same_host() {
-    ud_send(8, 48795, true);
+    ud_send(8, 48795, Between::SameHost);
 }
 
-fn ud_send(first: u8, port: u16, same_host: bool) {
-    let a = side(open_with(first, port, same_host), QpType::Ud);
-    let b = side(open_with(first + 1, port, same_host), QpType::Ud);
+#[test]
+fn ud_send_with_grh_one_device() {
+    ud_send(25, 48803, Between::OneDevice);
+}
+
+fn ud_send(first: u8, port: u16, between: Between) {
+    let (a, b) = between.sides(first, port, QpType::Ud);
     for s in [&a, &b] {
         s.qp.modify(&ModifyQp {
             state: Some(QpState::Init),
@@ -259,9 +325,14 @@ fn ud_send(first: u8, port: u16, same_host: bool) {
     assert_eq!(mb.to_vec(40, 512).unwrap(), data);
     let grh = mb.to_vec(0, 40).unwrap();
     assert_eq!(grh[20], 0x45, "IPv4 header in the second half of the GRH area");
+    let to = if between == Between::OneDevice { first } else { first + 1 };
     assert_eq!(&grh[32..36], &[127, 0, 9, first], "source address");
-    assert_eq!(&grh[36..40], &[127, 0, 9, first + 1], "destination address");
-    assert_eq!(b.ctx.same_host_stats().rx_pkts > 0, same_host);
+    assert_eq!(&grh[36..40], &[127, 0, 9, to], "destination address");
+    let link = b.ctx.same_host_stats();
+    assert_eq!(
+        (link.rx_pkts > 0, link.loopback_pkts),
+        (between == Between::SameHost, u64::from(between == Between::OneDevice))
+    );
 }
 
 #[test]
