@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
-use softrdma_transport::{AsyncEvent, Config, Counters, CqId, Hca, Instant, Mtu, RxInfo};
+use softrdma_transport::{AsyncEvent, Config, Counters, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
@@ -171,6 +171,9 @@ pub(crate) struct State {
     udp_busy: bool,
     tx_buf: Vec<u8>,
     tx_meta: Vec<(usize, SocketAddr, SocketAddr, usize)>,
+    /// The packets of a transmit batch the device sent to itself: (transmit slot, length, payload
+    /// left in registered memory, the address).
+    tx_self: Vec<(usize, usize, Option<DeferredPayload>, SocketAddr)>,
     /// The ICRC pseudo-header of the last sent packets' addresses and length.
     tx_icrc: IcrcCache,
     rx_buf: Vec<u8>,
@@ -323,6 +326,7 @@ impl Device {
             udp_busy: false,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             tx_meta: Vec::with_capacity(udp::BATCH),
+            tx_self: Vec::with_capacity(udp::BATCH),
             tx_icrc: IcrcCache::default(),
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
             rx_hint: None,
@@ -437,7 +441,7 @@ impl Device {
                 let _ = loopback::hand_over(&mut st.receiver(), now, &mut pkt, None, addr);
             }
         }
-        let State { cm, hca, mem, tx_buf, tx_meta, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
+        let State { cm, hca, mem, tx_buf, tx_meta, tx_self, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
         // Busy polling calls this on every empty poll: nothing is set up while the engine has
         // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
         // full stops the building: the packets stay in the engine until the receiver made room.
@@ -496,24 +500,19 @@ impl Device {
                         (dst, src)
                     }
                 };
-                // A packet for this device itself is taken in at once (loopback.rs).
+                // A packet for this device itself stays in its slot and is taken in when the
+                // batch is built (loopback.rs): several requests, then one ACK for them.
                 if dst == src && link.loops_back() {
-                    let pkt = &mut slot[..t.len];
                     let deferred = match built_in {
                         // Built in a lane's ring, its payload copied there: moved out whole.
                         Some(bi) => {
-                            link.copy_unpublished(bi, pkt);
+                            link.copy_unpublished(bi, &mut slot[..t.len]);
                             None
                         }
-                        None => t.deferred.as_ref(),
+                        None => t.deferred,
                     };
                     link.clear_spec();
-                    let mut to = Receiver { cm, hca, mem, qp_traffic };
-                    match loopback::hand_over(&mut to, now, pkt, deferred, dst) {
-                        Ok(how) => link.looped(now, how == loopback::Looped::Placed),
-                        // The engine checked the keys under this lock: cannot happen.
-                        Err(_) => *tx_errors += 1,
-                    }
+                    tx_self.push((i, t.len, deferred, dst));
                     continue;
                 }
                 // A deferred payload (`Config::defer_payload_min`) stays in registered memory when
@@ -560,7 +559,18 @@ impl Device {
             if !tx_meta.is_empty() {
                 *tx_errors += self.send_udp(tx_buf, tx_meta, tx_icrc, in_place.as_ref().map(|a| &a[..]));
             }
-            if n < udp::BATCH {
+            let looped = !tx_self.is_empty();
+            for (i, len, deferred, addr) in tx_self.drain(..) {
+                let pkt = &mut tx_buf[i * TX_SLOT..i * TX_SLOT + len];
+                let mut to = Receiver { cm, hca, mem, qp_traffic };
+                match loopback::hand_over(&mut to, now, pkt, deferred.as_ref(), addr) {
+                    Ok(how) => link.looped(now, how == loopback::Looped::Placed),
+                    // The engine checked the keys under this lock: cannot happen.
+                    Err(_) => *tx_errors += 1,
+                }
+            }
+            // What the device said to itself may have made more to send (ACKs, replies).
+            if n < udp::BATCH && !looped {
                 break;
             }
         }
