@@ -67,6 +67,28 @@ fn copies(verb: Verb, rc: bool, size: u64, mtu: u64) -> [(&'static str, u32); 4]
 pub const COPIES_SAME_HOST: &[(&str, u32)] =
     &[("gather into the shared-memory ring slot", 1), ("scatter from the slot into registered memory", 1)];
 
+/// [`copies`] when both QPs are on one device (its internal loopback, crates/verbs loopback.rs):
+/// the packets after the first of a multi-packet RC WRITE go region to region; every other packet
+/// is gathered into a transmit slot and scattered from it.
+fn copies_loopback(verb: Verb, rc: bool, size: u64, mtu: u64) -> Vec<(&'static str, u32)> {
+    if rc && verb == Verb::Write && size > mtu && mtu >= IN_PLACE_FROM {
+        vec![("region to region (a WRITE's packets after its first)", 1)]
+    } else {
+        vec![("gather into the transmit slot", 1), ("scatter into registered memory", 1)]
+    }
+}
+
+/// Which way the packets of a run went, as the device's counters tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PathTaken {
+    /// UDP sockets, with the ICRC.
+    Udp,
+    /// The same-host link to another device.
+    SameHost,
+    /// Both QPs on one device.
+    Loopback,
+}
+
 const RESULT_LINE: &str = "---------------------------------------------------------------------------------------";
 const DEF_QKEY: u32 = 0x1111_1111;
 const UD_GRH: usize = 40;
@@ -1298,30 +1320,31 @@ struct CpuLine {
     size: u64,
     user: Duration,
     sys: Duration,
+    /// The softrdmad device loop's share (service mode; clock-tick resolution).
+    device: Option<Duration>,
     bytes: u64,
 }
 
-fn print_extras(out: &Out, verb: Verb, rc: bool, mtu: u64, cpu: &[CpuLine], same_host: bool) {
+fn print_extras(out: &Out, verb: Verb, rc: bool, mtu: u64, cpu: &[CpuLine], path: PathTaken) {
     for c in cpu {
-        let cpu = (c.user + c.sys).as_secs_f64();
+        let cpu = (c.user + c.sys + c.device.unwrap_or_default()).as_secs_f64();
         let gb = c.bytes as f64 / 1e9;
         let per_gb = if gb > 0.0 { format!("{:.3} s", cpu / gb) } else { "n/a".into() };
+        let device = c.device.map_or(String::new(), |d| format!(" + softrdmad device loop {:.3} s", d.as_secs_f64()));
         out.line(&format!(
-            " CPU time per GB : {per_gb} (#bytes {}: user {:.3} s + system {:.3} s, both sides, for {:.3} GB)",
+            " CPU time per GB : {per_gb} (#bytes {}: user {:.3} s + system {:.3} s, both sides{device}, for {:.3} GB)",
             c.size,
             c.user.as_secs_f64(),
             c.sys.as_secs_f64(),
             gb
         ));
     }
-    let (copies, icrc) = if same_host {
-        (COPIES_SAME_HOST.to_vec(), "same-host link, no ICRC")
-    } else {
-        // Of the largest size run (with -a, smaller sizes may take the copying path).
-        (
-            copies(verb, rc, cpu.iter().map(|c| c.size).max().unwrap_or(0), mtu).to_vec(),
-            "plus one ICRC pass over the payload on each side",
-        )
+    // Of the largest size run (with -a, smaller sizes may take the copying path).
+    let size = cpu.iter().map(|c| c.size).max().unwrap_or(0);
+    let (copies, icrc) = match path {
+        PathTaken::SameHost => (COPIES_SAME_HOST.to_vec(), "same-host link, no ICRC"),
+        PathTaken::Loopback => (copies_loopback(verb, rc, size, mtu), "one device's internal loopback, no ICRC"),
+        PathTaken::Udp => (copies(verb, rc, size, mtu).to_vec(), "plus one ICRC pass over the payload on each side"),
     };
     let total: u32 = copies.iter().map(|c| c.1).sum();
     let parts: Vec<String> = copies.iter().map(|(what, n)| format!("{what} {n}")).collect();
@@ -1443,6 +1466,7 @@ fn run_side(
             }
         }
         let (u0, s0) = cpu_times();
+        let dev0 = side.ctx.device_thread_cpu();
         let mut row: Option<String> = None;
         let mut bytes = 0u64;
         if plan.bw {
@@ -1476,6 +1500,11 @@ fn run_side(
         }
         let (u1, s1) = cpu_times();
         let (du, ds) = if count_cpu { (u1 - u0, s1 - s0) } else { (Duration::ZERO, Duration::ZERO) };
+        // A softrdmad device's loop does both sides' device work: the client counts it, once.
+        let device = match (role, dev0, side.ctx.device_thread_cpu()) {
+            (Role::Client, Some(a), Some(b)) if count_cpu => Some(b.saturating_sub(a)),
+            _ => None,
+        };
         // Results: the server sends its CPU time; the client sends its row (the passive server of
         // WRITE/READ/atomic bandwidth prints the client's figures, as perftest's does).
         match role {
@@ -1487,7 +1516,7 @@ fn run_side(
                 if plan.bw && plan.verb != Verb::Send {
                     row = Some(text.to_string());
                 }
-                cpu.push(CpuLine { size, user: du, sys: ds, bytes: bytes_s.parse().unwrap_or(0) });
+                cpu.push(CpuLine { size, user: du, sys: ds, device: None, bytes: bytes_s.parse().unwrap_or(0) });
             }
             Role::Client => {
                 let l = ctl.expect("RESULT")?;
@@ -1495,7 +1524,7 @@ fn run_side(
                 let su = Duration::from_nanos(*f.first().unwrap_or(&0) as u64);
                 let ss = Duration::from_nanos(*f.get(1).unwrap_or(&0) as u64);
                 ctl.send(&format!("ROW {bytes} {}", row.clone().unwrap_or_default()))?;
-                cpu.push(CpuLine { size, user: du + su, sys: ds + ss, bytes });
+                cpu.push(CpuLine { size, user: du + su, sys: ds + ss, device, bytes });
             }
         }
         if let Some(r) = row {
@@ -1509,8 +1538,13 @@ fn run_side(
         // The path the packets took: the same-host link if this device used a lane and received
         // nothing over UDP.
         let (link, icrc) = (side.ctx.same_host_stats(), side.ctx.icrc_stats());
-        let same_host = link.tx_pkts + link.rx_pkts > 0 && icrc.verified + icrc.recovered + icrc.bad == 0;
-        print_extras(out, plan.test.verb(), plan.conn == QpType::Rc, side.mtu.bytes() as u64, &cpu, same_host);
+        let path = match (link.tx_pkts + link.rx_pkts > 0, icrc.verified + icrc.recovered + icrc.bad > 0) {
+            (_, true) => PathTaken::Udp,
+            (true, false) => PathTaken::SameHost,
+            (false, false) if link.loopback_pkts > 0 => PathTaken::Loopback,
+            (false, false) => PathTaken::Udp,
+        };
+        print_extras(out, plan.test.verb(), plan.conn == QpType::Rc, side.mtu.bytes() as u64, &cpu, path);
     }
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());

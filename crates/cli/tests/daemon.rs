@@ -1324,3 +1324,33 @@ fn bad_shared_region_registrations_are_refused() {
     drop(conn);
     d.wait_idle();
 }
+
+/// `softrdma perf` between two processes on one softrdmad device: the packets never leave the
+/// daemon (its internal loopback: no lane, no UDP), a 64 KiB WRITE's payload is copied once, region
+/// to region, and the CPU line counts the device loop, which does both sides' device work.
+#[test]
+fn perf_between_two_clients_of_one_device() {
+    let dir = Daemon::dir("perf", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18966, None);
+    let args = ["perf", "write-bw", "-d", "rxe0", "-s", "65536", "-n", "10000", "-p", "18977"];
+    let mut server = softrdma()
+        .args(args)
+        .env("SOFTRDMA_SOCKET", d.socket())
+        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (ok, out, err) = d.cli(&[&args[..], &["127.0.0.1"]].concat());
+    assert!(server.wait().unwrap().success());
+    assert!(ok, "{out}\n{err}");
+    assert!(
+        out.contains("\n Copies per byte : 1 (region to region (a WRITE's packets after its first) 1; one device's"),
+        "{out}"
+    );
+    let cpu = out.lines().find(|l| l.starts_with(" CPU time per GB : ")).expect("a CPU line");
+    assert!(cpu.contains(" both sides + softrdmad device loop "), "{cpu}");
+    assert!(d.counter("same_host_loopback_placed") > 10000 * 14, "{out}");
+    assert_eq!((d.counter("same_host_tx_pkts"), d.counter("icrc_verified")), (0, 0));
+    assert!(d.counter("device_thread_cpu_us") > 0);
+}

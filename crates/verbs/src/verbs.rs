@@ -206,6 +206,18 @@ impl Context {
         }
     }
 
+    /// CPU time the softrdmad device's loop has used so far (it does the device's work for every
+    /// client); `None` for an embedded device, whose threads are this process's.
+    pub fn device_thread_cpu(&self) -> Option<Duration> {
+        match &self.h {
+            Dev::Embedded(_) => None,
+            Dev::Daemon(s) => Self::daemon_counters(s)
+                .iter()
+                .find(|(k, _)| k == "device_thread_cpu_us")
+                .map(|(_, v)| Duration::from_micros(*v)),
+        }
+    }
+
     /// Engine counters (in daemon mode: the device's, all clients together).
     pub fn counters(&self) -> Counters {
         match &self.h {

@@ -22,7 +22,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::PathBuf;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant as StdInstant};
@@ -198,6 +198,7 @@ impl Daemon {
             stop: AtomicBool::new(false),
             port_up: AtomicBool::new(up),
             thread: Mutex::new(None),
+            tid: AtomicI32::new(0),
         });
         let sd2 = Arc::clone(&sd);
         let t = std::thread::Builder::new()
@@ -592,6 +593,20 @@ struct SvcDevice {
     stop: AtomicBool,
     port_up: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The device loop's thread id (0 until it runs), for its CPU time in the stats.
+    tid: AtomicI32,
+}
+
+/// CPU time (user + system) of thread `tid` of this process, from `/proc/self/task/<tid>/stat`
+/// (clock-tick resolution); zero if unreadable.
+fn thread_cpu(tid: i32) -> Duration {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")) else { return Duration::ZERO };
+    // After the command name, in parentheses: state is field 3, utime and stime fields 14 and 15.
+    let fields: Vec<&str> = stat.rsplit_once(") ").map_or(vec![], |(_, r)| r.split(' ').collect());
+    let ticks: u64 = fields.get(11..13).map_or(0, |f| f.iter().filter_map(|t| t.parse::<u64>().ok()).sum());
+    // SAFETY: sysconf has no memory arguments.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_micros(ticks * 1_000_000 / hz)
 }
 
 fn spin_time() -> Duration {
@@ -628,6 +643,8 @@ impl SvcDevice {
 
     /// The device loop.
     fn run(self: Arc<Self>) {
+        // SAFETY: gettid has no arguments.
+        self.tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
         let spin = spin_time();
         let mut last_work = StdInstant::now();
         let mut scratch = Scratch::default();
@@ -944,6 +961,7 @@ impl SvcDevice {
             ("cq_overflow", c.cq_overflow),
             ("icrc_errors", st.verify.bad),
             ("icrc_verified", st.verify.verified),
+            ("device_thread_cpu_us", thread_cpu(self.tid.load(Ordering::Relaxed)).as_micros() as u64),
             ("icrc_recovered_id", st.verify.recovered),
             ("tx_errors", st.tx_errors),
             ("bad_wqes", svc.bad_wqes),
