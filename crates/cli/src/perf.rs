@@ -1320,7 +1320,8 @@ struct CpuLine {
     size: u64,
     user: Duration,
     sys: Duration,
-    /// The softrdmad device loop's share (service mode; clock-tick resolution).
+    /// The softrdmad device loops' share, both sides' devices counted once (service mode;
+    /// clock-tick resolution).
     device: Option<Duration>,
     bytes: u64,
 }
@@ -1330,7 +1331,7 @@ fn print_extras(out: &Out, verb: Verb, rc: bool, mtu: u64, cpu: &[CpuLine], path
         let cpu = (c.user + c.sys + c.device.unwrap_or_default()).as_secs_f64();
         let gb = c.bytes as f64 / 1e9;
         let per_gb = if gb > 0.0 { format!("{:.3} s", cpu / gb) } else { "n/a".into() };
-        let device = c.device.map_or(String::new(), |d| format!(" + softrdmad device loop {:.3} s", d.as_secs_f64()));
+        let device = c.device.map_or(String::new(), |d| format!(" + softrdmad device loops {:.3} s", d.as_secs_f64()));
         out.line(&format!(
             " CPU time per GB : {per_gb} (#bytes {}: user {:.3} s + system {:.3} s, both sides{device}, for {:.3} GB)",
             c.size,
@@ -1429,6 +1430,8 @@ fn run_side(
     for d in &theirs {
         print_dest(out, plan, "remote", d);
     }
+    // Both sides on one device (of softrdmad: one device loop does the work of both).
+    let same_device = mine.first().map(|d| d.gid) == theirs.first().map(|d| d.gid);
     // Everything this side (and, in one process, the peer: it connected before answering) created
     // for its QPs is in place now: PD, CQs, QPs in RTS, the tool's own per-QP bookkeeping.
     let rss1 = vm_rss();
@@ -1500,33 +1503,47 @@ fn run_side(
         }
         let (u1, s1) = cpu_times();
         let (du, ds) = if count_cpu { (u1 - u0, s1 - s0) } else { (Duration::ZERO, Duration::ZERO) };
-        // A softrdmad device's loop does both sides' device work: the client counts it, once.
-        let device = match (role, dev0, side.ctx.device_thread_cpu()) {
-            (Role::Client, Some(a), Some(b)) if count_cpu => Some(b.saturating_sub(a)),
+        // A softrdmad device's loop does the device work of its clients: each side measures its
+        // device's, and the two count it once when they share that device (same GID).
+        let device = match (dev0, side.ctx.device_thread_cpu()) {
+            (Some(a), Some(b)) if count_cpu => Some(b.saturating_sub(a)),
             _ => None,
         };
-        // Results: the server sends its CPU time; the client sends its row (the passive server of
-        // WRITE/READ/atomic bandwidth prints the client's figures, as perftest's does).
-        match role {
+        let nanos = |d: Option<Duration>| d.map_or("-".to_string(), |d| d.as_nanos().to_string());
+        let mine = format!("{} {} {}", du.as_nanos(), ds.as_nanos(), nanos(device));
+        // Results: each side sends its CPU times (the server first); the client also sends its row
+        // (the passive server of WRITE/READ/atomic bandwidth prints the client's figures, as
+        // perftest's does).
+        let (peer, peer_bytes) = match role {
             Role::Server => {
-                ctl.send(&format!("RESULT {} {}", du.as_nanos(), ds.as_nanos()))?;
+                ctl.send(&format!("RESULT {mine}"))?;
                 let l = ctl.expect("ROW")?;
-                let theirs = l.strip_prefix("ROW ").unwrap_or("").to_string();
-                let (bytes_s, text) = theirs.split_once(' ').unwrap_or(("0", ""));
+                let f: Vec<&str> = l.splitn(6, ' ').collect();
                 if plan.bw && plan.verb != Verb::Send {
-                    row = Some(text.to_string());
+                    row = Some(f.get(5).unwrap_or(&"").to_string());
                 }
-                cpu.push(CpuLine { size, user: du, sys: ds, device: None, bytes: bytes_s.parse().unwrap_or(0) });
+                (f.get(2..5).map(|t| t.join(" ")).unwrap_or_default(), f.get(1).and_then(|b| b.parse().ok()))
             }
             Role::Client => {
                 let l = ctl.expect("RESULT")?;
-                let f: Vec<u128> = l.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
-                let su = Duration::from_nanos(*f.first().unwrap_or(&0) as u64);
-                let ss = Duration::from_nanos(*f.get(1).unwrap_or(&0) as u64);
-                ctl.send(&format!("ROW {bytes} {}", row.clone().unwrap_or_default()))?;
-                cpu.push(CpuLine { size, user: du + su, sys: ds + ss, device, bytes });
+                ctl.send(&format!("ROW {bytes} {mine} {}", row.clone().unwrap_or_default()))?;
+                (l.strip_prefix("RESULT ").unwrap_or("").to_string(), Some(bytes))
             }
-        }
+        };
+        let f: Vec<&str> = peer.split_whitespace().collect();
+        let time = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).map(Duration::from_nanos);
+        let peer_device = if same_device { None } else { time(2) };
+        let device = match (device, peer_device) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or_default() + b.unwrap_or_default()),
+        };
+        cpu.push(CpuLine {
+            size,
+            user: du + time(0).unwrap_or_default(),
+            sys: ds + time(1).unwrap_or_default(),
+            device,
+            bytes: peer_bytes.unwrap_or(0),
+        });
         if let Some(r) = row {
             if !passive_lat {
                 out.line(&r);

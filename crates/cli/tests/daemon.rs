@@ -1349,7 +1349,7 @@ fn perf_between_two_clients_of_one_device() {
         "{out}"
     );
     let cpu = out.lines().find(|l| l.starts_with(" CPU time per GB : ")).expect("a CPU line");
-    assert!(cpu.contains(" both sides + softrdmad device loop "), "{cpu}");
+    assert!(cpu.contains(" both sides + softrdmad device loops "), "{cpu}");
     assert!(d.counter("same_host_loopback_placed") > 10000 * 14, "{out}");
     assert_eq!((d.counter("same_host_tx_pkts"), d.counter("icrc_verified")), (0, 0));
     assert!(d.counter("device_thread_cpu_us") > 0);

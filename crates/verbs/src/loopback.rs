@@ -65,31 +65,37 @@ pub(crate) fn hand_over(
 /// Take in `pkt` (its payload deferred as `d`) as already placed, if it is the next packet of the
 /// RC RDMA WRITE its QP is receiving and both regions are in this process: copy the payload from
 /// the requester's region to where the WRITE's next bytes go, and hand the engine the headers.
+/// Every check the engine would make of the packet is made before a byte is written, so a packet
+/// it refuses (a length that does not fit the responder's MTU or the WRITE, a WRITE with immediate
+/// that needs a receive) writes nothing: those are handed over whole.
 fn place(to: &mut Receiver<'_>, now: Instant, pkt: &[u8], d: &DeferredPayload) -> bool {
     let Ok(ib) = IbPacket::new_checked(pkt) else { return false };
     let (bth, info) = (ib.bth(), ib.info());
     let Some(expect) = to.hca.rx_placement(bth.dest_qp()) else { return false };
-    // What `Hca::handle_placed` checks, checked before any byte is written.
+    // What `Hca::handle_placed` and the responder check: the WRITE's next PSN, a MIDDLE of
+    // exactly the MTU that leaves bytes to come, a LAST that ends the WRITE exactly.
+    let (mtu, remaining) = (expect.mtu as usize, expect.remaining as usize);
+    let fits = if info.ends_message() { d.len <= mtu && d.len == remaining } else { d.len == mtu && d.len < remaining };
     if !info.is(Flags::WRITE)
         || info.is(Flags::RESP)
         || info.starts_message()
+        || (info.ends_message() && info.is(Flags::IMM))
         || bth.psn() != expect.psn
-        || d.len > expect.remaining as usize
+        || !fits
         || pkt.len() - d.len > HDR_MAX
     {
         return false;
     }
-    let Some(dst) = to.mem.remote_write_ptr(expect.pd, expect.rkey, expect.addr, d.len as u64) else { return false };
-    let Ok(Some(src)) = to.mem.local_pieces(d) else { return false };
-    // SAFETY: `remote_write_ptr` resolved `d.len` bytes at `dst` inside a region of this process
-    // open for remote writes, `local_pieces` the payload inside live regions; both stay registered
-    // while the device lock is held (deregistration takes it).
-    unsafe { src.copy_payload(dst) };
     let mut hdr = [0u8; HDR_MAX];
     let (head, tail) = (&pkt[..d.at], &pkt[d.at + d.len..]);
     hdr[..head.len()].copy_from_slice(head);
     hdr[head.len()..head.len() + tail.len()].copy_from_slice(tail);
     let Ok(h) = IbPacket::new_checked(&hdr[..head.len() + tail.len()]) else { return false };
-    let len = pkt.len();
-    to.traffic(Some(&pkt[5..8]), len, |hca, mem| hca.handle_placed(now, &h, &expect, d.len, mem))
+    let Some(dst) = to.mem.remote_write_ptr(expect.pd, expect.rkey, expect.addr, d.len as u64) else { return false };
+    let Ok(Some(src)) = to.mem.local_pieces(d) else { return false };
+    // SAFETY: `remote_write_ptr` resolved `d.len` bytes at `dst` inside a region of this process
+    // open for remote writes, `local_pieces` the payload (`d.len` bytes) inside live regions; both
+    // stay registered while the device lock is held (deregistration takes it).
+    unsafe { src.copy_payload(dst) };
+    to.traffic(Some(&pkt[5..8]), pkt.len(), |hca, mem| hca.handle_placed(now, &h, &expect, d.len, mem))
 }

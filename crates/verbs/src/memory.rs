@@ -277,14 +277,17 @@ impl InPlace {
         (parts, 2 + self.n)
     }
 
-    /// Copy the payload, from where it is, to `dst`; the two may overlap (a WRITE within one
-    /// region).
+    /// Copy the payload, piece by piece, from where it is to `dst`. Each piece may overlap its
+    /// destination (a WRITE within one region) and is moved as `memmove` would; where the source
+    /// and the target of a WRITE overlap across pieces or packets the result is what the verbs
+    /// leave it: undefined, as with a NIC (but never outside the two ranges).
     ///
     /// # Safety
     ///
     /// `dst` must be valid for writes of the payload's length, and the regions must stay
     /// registered meanwhile (the device lock is held).
     pub(crate) unsafe fn copy_payload(&self, dst: *mut u8) {
+        debug_assert_eq!(self.ptrs[..self.n].iter().map(|p| p.1).sum::<usize>(), self.len);
         let mut at = 0;
         for &(p, l) in &self.ptrs[..self.n] {
             // SAFETY: (p, l) was resolved inside a live region (`MrTable::local_pieces`); `dst` has

@@ -414,7 +414,8 @@ impl Device {
         // copied to where it belongs (the transmit slot, or another lane).
         // The CM's MADs; those to this device itself are handed to its CM at once (loopback.rs),
         // and what that makes it say is drained in the next round.
-        for _ in 0..CM_LOOP_ROUNDS {
+        st.link.flush_starts();
+        for round in 0..CM_LOOP_ROUNDS {
             let mut to_self: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
             let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
             cm.drain(hca, mem, now, |dgid, pkt| {
@@ -440,6 +441,10 @@ impl Device {
                 st.link.looped(now, false);
                 let _ = loopback::hand_over(&mut st.receiver(), now, &mut pkt, None, addr);
             }
+            if round + 1 == CM_LOOP_ROUNDS {
+                // What the last round made the CM say waits for the next flush, which comes soon.
+                st.link.loop_budget_used();
+            }
         }
         let State { cm, hca, mem, tx_buf, tx_meta, tx_self, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
         // Busy polling calls this on every empty poll: nothing is set up while the engine has
@@ -447,6 +452,7 @@ impl Device {
         // full stops the building: the packets stay in the engine until the receiver made room.
         let mut congested = link.flush_pending();
         let mut peer: Option<([u8; 16], SocketAddr, SocketAddr)> = None;
+        let mut loop_batches = 0;
         while hca.has_transmit() && !congested {
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
@@ -569,8 +575,15 @@ impl Device {
                     Err(_) => *tx_errors += 1,
                 }
             }
-            // What the device said to itself may have made more to send (ACKs, replies).
-            if n < udp::BATCH && !looped {
+            // What the device said to itself may have made more to send (ACKs, replies), up to a
+            // budget per flush.
+            if looped {
+                loop_batches += 1;
+                if loop_batches == LOOP_BATCHES {
+                    link.loop_budget_used();
+                    break;
+                }
+            } else if n < udp::BATCH {
                 break;
             }
         }
@@ -1122,9 +1135,14 @@ thread_local! {
 /// A datagram this large makes the next receive take one datagram at a time (`State::rx_single`).
 const RX_SINGLE_MIN: usize = 2048;
 
+/// Batches of packets to the device itself one flush hands over (each up to `udp::BATCH`
+/// packets): 2,048 packets, 8 MiB of 4 KiB-MTU WRITEs, a millisecond or two of work.
+const LOOP_BATCHES: usize = 64;
+
 /// Rounds of the CM's MADs to the device itself per flush (each answer can make an answer; a
-/// connection's exchange takes three): what is left waits for the next flush.
-const CM_LOOP_ROUNDS: usize = 4;
+/// connection's exchange takes three): what is left waits for the next flush, soon
+/// (`Link::loop_budget_used`).
+const CM_LOOP_ROUNDS: usize = 8;
 
 /// While same-host lanes are up, how often a busy-polling thread also reads the UDP sockets.
 const UDP_EVERY: Duration = Duration::from_micros(50);

@@ -264,6 +264,8 @@ pub(crate) struct Link {
     pfds: Vec<libc::pollfd>,
     /// When the device last sent a packet to itself (see `loopback.rs`).
     looped_at: Option<Instant>,
+    /// The last flush left packets to the device itself in the engine ([`Link::loop_budget_used`]).
+    loop_backlog: bool,
     pub stats: SameHostStats,
 }
 
@@ -421,10 +423,24 @@ impl Link {
         congested
     }
 
-    /// Whether a lane's ring is full with a packet waiting: the runtime takes no more packets
-    /// from the engine (they stay queued there) and comes back soon ([`CONGESTED_WAIT`]).
+    /// Whether a lane's ring is full with a packet waiting, or the last flush stopped taking
+    /// packets to the device itself at its budget ([`Link::loop_budget_used`]): the runtime takes
+    /// no more packets from the engine (they stay queued there) and comes back soon
+    /// ([`CONGESTED_WAIT`]).
     pub fn congested(&self) -> bool {
-        self.outbound.iter().any(|o| o.lane.as_ref().is_some_and(|l| l.pending_len > 0))
+        self.loop_backlog || self.outbound.iter().any(|o| o.lane.as_ref().is_some_and(|l| l.pending_len > 0))
+    }
+
+    /// The flush handed over as much to the device itself as one flush may: the rest waits (in
+    /// the engine, or the CM) for the next flush, so that one post of a large transfer between two
+    /// QPs of the device does not keep the device (and its lock) for all of it.
+    pub fn loop_budget_used(&mut self) {
+        self.loop_backlog = true;
+    }
+
+    /// A flush starts: it takes over any backlog the last one left.
+    pub fn flush_starts(&mut self) {
+        self.loop_backlog = false;
     }
 
     /// The next packets go to UDP: build them in the transmit buffer.

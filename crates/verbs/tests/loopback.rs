@@ -276,6 +276,92 @@ fn rc_every_operation(first: u8, port: u16, between: Between) {
     assert!(mb.to_vec(0, 2 * BIG).unwrap().iter().all(|&x| x == 0x5a), "the target was written");
 }
 
+/// Two QPs of one device: a WRITE whose packets take their payload from two SGEs (a packet split
+/// across them, a last packet with pad) is placed region to region byte for byte; a WRITE with
+/// immediate that finds no receive posted writes nothing of its last packet until a receive comes
+/// (RNR, then retried); an rkey of the requester's PD is refused by the responder's.
+#[test]
+fn one_device_places_only_what_the_responder_takes() {
+    let (a, b) = Between::OneDevice.sides(27, 48804, QpType::Rc);
+    connect(&a, &b, Mtu::M4096);
+    let ma = a.pd.reg_mr(1 << 16, rights()).unwrap();
+    let mb = b.pd.reg_mr(1 << 16, rights()).unwrap();
+    let src = pattern(1 << 16, 3);
+    ma.write(0, &src).unwrap();
+    let write = |wr_id, op, sgl: Vec<_>| {
+        a.qp.post_send(SendWr { wr_id, op, payload: Payload::Sgl(sgl.into()), flags: SendFlags::SIGNALED, ud: None })
+            .unwrap()
+    };
+    let placed = || a.ctx.same_host_stats().loopback_placed;
+
+    // 5,000 + 7,001 bytes from two SGEs into mb at 100: packets of 4,096, 4,096 (from both SGEs)
+    // and 3,809 bytes (pad 3); the last two are placed.
+    mb.fill(0xee);
+    let before = placed();
+    write(
+        1,
+        SendOp::Write { remote_addr: mb.addr() + 100, rkey: mb.rkey() },
+        vec![ma.sge(0, 5000).unwrap(), ma.sge(8192, 7001).unwrap()],
+    );
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    assert_eq!(placed() - before, 2);
+    let got = mb.to_vec(0, 1 << 16).unwrap();
+    assert!(got[..100].iter().all(|&x| x == 0xee) && got[100 + 12001..].iter().all(|&x| x == 0xee));
+    assert!(got[100..5100] == src[..5000] && got[5100..100 + 12001] == src[8192..8192 + 7001]);
+
+    // A WRITE with immediate of 2 x 4,096 + 2,000 bytes, no receive posted: its last packet is
+    // refused (RNR) and must not have written its bytes.
+    mb.fill(0xee);
+    write(2, SendOp::WriteWithImm { remote_addr: mb.addr(), rkey: mb.rkey(), imm: 9 }, vec![ma.sge(0, 10192).unwrap()]);
+    std::thread::sleep(Duration::from_millis(20));
+    let mut none = Vec::new();
+    assert_eq!(a.cq.poll(4, &mut none).unwrap(), 0, "completed without a receive: {none:?}");
+    assert!(mb.to_vec(8192, 2000).unwrap().iter().all(|&x| x == 0xee), "the refused last packet wrote");
+    b.qp.post_recv(RecvWr { wr_id: 20, sgl: vec![].into() }).unwrap();
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    let wb = wait(&b.cq, 1);
+    assert_eq!((wb[0].status, wb[0].opcode, wb[0].imm), (WcStatus::Success, WcOpcode::RecvRdmaWithImm, 9));
+    assert_eq!(mb.to_vec(0, 10192).unwrap(), src[..10192]);
+    assert!(b.ctx.counters().send_rnr_nak > 0);
+
+    // The requester's own region, under its rkey: on one device still another PD than the
+    // responder's QP, so a remote access error, and the region is as it was.
+    write(3, SendOp::Write { remote_addr: ma.addr() + 4104, rkey: ma.rkey() }, vec![ma.sge(0, 12288).unwrap()]);
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::RemAccessErr);
+    assert!(ma.to_vec(0, 1 << 16).unwrap() == src);
+}
+
+/// A WRITE larger than one flush hands over to the device itself (16 MiB, 4,096 packets) is not
+/// done inside `post_send`: the rest is left to the next progress, and with nobody polling the
+/// device's I/O thread carries it to the end.
+#[test]
+fn one_device_large_write_goes_on_without_polling() {
+    let (a, b) = Between::OneDevice.sides(29, 48805, QpType::Rc);
+    connect(&a, &b, Mtu::M4096);
+    const LEN: usize = 16 << 20;
+    let ma = a.pd.reg_mr(LEN, rights()).unwrap();
+    let mb = b.pd.reg_mr(LEN, rights()).unwrap();
+    let data = pattern(LEN, 5);
+    ma.write(0, &data).unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Write { remote_addr: mb.addr(), rkey: mb.rkey() },
+        payload: Payload::Sgl(vec![ma.sge(0, LEN).unwrap()].into()),
+        flags: SendFlags::SIGNALED,
+        ud: None,
+    })
+    .unwrap();
+    assert!(a.ctx.same_host_stats().loopback_placed < 4095, "the whole WRITE went inside post_send");
+    // Reading the counters makes no progress; polling the CQ would.
+    let start = Instant::now();
+    while a.ctx.same_host_stats().loopback_placed < 4095 {
+        assert!(start.elapsed() < Duration::from_secs(30), "stalled: {:?}", a.ctx.same_host_stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success);
+    assert!(mb.to_vec(0, LEN).unwrap() == data);
+}
+
 #[test]
 fn ud_send_with_grh() {
     ud_send(3, 48792, Between::Udp);

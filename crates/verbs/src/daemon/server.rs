@@ -932,6 +932,7 @@ impl SvcDevice {
     }
 
     fn stats(&self) -> DeviceStats {
+        let device_cpu = thread_cpu(self.tid.load(Ordering::Relaxed));
         let svc = self.lock_svc();
         let st = self.dev.lock();
         let c = st.hca.counters();
@@ -961,7 +962,7 @@ impl SvcDevice {
             ("cq_overflow", c.cq_overflow),
             ("icrc_errors", st.verify.bad),
             ("icrc_verified", st.verify.verified),
-            ("device_thread_cpu_us", thread_cpu(self.tid.load(Ordering::Relaxed)).as_micros() as u64),
+            ("device_thread_cpu_us", device_cpu.as_micros() as u64),
             ("icrc_recovered_id", st.verify.recovered),
             ("tx_errors", st.tx_errors),
             ("bad_wqes", svc.bad_wqes),
