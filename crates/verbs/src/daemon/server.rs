@@ -576,6 +576,9 @@ struct SvcState {
     qps: BTreeMap<Qpn, QpEntry>,
     srqs: BTreeMap<SrqId, SrqEntry>,
     bad_wqes: u64,
+    /// Sleeps of the device loop that ran out while a work ring had entries waiting (see
+    /// `SvcDevice::sleep`).
+    late_wakeups: u64,
     /// RDMA CM IDs by handle (the agent's), with their owner and event channel.
     cm_ids: HashMap<u32, CmIdEntry>,
     /// RDMA CM event channels: owner, wake-up socket, queued events.
@@ -583,6 +586,16 @@ struct SvcState {
     next_cm_channel: u32,
     /// Set when the client list changed (the device loop rebuilds its poll set).
     generation: u64,
+}
+
+impl SvcState {
+    /// Whether a work ring the device loop takes from has entries waiting.
+    fn has_waiting_work(&self) -> bool {
+        let waiting = |r: &Consumer, blocked: bool| !blocked && r.pending().is_ok_and(|n| n > 0);
+        self.qps.values().any(|q| {
+            !q.broken && (waiting(&q.sq, q.sq_blocked) || q.rq.as_ref().is_some_and(|r| waiting(r, q.rq_blocked)))
+        }) || self.srqs.values().any(|s| !s.broken && waiting(&s.ring, s.blocked))
+    }
 }
 
 struct SvcDevice {
@@ -715,9 +728,14 @@ impl SvcDevice {
         let ts =
             libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
         // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
-        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+        let woken = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+        let mut svc = self.lock_svc();
+        // A sleep that ran out while a work ring had entries: a doorbell that should have woken us
+        // did not come (a ring nobody asked; none expected).
+        if woken == 0 && svc.has_waiting_work() {
+            svc.late_wakeups += 1;
+        }
         // Drain the doorbells (non-blocking eventfds; a read resets the count).
-        let svc = self.lock_svc();
         for c in svc.clients.values() {
             let mut b = [0u8; 8];
             // SAFETY: reading 8 bytes into a live buffer from our non-blocking eventfd.
@@ -966,6 +984,7 @@ impl SvcDevice {
             ("icrc_recovered_id", st.verify.recovered),
             ("tx_errors", st.tx_errors),
             ("bad_wqes", svc.bad_wqes),
+            ("late_wakeups", svc.late_wakeups),
             ("port_active", u64::from(self.port_up.load(Ordering::Relaxed))),
             ("objects_clients", svc.clients.len() as u64),
             ("objects_pds", svc.pds.len() as u64),
@@ -1412,6 +1431,9 @@ impl Session {
                     },
                 );
                 count(svc, 1);
+                // The device loop may be asleep having asked the rings it knew for doorbells: it
+                // goes round once more and asks this one too.
+                let _ = dev.dev.wake();
                 Ok((Response::Srq { id: id.0, capacity, slot_size }, vec![fd]))
             }
             Request::ArmSrq { srq, limit } => {
@@ -1499,6 +1521,9 @@ impl Session {
                     },
                 );
                 count(svc, 1);
+                // As for an SRQ: a sleeping device loop asks the new rings for doorbells too (else
+                // the first posts wait for its idle timeout, 200 ms).
+                let _ = dev.dev.wake();
                 let resp = Response::Qp {
                     qpn: qpn.value(),
                     sq_capacity,
