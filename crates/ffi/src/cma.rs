@@ -270,6 +270,11 @@ fn device_towards(dst: IpAddr) -> Result<Arc<CmaDevice>, c_int> {
 pub struct Channel {
     pub ibv: RdmaEventChannel,
     subs: Mutex<Vec<Sub>>,
+    /// The application's handle (1 until `rdma_destroy_event_channel`) plus the threads inside
+    /// `rdma_get_cm_event`: the last one out closes the fd and frees the channel.
+    refs: AtomicUsize,
+    /// `rdma_destroy_event_channel` was called.
+    destroyed: AtomicBool,
 }
 
 /// The channel's events from one device.
@@ -287,7 +292,12 @@ impl Channel {
         if fd < 0 {
             return Err(errno::get());
         }
-        Ok(Box::into_raw(Box::new(Channel { ibv: RdmaEventChannel { fd }, subs: Mutex::new(Vec::new()) })))
+        Ok(Box::into_raw(Box::new(Channel {
+            ibv: RdmaEventChannel { fd },
+            subs: Mutex::new(Vec::new()),
+            refs: AtomicUsize::new(1),
+            destroyed: AtomicBool::new(false),
+        })))
     }
 
     /// The sub-channel for `dev`, made on first use. Runs `f` on it under the lock.
@@ -349,26 +359,57 @@ fn nonblocking(fd: c_int) -> bool {
     fl >= 0 && fl & libc::O_NONBLOCK != 0
 }
 
+/// Drop one reference to `ch`; the last one closes its fd and frees it.
+///
+/// # Safety
+///
+/// `ch` is a live channel and the caller holds one of its references, which it gives up.
+unsafe fn release(ch: *mut Channel) {
+    // SAFETY: live while the caller's reference is.
+    if unsafe { (*ch).refs.fetch_sub(1, Ordering::AcqRel) } == 1 {
+        // SAFETY: boxed by Channel::new; no reference is left.
+        let c = unsafe { Box::from_raw(ch) };
+        // SAFETY: our epoll fd.
+        unsafe { libc::close(c.ibv.fd) };
+    }
+}
+
 /// The next event of `ch`, waiting for it unless the fd is non-blocking.
+///
+/// A thread waiting here when the application destroys the channel (rping's event thread, as its
+/// main thread exits) stays blocked for good, as in librdmacm, whose waiter sits in the kernel on
+/// the channel's file: it neither returns an error nor touches the freed channel.
 unsafe fn next_event(ch: *mut Channel) -> Result<*mut RdmaCmEvent, c_int> {
-    // SAFETY: a live channel (caller's contract).
+    // SAFETY: a live channel (caller's contract); the reference taken here keeps it so.
     let c = unsafe { &*ch };
-    loop {
+    c.refs.fetch_add(1, Ordering::AcqRel);
+    let r = 'wait: loop {
+        if c.destroyed.load(Ordering::Acquire) {
+            break None;
+        }
         while let Some((ev, id, dev)) = c.take() {
             // SAFETY: `id` is live and counted.
             if let Some(e) = unsafe { translate(ev, id, &dev) } {
-                return Ok(e);
+                break 'wait Some(Ok(e));
             }
         }
         if nonblocking(c.ibv.fd) {
-            return Err(libc::EAGAIN);
+            break Some(Err(libc::EAGAIN));
         }
         let mut out = libc::epoll_event { events: 0, u64: 0 };
-        // SAFETY: our epoll fd, one writable event.
+        // SAFETY: our epoll fd (kept open by our reference), one writable event.
         let n = unsafe { libc::epoll_wait(c.ibv.fd, &mut out, 1, -1) };
         if n < 0 && errno::get() != libc::EINTR {
-            return Err(errno::get());
+            break Some(Err(errno::get()));
         }
+    };
+    // SAFETY: the reference taken above.
+    unsafe { release(ch) };
+    match r {
+        Some(r) => r,
+        None => loop {
+            std::thread::park();
+        },
     }
 }
 
@@ -833,10 +874,13 @@ pub unsafe extern "C" fn softrdma_rdma_destroy_event_channel(channel: *mut RdmaE
     if channel.is_null() {
         return;
     }
-    // SAFETY: boxed by Channel::new; the application gives it up.
-    let c = unsafe { Box::from_raw(channel as *mut Channel) };
-    // SAFETY: our epoll fd.
-    unsafe { libc::close(c.ibv.fd) };
+    let ch = channel as *mut Channel;
+    // SAFETY: a live channel of ours; the application gives up its reference (a thread still
+    // waiting in rdma_get_cm_event holds its own: see `next_event`).
+    unsafe {
+        (*ch).destroyed.store(true, Ordering::Release);
+        release(ch);
+    }
 }
 
 /// `rdma_create_id`.

@@ -10,7 +10,8 @@
  * 3. an RC connection with private data both ways: CONNECT_REQUEST (id, listen_id, qp_num),
  *    rdma_create_qp with the ID's default PD and CQs, data through rdma_verbs.h's inline
  *    helpers, disconnect with DISCONNECTED on both sides and the QPs in ERR;
- * 4. a synchronous ID (NULL channel) connecting where nobody listens: -1 and ECONNREFUSED.
+ * 4. a synchronous ID (NULL channel) connecting where nobody listens: -1 and ECONNREFUSED;
+ * 5. a thread blocked in rdma_get_cm_event while the channel is destroyed stays blocked.
  *
  * Prints one line per failed check and "abi_rdmacm: N checks, M failed"; exits 1 on failure.
  */
@@ -18,10 +19,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <rdma/rdma_cma.h>
 #include <rdma/rdma_verbs.h>
 
@@ -284,12 +289,52 @@ static void synchronous_reject(void)
 	CHECK(rdma_destroy_id(id) == 0, "destroy sync id");
 }
 
+static volatile int waiter_returned;
+
+static void *waiter(void *channel)
+{
+	struct rdma_cm_event *ev;
+
+	rdma_get_cm_event(channel, &ev);
+	waiter_returned = 1;
+	return NULL;
+}
+
+/*
+ * rping's event thread waits in rdma_get_cm_event while its main thread destroys the IDs and then
+ * the channel; a late event for a destroyed ID still wakes the waiter. In librdmacm it stays
+ * blocked in the kernel on the channel's file; ours must too (not return EBADF, which rping
+ * reports and exits 1 on, nor touch the freed channel). The wake is injected with an eventfd in
+ * the channel's fd, which is an epoll set in this implementation.
+ */
+static void destroy_under_waiter(void)
+{
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	struct epoll_event e = { .events = EPOLLIN };
+	int efd = eventfd(0, EFD_NONBLOCK);
+	uint64_t one = 1;
+	pthread_t t;
+
+	CHECK(ch && efd >= 0, "channel and eventfd");
+	if (!ch || efd < 0)
+		return;
+	CHECK(epoll_ctl(ch->fd, EPOLL_CTL_ADD, efd, &e) == 0, "eventfd in the channel's epoll set");
+	CHECK(pthread_create(&t, NULL, waiter, ch) == 0, "waiter thread");
+	usleep(50000);
+	rdma_destroy_event_channel(ch);
+	CHECK(write(efd, &one, sizeof one) == sizeof one, "wake the waiter");
+	usleep(100000);
+	CHECK(!waiter_returned, "the waiter returned from a destroyed channel");
+	pthread_detach(t);
+}
+
 int main(void)
 {
 	layouts();
 	basics();
 	connection();
 	synchronous_reject();
+	destroy_under_waiter();
 	printf("abi_rdmacm: %d checks, %d failed\n", checks, failed);
 	return failed ? 1 : 0;
 }
