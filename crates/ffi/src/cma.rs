@@ -38,7 +38,9 @@
 //!
 //! An `rdma_event_channel`'s fd is an epoll instance over one [`CmEventChannel`] per device its IDs
 //! live on: it polls readable while an event is pending, and `rdma_get_cm_event` blocks on it
-//! (unless the application set `O_NONBLOCK`, then `EAGAIN`). IDs created with a NULL channel are
+//! (unless the application set `O_NONBLOCK`, then `EAGAIN`). A thread still waiting there when the
+//! application destroys the channel stays blocked, as librdmacm's does in the kernel (the channel
+//! lives on, counted, until its last waiter is gone). IDs created with a NULL channel are
 //! synchronous, as in librdmacm: each has a private channel, and every call that expects an event
 //! waits for it and returns its outcome (`ECONNREFUSED` for a reject, the event's status
 //! otherwise).
