@@ -412,8 +412,13 @@ impl Device {
         // of the lane the previous packet went to: a burst goes to one peer, so the payload is
         // copied once, from registered memory into the ring. When the guess is wrong the packet is
         // copied to where it belongs (the transmit slot, or another lane).
-        // The CM's MADs; those to this device itself are handed to its CM at once (loopback.rs),
-        // and what that makes it say is drained in the next round.
+        //
+        // A packet for this device itself (one of its QPs to another) goes nowhere: it stays in its
+        // slot and is handed to the device's own receive side once the batch is built
+        // (loopback.rs), and what that produces is built in the next batch.
+        //
+        // First the CM's MADs; those to this device itself are handed to its CM at once, and what
+        // that makes it say is drained in the next round.
         st.link.flush_starts();
         for round in 0..CM_LOOP_ROUNDS {
             let mut to_self: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
@@ -439,6 +444,7 @@ impl Device {
             }
             for (mut pkt, addr) in to_self {
                 st.link.looped(now, false);
+                // Nothing deferred to copy: cannot fail.
                 let _ = loopback::hand_over(&mut st.receiver(), now, &mut pkt, None, addr);
             }
             if round + 1 == CM_LOOP_ROUNDS {
