@@ -1315,6 +1315,28 @@ fn table_header(plan: &Plan) -> &'static str {
     }
 }
 
+/// One side's CPU time for one size, as the two sides exchange it: user and system time of the
+/// process, and its softrdmad device loop's (service mode).
+struct SideCpu {
+    user: Duration,
+    sys: Duration,
+    device: Option<Duration>,
+}
+
+impl SideCpu {
+    /// `<user ns> <system ns> <device ns, or ->`.
+    fn encode(&self) -> String {
+        let device = self.device.map_or("-".to_string(), |d| d.as_nanos().to_string());
+        format!("{} {} {device}", self.user.as_nanos(), self.sys.as_nanos())
+    }
+
+    /// The three fields of [`SideCpu::encode`]; a missing or garbled one reads as none.
+    fn decode(f: &[&str]) -> SideCpu {
+        let time = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).map(Duration::from_nanos);
+        SideCpu { user: time(0).unwrap_or_default(), sys: time(1).unwrap_or_default(), device: time(2) }
+    }
+}
+
 /// One size's extra figures, printed after the table.
 struct CpuLine {
     size: u64,
@@ -1509,41 +1531,32 @@ fn run_side(
             (Some(a), Some(b)) if count_cpu => Some(b.saturating_sub(a)),
             _ => None,
         };
-        let nanos = |d: Option<Duration>| d.map_or("-".to_string(), |d| d.as_nanos().to_string());
-        let mine = format!("{} {} {}", du.as_nanos(), ds.as_nanos(), nanos(device));
+        let mine = SideCpu { user: du, sys: ds, device };
         // Results: each side sends its CPU times (the server first); the client also sends its row
         // (the passive server of WRITE/READ/atomic bandwidth prints the client's figures, as
         // perftest's does).
-        let (peer, peer_bytes) = match role {
+        let (peer, bytes) = match role {
             Role::Server => {
-                ctl.send(&format!("RESULT {mine}"))?;
+                ctl.send(&format!("RESULT {}", mine.encode()))?;
                 let l = ctl.expect("ROW")?;
+                // ROW <bytes> <user> <system> <device> <row text>
                 let f: Vec<&str> = l.splitn(6, ' ').collect();
                 if plan.bw && plan.verb != Verb::Send {
                     row = Some(f.get(5).unwrap_or(&"").to_string());
                 }
-                (f.get(2..5).map(|t| t.join(" ")).unwrap_or_default(), f.get(1).and_then(|b| b.parse().ok()))
+                (SideCpu::decode(f.get(2..5).unwrap_or_default()), f.get(1).and_then(|b| b.parse().ok()).unwrap_or(0))
             }
             Role::Client => {
                 let l = ctl.expect("RESULT")?;
-                ctl.send(&format!("ROW {bytes} {mine} {}", row.clone().unwrap_or_default()))?;
-                (l.strip_prefix("RESULT ").unwrap_or("").to_string(), Some(bytes))
+                ctl.send(&format!("ROW {bytes} {} {}", mine.encode(), row.clone().unwrap_or_default()))?;
+                (SideCpu::decode(&l.split(' ').skip(1).collect::<Vec<_>>()), bytes)
             }
         };
-        let f: Vec<&str> = peer.split_whitespace().collect();
-        let time = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).map(Duration::from_nanos);
-        let peer_device = if same_device { None } else { time(2) };
-        let device = match (device, peer_device) {
+        let device = match (mine.device, peer.device.filter(|_| !same_device)) {
             (None, None) => None,
             (a, b) => Some(a.unwrap_or_default() + b.unwrap_or_default()),
         };
-        cpu.push(CpuLine {
-            size,
-            user: du + time(0).unwrap_or_default(),
-            sys: ds + time(1).unwrap_or_default(),
-            device,
-            bytes: peer_bytes.unwrap_or(0),
-        });
+        cpu.push(CpuLine { size, user: du + peer.user, sys: ds + peer.sys, device, bytes });
         if let Some(r) = row {
             if !passive_lat {
                 out.line(&r);
@@ -1553,7 +1566,7 @@ fn run_side(
     out.line(RESULT_LINE);
     if !passive_lat {
         // The path the packets took: the same-host link if this device used a lane and received
-        // nothing over UDP.
+        // nothing over UDP; the device's own loopback if it used neither but sent itself packets.
         let (link, icrc) = (side.ctx.same_host_stats(), side.ctx.icrc_stats());
         let path = match (link.tx_pkts + link.rx_pkts > 0, icrc.verified + icrc.recovered + icrc.bad > 0) {
             (_, true) => PathTaken::Udp,

@@ -129,6 +129,30 @@ pub struct RxPlacement {
     pub mtu: u32,
 }
 
+impl RxPlacement {
+    /// Whether a request packet (its headers in `pkt`) is this WRITE's next one: a WRITE MIDDLE or
+    /// LAST for this QP with the next PSN. Its length is for the caller to check.
+    pub fn is_next(&self, pkt: &IbPacket<&[u8]>) -> bool {
+        let (bth, info) = (pkt.bth(), pkt.info());
+        info.is(Flags::WRITE)
+            && !info.is(Flags::RESP)
+            && !info.starts_message()
+            && bth.dest_qp() == self.qpn
+            && bth.psn() == self.psn
+    }
+
+    /// Whether the responder takes such a packet with a payload of `len` bytes as the WRITE's
+    /// next: [`RxPlacement::is_next`], and a MIDDLE of exactly the MTU that leaves bytes to come, or
+    /// a LAST that ends the WRITE. (A LAST with immediate data also needs a receive WQE, which this
+    /// does not know.)
+    pub fn admits(&self, pkt: &IbPacket<&[u8]>, len: usize) -> bool {
+        let (mtu, remaining) = (self.mtu as usize, self.remaining as usize);
+        let fits =
+            if pkt.info().ends_message() { len <= mtu && len == remaining } else { len == mtu && len < remaining };
+        fits && self.is_next(pkt)
+    }
+}
+
 /// A completion queue.
 #[derive(Debug)]
 struct Cq {
@@ -754,13 +778,7 @@ impl Hca {
         len: usize,
         mem: &mut dyn MemoryAccess,
     ) -> bool {
-        let bth = pkt.bth();
-        let info = pkt.info();
-        if !info.is(Flags::WRITE)
-            || info.is(Flags::RESP)
-            || info.starts_message()
-            || bth.dest_qp() != expect.qpn
-            || bth.psn() != expect.psn
+        if !expect.is_next(pkt)
             || len > expect.remaining as usize
             || !pkt.payload().is_empty()
             || self.rx_placement(expect.qpn).as_ref() != Some(expect)

@@ -1,8 +1,9 @@
 //! Packets a device sends to itself: traffic between two QPs of one device (the clients of one
 //! softrdmad device, or two QPs of one process), and the CM's MADs between them. They take no
-//! socket and no same-host lane: the flush hands each to the device's own receive side as soon as
-//! it is built, in order, as an HCA's internal loopback does (and as rxe does for a destination
-//! that is its own address). No ICRC is computed or checked: nothing can corrupt them.
+//! socket and no same-host lane: the flush keeps them in their transmit slots and hands them, in
+//! order, to the device's own receive side once the batch is built, as an HCA's internal loopback
+//! does (and as rxe does for a destination that is its own address). No ICRC is computed or
+//! checked: nothing can corrupt them.
 //!
 //! The later packets of an RC RDMA WRITE (its FIRST accepted, so the engine knows where they go:
 //! `Hca::rx_placement`) whose payload the engine left in registered memory (`Transmit::deferred`)
@@ -15,12 +16,11 @@
 
 use std::net::SocketAddr;
 
-use softrdma_transport::{DeferredPayload, Instant};
+use softrdma_transport::{DeferredPayload, Instant, MemError};
 use softrdma_wire::opcode::Flags;
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
 use crate::runtime::Receiver;
-use softrdma_transport::MemError;
 
 /// Most header bytes of a WRITE's MIDDLE or LAST packet around its payload: BTH, immediate data,
 /// pad, ICRC.
@@ -70,20 +70,11 @@ pub(crate) fn hand_over(
 /// that needs a receive) writes nothing: those are handed over whole.
 fn place(to: &mut Receiver<'_>, now: Instant, pkt: &[u8], d: &DeferredPayload) -> bool {
     let Ok(ib) = IbPacket::new_checked(pkt) else { return false };
-    let (bth, info) = (ib.bth(), ib.info());
-    let Some(expect) = to.hca.rx_placement(bth.dest_qp()) else { return false };
-    // What `Hca::handle_placed` and the responder check: the WRITE's next PSN, a MIDDLE of
-    // exactly the MTU that leaves bytes to come, a LAST that ends the WRITE exactly.
-    let (mtu, remaining) = (expect.mtu as usize, expect.remaining as usize);
-    let fits = if info.ends_message() { d.len <= mtu && d.len == remaining } else { d.len == mtu && d.len < remaining };
-    if !info.is(Flags::WRITE)
-        || info.is(Flags::RESP)
-        || info.starts_message()
-        || (info.ends_message() && info.is(Flags::IMM))
-        || bth.psn() != expect.psn
-        || !fits
-        || pkt.len() - d.len > HDR_MAX
-    {
+    let Some(expect) = to.hca.rx_placement(ib.bth().dest_qp()) else { return false };
+    // A LAST with immediate data may find no receive WQE (RNR): it goes whole, like anything the
+    // responder would not take as the WRITE's next packet.
+    let info = ib.info();
+    if !expect.admits(&ib, d.len) || (info.ends_message() && info.is(Flags::IMM)) || pkt.len() - d.len > HDR_MAX {
         return false;
     }
     let mut hdr = [0u8; HDR_MAX];
@@ -97,5 +88,5 @@ fn place(to: &mut Receiver<'_>, now: Instant, pkt: &[u8], d: &DeferredPayload) -
     // open for remote writes, `local_pieces` the payload (`d.len` bytes) inside live regions; both
     // stay registered while the device lock is held (deregistration takes it).
     unsafe { src.copy_payload(dst) };
-    to.traffic(Some(&pkt[5..8]), pkt.len(), |hca, mem| hca.handle_placed(now, &h, &expect, d.len, mem))
+    to.traffic(expect.qpn, pkt.len(), |hca, mem| hca.handle_placed(now, &h, &expect, d.len, mem))
 }

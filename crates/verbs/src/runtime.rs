@@ -58,14 +58,18 @@ impl Receiver<'_> {
         // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
         let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
         let rx = RxInfo { grh };
-        self.traffic(payload.get(5..8), payload.len(), |hca, mem| hca.handle_parsed(now, ib, &rx, mem));
+        self.traffic(ib.bth().dest_qp(), payload.len(), |hca, mem| hca.handle_parsed(now, ib, &rx, mem));
     }
 
-    /// Run `f` (the engine taking in a packet of `len` bytes for the QP whose number is the 3
-    /// bytes `qpn`) and, in daemon mode, add what it did to that QP's traffic.
-    pub fn traffic<R>(&mut self, qpn: Option<&[u8]>, len: usize, f: impl FnOnce(&mut Hca, &mut MrTable) -> R) -> R {
-        let qpn = qpn.map(|b| softrdma_wire::Qpn::new(u32::from_be_bytes([0, b[0], b[1], b[2]])));
-        let (Some(map), Some(qpn)) = (self.qp_traffic.as_mut(), qpn) else { return f(self.hca, self.mem) };
+    /// Run `f` (the engine taking in a packet of `len` bytes for QP `qpn`) and, in daemon mode, add
+    /// what it did to that QP's traffic.
+    pub fn traffic<R>(
+        &mut self,
+        qpn: softrdma_wire::Qpn,
+        len: usize,
+        f: impl FnOnce(&mut Hca, &mut MrTable) -> R,
+    ) -> R {
+        let Some(map) = self.qp_traffic.as_mut() else { return f(self.hca, self.mem) };
         let before = *self.hca.counters();
         let r = f(self.hca, self.mem);
         if let Some(c) = map.get_mut(&qpn) {
@@ -1004,8 +1008,7 @@ impl Device {
     ) -> bool {
         let hdr = p.hdr();
         let Ok(ib) = IbPacket::new_checked(hdr) else { return false };
-        let bth = ib.bth();
-        if !ib.payload().is_empty() || bth.dest_qp() != p.expect.qpn || bth.psn() != p.expect.psn {
+        if !ib.payload().is_empty() || !p.expect.is_next(&ib) {
             return false;
         }
         let bth_len = softrdma_wire::bth::BTH_LEN;

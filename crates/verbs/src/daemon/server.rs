@@ -589,12 +589,22 @@ struct SvcState {
 }
 
 impl SvcState {
+    /// Every work ring the device loop takes from (QPs' send and receive rings, SRQs' rings), each
+    /// with whether the loop leaves it alone for now: the engine's queue behind it is full, or the
+    /// ring is broken.
+    fn work_rings(&self) -> impl Iterator<Item = (&Consumer, bool)> {
+        self.qps
+            .values()
+            .flat_map(|q| {
+                std::iter::once((&q.sq, q.sq_blocked || q.broken))
+                    .chain(q.rq.iter().map(move |r| (r, q.rq_blocked || q.broken)))
+            })
+            .chain(self.srqs.values().map(|s| (&s.ring, s.blocked || s.broken)))
+    }
+
     /// Whether a work ring the device loop takes from has entries waiting.
     fn has_waiting_work(&self) -> bool {
-        let waiting = |r: &Consumer, blocked: bool| !blocked && r.pending().is_ok_and(|n| n > 0);
-        self.qps.values().any(|q| {
-            !q.broken && (waiting(&q.sq, q.sq_blocked) || q.rq.as_ref().is_some_and(|r| waiting(r, q.rq_blocked)))
-        }) || self.srqs.values().any(|s| !s.broken && waiting(&s.ring, s.blocked))
+        self.work_rings().any(|(r, idle)| !idle && r.pending().is_ok_and(|n| n > 0))
     }
 }
 
@@ -684,14 +694,9 @@ impl SvcDevice {
         {
             let svc = self.lock_svc();
             let mut empty = true;
-            for q in svc.qps.values() {
-                empty &= q.sq.request_doorbell() || q.sq_blocked || q.broken;
-                if let Some(rq) = &q.rq {
-                    empty &= rq.request_doorbell() || q.rq_blocked || q.broken;
-                }
-            }
-            for s in svc.srqs.values() {
-                empty &= s.ring.request_doorbell() || s.blocked || s.broken;
+            for (r, idle) in svc.work_rings() {
+                // Every ring is asked, whatever the others say.
+                empty &= r.request_doorbell() || idle;
             }
             if !empty {
                 return;
@@ -980,8 +985,8 @@ impl SvcDevice {
             ("cq_overflow", c.cq_overflow),
             ("icrc_errors", st.verify.bad),
             ("icrc_verified", st.verify.verified),
-            ("device_thread_cpu_us", device_cpu.as_micros() as u64),
             ("icrc_recovered_id", st.verify.recovered),
+            ("device_thread_cpu_us", device_cpu.as_micros() as u64),
             ("tx_errors", st.tx_errors),
             ("bad_wqes", svc.bad_wqes),
             ("late_wakeups", svc.late_wakeups),
