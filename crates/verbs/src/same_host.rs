@@ -142,6 +142,9 @@ pub struct SameHostStats {
     pub loopback_pkts: u64,
     /// Of `loopback_pkts`, RDMA WRITE packets whose payload went straight from region to region.
     pub loopback_placed: u64,
+    /// Flushes that stopped handing packets to the device itself at their budget, leaving the
+    /// rest for the next one ([`Link::loop_budget_used`]).
+    pub loopback_budget_stops: u64,
 }
 
 /// The counters of [`SameHostStats`] under the names softrdmad exports them (`same_host_` + field).
@@ -184,7 +187,8 @@ same_host_counters!(
     peer_gone,
     doorbells,
     loopback_pkts,
-    loopback_placed
+    loopback_placed,
+    loopback_budget_stops
 );
 
 /// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
@@ -436,6 +440,7 @@ impl Link {
     /// QPs of the device does not keep the device (and its lock) for all of it.
     pub fn loop_budget_used(&mut self) {
         self.loop_backlog = true;
+        self.stats.loopback_budget_stops += 1;
     }
 
     /// A flush starts: it takes over any backlog the last one left.
@@ -772,7 +777,7 @@ mod tests {
         let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
         s = SameHostStats::from_named(&list);
         assert_eq!(s.named(), list);
-        assert_eq!(names.len(), 19);
+        assert_eq!(names.len(), 20);
         assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
     }
 }
