@@ -194,19 +194,37 @@ impl Producer {
 
     /// Copy `slot` (at most `slot_size` bytes) into the next slot and publish it; false if full.
     pub fn push(&mut self, slot: &[u8]) -> bool {
-        if self.free() == 0 {
-            return false;
+        let staged = self.stage(slot);
+        if staged {
+            self.publish_staged();
         }
-        self.room = 0;
+        staged
+    }
+
+    /// Copy `slot` (at most `slot_size` bytes) into the next slot without publishing it; false if
+    /// full. [`Producer::publish_staged`] then publishes every staged entry with one store, so a
+    /// consumer polling the producer index sees a burst once instead of entry by entry.
+    pub fn stage(&mut self, slot: &[u8]) -> bool {
+        if self.room == 0 {
+            self.room = self.free();
+            if self.room == 0 {
+                return false;
+            }
+        }
+        self.room -= 1;
         let n = slot.len().min(self.ring.slot_size as usize);
         // SAFETY: the destination is a slot inside the mapping (`slot_ptr`), `n` ≤ slot_size, the
         // source is a distinct local buffer. The consumer does not read this slot until the
-        // release store below publishes it.
+        // release store of `publish_staged` publishes it.
         unsafe { ptr::copy_nonoverlapping(slot.as_ptr(), self.ring.slot_ptr(self.next), n) };
         self.next = self.next.wrapping_add(1);
-        self.ring.word(PRODUCER).store(self.next, Ordering::Release);
         self.prefetch_ahead();
         true
+    }
+
+    /// Publish the entries [`Producer::stage`] wrote (one release store of the producer index).
+    pub fn publish_staged(&mut self) {
+        self.ring.word(PRODUCER).store(self.next, Ordering::Release);
     }
 
     /// The next free slot, to build an entry in place (no staging copy); `None` if the ring is
@@ -402,6 +420,31 @@ mod tests {
         // SAFETY: the buffer is aligned and large enough for 4 slots of 32 bytes, and outlives
         // the ring within the test.
         unsafe { Ring::new(mem.0.as_mut_ptr(), 4, 32) }
+    }
+
+    #[test]
+    fn staged_entries_appear_together_when_published() {
+        let mut mem = Mem([0; 256 + 128]);
+        ring(&mut mem).init();
+        let mut p = Producer::new(ring(&mut mem));
+        let mut c = Consumer::new(ring(&mut mem));
+        let mut out = [0u8; 32];
+        for round in 0..3u8 {
+            assert!(p.stage(&[round, 0]));
+            assert!(p.stage(&[round, 1]));
+            assert_eq!(c.pending().unwrap(), 0, "staged, not published");
+            assert!(!c.pop(&mut out).unwrap());
+            p.publish_staged();
+            assert_eq!(c.pending().unwrap(), 2);
+            assert!(p.stage(&[round, 2]) && p.stage(&[round, 3]));
+            assert!(!p.stage(&[9]), "staged entries take room: the ring is full");
+            p.publish_staged();
+            for i in 0..4u8 {
+                assert!(c.pop(&mut out).unwrap());
+                assert_eq!(&out[..2], &[round, i]);
+            }
+            assert!(!c.pop(&mut out).unwrap());
+        }
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub mod io;
 mod loopback;
 pub mod memory;
 mod place;
+mod qp_traffic;
 mod runtime;
 mod same_host;
 pub mod verbs;

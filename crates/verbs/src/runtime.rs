@@ -10,7 +10,7 @@
 //! an idle period, an RNR wait) wakes it once, so the timer fires on time even if the application
 //! then blocks instead of polling.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::AsRawFd;
@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
-use softrdma_transport::{AsyncEvent, Config, Counters, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo};
+use softrdma_transport::{AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo};
 use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
@@ -31,6 +31,7 @@ use crate::io::{self as udp, UdpPort};
 use crate::loopback;
 use crate::memory::{InPlace, MrTable};
 use crate::place::{self, Plan};
+use crate::qp_traffic::QpTrafficTable;
 use crate::same_host::Link;
 
 /// Bytes per transmit slot: the largest IB packet (4096-byte MTU plus headers) with room to spare.
@@ -45,7 +46,7 @@ pub(crate) struct Receiver<'a> {
     pub cm: &'a mut CmState,
     pub hca: &'a mut Hca,
     pub mem: &'a mut MrTable,
-    pub qp_traffic: &'a mut Option<BTreeMap<softrdma_wire::Qpn, QpTraffic>>,
+    pub qp_traffic: &'a mut Option<QpTrafficTable>,
 }
 
 impl Receiver<'_> {
@@ -69,65 +70,15 @@ impl Receiver<'_> {
         len: usize,
         f: impl FnOnce(&mut Hca, &mut MrTable) -> R,
     ) -> R {
-        let Some(map) = self.qp_traffic.as_mut() else { return f(self.hca, self.mem) };
-        let before = *self.hca.counters();
+        let Some(table) = self.qp_traffic.as_mut() else { return f(self.hca, self.mem) };
+        table.begin(self.hca.counters());
         let r = f(self.hca, self.mem);
-        if let Some(c) = map.get_mut(&qpn) {
+        if let Some(c) = table.end(qpn, self.hca.counters()) {
             c.pkts[2] += 1;
             c.pkts[3] += len as u64;
-            add_delta(&mut c.engine, &before, self.hca.counters());
         }
         r
     }
-}
-
-/// One QP's share of the device's traffic and engine counters (daemon mode).
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct QpTraffic {
-    /// Packets sent, bytes sent, packets received, bytes received (UDP payloads).
-    pub pkts: [u64; 4],
-    /// The engine counters' increments while handling this QP's packets (received, or produced
-    /// by `poll_transmit`). Timer work (`ack_timeouts`, retry rounds started by a timeout) is not
-    /// attributed to a QP.
-    pub engine: Counters,
-}
-
-macro_rules! add_delta {
-    ($acc:expr, $a:expr, $b:expr, $($f:ident),*) => {
-        $( $acc.$f += $b.$f.wrapping_sub($a.$f); )*
-    };
-}
-
-/// `acc += after - before`, field by field.
-fn add_delta(acc: &mut Counters, before: &Counters, after: &Counters) {
-    add_delta!(
-        acc,
-        before,
-        after,
-        rcvd_pkts,
-        sent_pkts,
-        rcvd_bytes,
-        sent_bytes,
-        drop_malformed,
-        drop_unknown_qp,
-        drop_bad_state,
-        drop_pkey,
-        drop_qkey,
-        drop_no_recv,
-        drop_uc_msg,
-        drop_stray_resp,
-        duplicate_request,
-        out_of_seq_request,
-        rcvd_seq_err,
-        send_rnr_nak,
-        rcvd_rnr_err,
-        send_err_nak,
-        rcvd_err_nak,
-        retry_rounds,
-        retransmits,
-        ack_timeouts,
-        cq_overflow
-    );
 }
 
 /// Smallest payload the engine leaves in registered memory for the flush to send in place (an
@@ -161,10 +112,9 @@ pub(crate) struct State {
     /// than this must wake it, or the timer would fire up to an idle wait late.
     pub(crate) io_wake_at: Option<Instant>,
     pub next_pd: u32,
-    /// Per-QP traffic (packets sent, bytes sent, packets received, bytes received), kept only when
-    /// the device runs in the daemon (`None` in embedded mode costs nothing). Looked up per packet:
-    /// ordered by QPN rather than hashed (SipHash cost more than the search through a few QPs).
-    pub qp_traffic: Option<BTreeMap<softrdma_wire::Qpn, QpTraffic>>,
+    /// Per-QP traffic and engine counters, kept only when the device runs in the daemon (`None` in
+    /// embedded mode costs nothing).
+    pub qp_traffic: Option<QpTrafficTable>,
     /// The connection manager of the device (QP1).
     pub cm: CmState,
     /// The same-host link (shared-memory lanes to other softrdma devices on this host).
@@ -477,7 +427,9 @@ impl Device {
                 }
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
                 // a batch's send errors are not attributed).
-                let before = qp_traffic.is_some().then(|| *hca.counters());
+                if let Some(table) = qp_traffic.as_mut() {
+                    table.begin(hca.counters());
+                }
                 let (t, built_in) = match link.spec_slot() {
                     Some((li, buf)) => {
                         let Some(t) = hca.poll_transmit(now, &mut *mem, buf) else { break };
@@ -498,8 +450,7 @@ impl Device {
                     }
                 };
                 n += 1;
-                if let (Some(before), Some(q)) = (before, qp_traffic.as_mut().and_then(|m| m.get_mut(&t.src_qpn))) {
-                    add_delta(&mut q.engine, &before, hca.counters());
+                if let Some(q) = qp_traffic.as_mut().and_then(|m| m.end(t.src_qpn, hca.counters())) {
                     q.pkts[0] += 1;
                     q.pkts[1] += t.len as u64;
                 }

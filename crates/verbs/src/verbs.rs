@@ -725,8 +725,7 @@ impl QueuePair {
                 })?;
                 Ok(())
             }
-            // The daemon's rings take one WR at a time; the daemon batches on its side.
-            QpImp::Daemon(q) => wrs.into_iter().try_for_each(|wr| q.post_send(&wr)),
+            QpImp::Daemon(q) => q.post_send_list(wrs),
         }
     }
 

@@ -1,6 +1,7 @@
 //! The application side of daemon mode: a session with `softrdmad` and the verbs objects it
 //! holds there. Control verbs are messages; posting and polling touch only shared rings.
 
+use std::borrow::Borrow;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
@@ -357,13 +358,25 @@ impl WorkRing {
 
     /// Publish the encoded slot; ring the doorbell if the daemon sleeps.
     fn publish(&mut self, s: &Session) -> Result<()> {
-        if !self.prod.push(&self.buf) {
-            return Err(Error::Verbs(VerbsError::QueueFull));
+        let r = self.stage();
+        self.publish_staged(s);
+        r
+    }
+
+    /// Write the encoded slot into the ring without publishing it.
+    fn stage(&mut self) -> Result<()> {
+        match self.prod.stage(&self.buf) {
+            true => Ok(()),
+            false => Err(Error::Verbs(VerbsError::QueueFull)),
         }
+    }
+
+    /// Publish the staged slots (one store the daemon sees); ring the doorbell if it sleeps.
+    fn publish_staged(&mut self, s: &Session) {
+        self.prod.publish_staged();
         if self.prod.take_doorbell_request() {
             s.ring_doorbell();
         }
-        Ok(())
     }
 }
 
@@ -537,11 +550,23 @@ impl Qp {
 
     /// Post a send: encode into the ring; a doorbell only if the daemon sleeps.
     pub fn post_send(&self, wr: &SendWr) -> Result<()> {
-        self.validate_send(wr)?;
+        self.post_send_list([wr])
+    }
+
+    /// Post a list of sends: each is encoded into the ring, and all are published together. On
+    /// the first refused one the error is returned; the ones before it are posted (verbs'
+    /// `bad_wr`).
+    pub fn post_send_list<W: Borrow<SendWr>>(&self, wrs: impl IntoIterator<Item = W>) -> Result<()> {
         let mut r = self.sq.lock().expect("SQ lock");
         let r = &mut *r;
-        slot::encode_send(wr, &mut r.buf).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        r.publish(&self.s)
+        let staged = wrs.into_iter().try_for_each(|wr| {
+            let wr = wr.borrow();
+            self.validate_send(wr)?;
+            slot::encode_send(wr, &mut r.buf).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            r.stage()
+        });
+        r.publish_staged(&self.s);
+        staged
     }
 
     pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {

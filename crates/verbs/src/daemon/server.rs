@@ -187,7 +187,7 @@ impl Daemon {
         let dev = Device::new(info, v4, v6, self.opts.udp_port, crate::same_host::enabled_by_env(), false)?;
         {
             let mut st = dev.lock();
-            st.qp_traffic = Some(BTreeMap::new());
+            st.qp_traffic = Some(Default::default());
             st.cm.unrouted = Some(Default::default());
         }
         let sd = Arc::new(SvcDevice {
@@ -1011,7 +1011,7 @@ impl SvcDevice {
             .qps
             .iter()
             .map(|(qpn, q)| {
-                let t = st.qp_traffic.as_ref().and_then(|m| m.get(qpn)).copied().unwrap_or_default();
+                let t = st.qp_traffic.as_ref().and_then(|m| m.get(*qpn)).copied().unwrap_or_default();
                 let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
                 let k = &q.counters;
                 let e = &t.engine;
@@ -1073,7 +1073,7 @@ impl SvcDevice {
         for q in &qps {
             let _ = st.hca.destroy_qp(*q);
             if let Some(m) = st.qp_traffic.as_mut() {
-                m.remove(q);
+                m.remove(*q);
             }
             svc.qps.remove(q);
         }
@@ -1506,7 +1506,7 @@ impl Session {
                     let mut st = dev.dev.lock();
                     let qpn = st.hca.create_qp(init).map_err(Refusal::Verbs)?;
                     if let Some(m) = st.qp_traffic.as_mut() {
-                        m.insert(qpn, Default::default());
+                        m.insert(qpn);
                     }
                     qpn
                 };
@@ -1575,7 +1575,7 @@ impl Session {
                     let mut st = dev.dev.lock();
                     st.hca.destroy_qp(qpn).map_err(Refusal::Verbs)?;
                     if let Some(m) = st.qp_traffic.as_mut() {
-                        m.remove(&qpn);
+                        m.remove(qpn);
                     }
                 }
                 svc.qps.remove(&qpn);
