@@ -11,12 +11,12 @@
 //! ```
 //!
 //! Indices run freely and wrap at 2³²; a slot is `index & (capacity - 1)` (capacity is a power of
-//! two). The producer writes a slot, then publishes it with a release store of the producer index;
-//! the consumer reads the index with acquire, copies the slot out, then releases it by storing the
-//! consumer index. Each side keeps its own index locally and never reads it back from shared
-//! memory, and checks the other side's index against the capacity, so a corrupted or hostile
-//! peer can at worst make its own ring look full, empty or garbage: never make us read out of
-//! bounds.
+//! two). The producer writes a slot, then publishes it with a release store of the producer index
+//! (a burst of slots can be published with one store); the consumer reads the index with acquire,
+//! copies the slot out, then releases it by storing the consumer index. Each side keeps its own
+//! index locally and never reads it back from shared memory, and checks the other side's index
+//! against the capacity, so a corrupted or hostile peer can at worst make its own ring look full,
+//! empty or garbage: never make us read out of bounds.
 //!
 //! Doorbells ("polling then sleeping"): before it sleeps, the consumer of a work queue sets
 //! [`NEED_DOORBELL`] in the flags, issues a full fence and looks at the producer index once more.
@@ -41,6 +41,22 @@ const FLAGS: usize = 192;
 /// How many entries ahead of the one it writes the producer asks for slots' lines (see
 /// [`Producer::prefetch_ahead`]).
 const PREFETCH_AHEAD: u32 = 8;
+
+/// Whether the CPU has `prefetchw` (CPUID 0x8000_0001, ECX bit 8), asked once.
+#[cfg(target_arch = "x86_64")]
+fn has_prefetchw() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        use std::arch::x86_64::__cpuid;
+        #[allow(unused_unsafe)]
+        // SAFETY: CPUID exists on every x86-64 CPU; leaf 0x8000_0000 says which extended leaves do.
+        let max = unsafe { __cpuid(0x8000_0000) }.eax;
+        #[allow(unused_unsafe)]
+        // SAFETY: as above, and leaf 0x8000_0001 is within the range the CPU reported.
+        let ecx = if max >= 0x8000_0001 { unsafe { __cpuid(0x8000_0001) }.ecx } else { 0 };
+        ecx & (1 << 8) != 0
+    })
+}
 
 /// Where a tagged ring keeps each slot's sequence number (see [`Producer::publish_tagged`]).
 pub const TAG_AT: usize = 4;
@@ -161,9 +177,9 @@ impl Ring {
 pub struct Producer {
     ring: Ring,
     next: u32,
-    /// Slots known to be free without reading the consumer index again (used by `slot_mut`: the
-    /// consumer's index lives in a cache line the consumer keeps writing, so reading it on every
-    /// entry would cost a cache miss per entry).
+    /// Slots known to be free without reading the consumer index again (used by `slot_mut` and
+    /// `stage`: the consumer's index lives in a cache line the consumer keeps writing, so reading
+    /// it on every entry would cost a cache miss per entry).
     room: u32,
 }
 
@@ -187,7 +203,7 @@ impl Producer {
         self.ring.capacity.saturating_sub(used)
     }
 
-    /// Entries published and not yet consumed.
+    /// Entries written (published or staged) and not yet consumed.
     pub fn in_flight(&self) -> u32 {
         self.ring.capacity - self.free()
     }
@@ -203,7 +219,8 @@ impl Producer {
 
     /// Copy `slot` (at most `slot_size` bytes) into the next slot without publishing it; false if
     /// full. [`Producer::publish_staged`] then publishes every staged entry with one store, so a
-    /// consumer polling the producer index sees a burst once instead of entry by entry.
+    /// consumer polling the producer index sees a burst once instead of entry by entry. For rings
+    /// consumed by the index (not *tagged* ones: a staged entry has no tag).
     pub fn stage(&mut self, slot: &[u8]) -> bool {
         if self.room == 0 {
             self.room = self.free();
@@ -258,20 +275,20 @@ impl Producer {
     /// one such wait per entry held up everything the producer stored after it. Taking the lines
     /// early moves that wait off the producer's path.
     fn prefetch_ahead(&self) {
-        let p = self.ring.slot_ptr(self.next.wrapping_add(PREFETCH_AHEAD));
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch only hints the cache: it changes no memory and never faults (the
-        // lines are inside the mapping anyway: the slot is, and a second line is asked for only
-        // when the slot is that long). `prefetchw` is in every x86-64 CPU's NOP space: a NOP
-        // where it is not implemented.
-        unsafe {
-            std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
-            if self.ring.slot_size > 64 {
-                std::arch::asm!("prefetchw [{0} + 64]", in(reg) p, options(nostack, preserves_flags, readonly));
+        if has_prefetchw() {
+            let p = self.ring.slot_ptr(self.next.wrapping_add(PREFETCH_AHEAD));
+            // SAFETY: the CPU has the instruction (checked above). A prefetch only hints the
+            // cache: it changes no memory and never faults (the lines are inside the mapping
+            // anyway: the slot is, and a second line is asked for only when the slot is longer
+            // than one).
+            unsafe {
+                std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
+                if self.ring.slot_size > 64 {
+                    std::arch::asm!("prefetchw [{0} + 64]", in(reg) p, options(nostack, preserves_flags, readonly));
+                }
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = p;
     }
 
     /// Publish the slot [`Producer::slot_mut`] gave in a *tagged* ring: the slot's word at

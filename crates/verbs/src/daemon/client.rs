@@ -358,9 +358,9 @@ impl WorkRing {
 
     /// Publish the encoded slot; ring the doorbell if the daemon sleeps.
     fn publish(&mut self, s: &Session) -> Result<()> {
-        let r = self.stage();
+        self.stage()?;
         self.publish_staged(s);
-        r
+        Ok(())
     }
 
     /// Write the encoded slot into the ring without publishing it.
@@ -512,9 +512,9 @@ impl Qp {
         }
     }
 
-    /// The checks the engine makes at post time that do not need its state, so misuse is reported
-    /// synchronously as in embedded mode.
-    fn validate_send(&self, wr: &SendWr) -> Result<()> {
+    /// Whether the QP's state lets it send, checked at post time as the engine would, so misuse
+    /// is reported synchronously as in embedded mode.
+    fn check_sendable(&self) -> Result<()> {
         let mut st = self.state();
         if matches!(st, QpState::Reset | QpState::Init | QpState::Rtr) {
             // The daemon's RDMA CM moves QPs on its own (connect, accept): ask before refusing.
@@ -523,6 +523,11 @@ impl Qp {
         if matches!(st, QpState::Reset | QpState::Init | QpState::Rtr) {
             return Err(Error::Verbs(VerbsError::InvalidState(st)));
         }
+        Ok(())
+    }
+
+    /// The checks of one send WR the engine makes at post time that do not need its state.
+    fn check_send_wr(&self, wr: &SendWr) -> Result<()> {
         let bad = |m| Err(Error::Verbs(VerbsError::InvalidWorkRequest(m)));
         match &wr.payload {
             Payload::Sgl(sgl) if sgl.len() > self.cap.max_send_sge as usize => {
@@ -553,20 +558,30 @@ impl Qp {
         self.post_send_list([wr])
     }
 
-    /// Post a list of sends: each is encoded into the ring, and all are published together. On
-    /// the first refused one the error is returned; the ones before it are posted (verbs'
-    /// `bad_wr`).
+    /// Post a list of sends: each is encoded into the ring, and all are published together (the
+    /// daemon sees the burst at once). On the first refused one the error is returned; the ones
+    /// before it are posted (verbs' `bad_wr`). The list is walked with the SQ's lock held.
     pub fn post_send_list<W: Borrow<SendWr>>(&self, wrs: impl IntoIterator<Item = W>) -> Result<()> {
+        let mut wrs = wrs.into_iter().peekable();
+        if wrs.peek().is_none() {
+            return Ok(());
+        }
+        self.check_sendable()?;
         let mut r = self.sq.lock().expect("SQ lock");
         let r = &mut *r;
-        let staged = wrs.into_iter().try_for_each(|wr| {
+        let mut staged = 0;
+        let result = wrs.try_for_each(|wr| {
             let wr = wr.borrow();
-            self.validate_send(wr)?;
+            self.check_send_wr(wr)?;
             slot::encode_send(wr, &mut r.buf).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-            r.stage()
+            r.stage()?;
+            staged += 1;
+            Ok(())
         });
-        r.publish_staged(&self.s);
-        staged
+        if staged > 0 {
+            r.publish_staged(&self.s);
+        }
+        result
     }
 
     pub fn post_recv(&self, wr: &RecvWr) -> Result<()> {
