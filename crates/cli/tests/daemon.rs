@@ -645,6 +645,51 @@ fn selftest_role(ctx: &Context) {
     let wcs = wait_wcs(&cq, 1, 30);
     assert_eq!(wcs[0].status, WcStatus::LocProtErr, "{wcs:?}");
 
+    // A posted list that fails part-way (its second request has more SGEs than max_send_sge): the
+    // error comes back, the first request is carried out, the third is never posted.
+    let la = pd
+        .create_qp(&QpInitAttr {
+            qp_type: QpType::Rc,
+            send_cq: &cq,
+            recv_cq: &cq,
+            srq: None,
+            cap: QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
+            sq_sig_all: false,
+        })
+        .unwrap();
+    let lb = pd
+        .create_qp(&QpInitAttr {
+            qp_type: QpType::Rc,
+            send_cq: &cq,
+            recv_cq: &cq,
+            srq: None,
+            cap: QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
+            sq_sig_all: false,
+        })
+        .unwrap();
+    lb.init(RW).unwrap();
+    la.connect(&pd, &ConnectParams::new(lb.qpn(), Psn::new(50), gid, Psn::new(90))).unwrap();
+    lb.connect(&pd, &ConnectParams::new(la.qpn(), Psn::new(90), gid, Psn::new(50))).unwrap();
+    src.write(0, &pattern(2, b'L', 64)).unwrap();
+    let write_at =
+        |wr_id, off: u64| send(wr_id, SendOp::Write { remote_addr: dst.addr() + off, rkey: dst.rkey() }, &src, 0, 64);
+    let mut two_sges = write_at(11, 2048);
+    two_sges.payload = Payload::Sgl(vec![src.sge(0, 32).unwrap(), src.sge(32, 32).unwrap()].into());
+    let untouched = dst.to_vec(3072, 64).unwrap();
+    let r = la.post_send_list([write_at(10, 1024), two_sges, write_at(12, 3072)]);
+    assert!(
+        matches!(r, Err(softrdma_verbs::Error::Verbs(softrdma_transport::VerbsError::InvalidWorkRequest(_)))),
+        "{r:?}"
+    );
+    let wcs = wait_wcs(&cq, 1, 30);
+    assert_eq!((wcs[0].wr_id, wcs[0].status), (10, WcStatus::Success), "{wcs:?}");
+    assert_eq!(dst.to_vec(1024, 64).unwrap(), pattern(2, b'L', 64));
+    std::thread::sleep(Duration::from_millis(200));
+    let mut more = Vec::new();
+    cq.poll(4, &mut more).unwrap();
+    assert!(more.is_empty(), "{more:?}");
+    assert_eq!(dst.to_vec(3072, 64).unwrap(), untouched);
+
     // A completion channel and an SRQ: a UD QP receiving through an SRQ, its CQ armed; the
     // channel's descriptor becomes readable and names the CQ.
     let ch = ctx.create_comp_channel().unwrap();
