@@ -320,6 +320,13 @@ fn rc_qp(ctx: &Context) -> (ProtectionDomain, CompletionQueue, QueuePair) {
     (pd, cq, qp)
 }
 
+/// An RC QP of one SGE per request, 16 of each kind, on `cq`.
+fn small_rc_qp(pd: &ProtectionDomain, cq: &CompletionQueue) -> QueuePair {
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    pd.create_qp(&QpInitAttr { qp_type: QpType::Rc, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false })
+        .unwrap()
+}
+
 fn send(wr_id: u64, op: SendOp, mr: &MemoryRegion, off: usize, len: usize) -> SendWr {
     SendWr {
         wr_id,
@@ -614,16 +621,7 @@ fn shared_role(ctx: &Context) {
 /// Two QPs of one process connected to each other: what a non-root user runs.
 fn selftest_role(ctx: &Context) {
     let (pd, cq, a) = rc_qp(ctx);
-    let b = pd
-        .create_qp(&QpInitAttr {
-            qp_type: QpType::Rc,
-            send_cq: &cq,
-            recv_cq: &cq,
-            srq: None,
-            cap: QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
-            sq_sig_all: false,
-        })
-        .unwrap();
+    let b = small_rc_qp(&pd, &cq);
     let gid: Gid = ctx.query_gid(1, 1).unwrap();
     let src = pd.reg_mr(AREA, Access::LOCAL_WRITE).unwrap();
     let dst = pd.reg_mr(AREA, RW).unwrap();
@@ -647,26 +645,8 @@ fn selftest_role(ctx: &Context) {
 
     // A posted list that fails part-way (its second request has more SGEs than max_send_sge): the
     // error comes back, the first request is carried out, the third is never posted.
-    let la = pd
-        .create_qp(&QpInitAttr {
-            qp_type: QpType::Rc,
-            send_cq: &cq,
-            recv_cq: &cq,
-            srq: None,
-            cap: QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
-            sq_sig_all: false,
-        })
-        .unwrap();
-    let lb = pd
-        .create_qp(&QpInitAttr {
-            qp_type: QpType::Rc,
-            send_cq: &cq,
-            recv_cq: &cq,
-            srq: None,
-            cap: QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
-            sq_sig_all: false,
-        })
-        .unwrap();
+    let la = small_rc_qp(&pd, &cq);
+    let lb = small_rc_qp(&pd, &cq);
     lb.init(RW).unwrap();
     la.connect(&pd, &ConnectParams::new(lb.qpn(), Psn::new(50), gid, Psn::new(90))).unwrap();
     lb.connect(&pd, &ConnectParams::new(la.qpn(), Psn::new(90), gid, Psn::new(50))).unwrap();
