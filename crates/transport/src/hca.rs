@@ -735,10 +735,7 @@ impl Hca {
     pub fn handle_packet(&mut self, now: Instant, bytes: &[u8], rx: &RxInfo, mem: &mut dyn MemoryAccess) {
         match IbPacket::new_checked(bytes) {
             Ok(p) => self.handle_parsed(now, &p, rx, mem),
-            Err(_) => {
-                self.stats.rcvd_pkts += 1;
-                self.stats.drop_malformed += 1;
-            }
+            Err(_) => self.stats.count_malformed(),
         }
     }
 

@@ -50,3 +50,11 @@ pub struct Counters {
     /// Completions dropped because a CQ was full.
     pub cq_overflow: u64,
 }
+
+impl Counters {
+    /// A packet received and dropped because it did not parse.
+    pub fn count_malformed(&mut self) {
+        self.rcvd_pkts += 1;
+        self.drop_malformed += 1;
+    }
+}

@@ -53,11 +53,7 @@ pub(crate) fn hand_over(
     match IbPacket::new_checked(&pkt[..]) {
         Ok(ib) => to.deliver(now, pkt, &ib, addr, addr),
         // The engine built it: cannot happen; counted as the receive path counts it.
-        Err(_) => {
-            let c = to.hca.counters_mut();
-            c.rcvd_pkts += 1;
-            c.drop_malformed += 1;
-        }
+        Err(_) => to.hca.counters_mut().count_malformed(),
     }
     Ok(Looped::Whole)
 }

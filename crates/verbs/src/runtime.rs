@@ -680,10 +680,7 @@ impl Device {
     fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr, ident: u16) {
         let counters = st.hca.counters_mut();
         match st.rx_icrc.verify(src, local, payload, ident) {
-            Err(_) => {
-                counters.rcvd_pkts += 1;
-                counters.drop_malformed += 1;
-            }
+            Err(_) => counters.count_malformed(),
             Ok((_, UdpVerdict::Bad)) => {
                 counters.rcvd_pkts += 1;
                 st.verify.record(UdpVerdict::Bad);
@@ -699,11 +696,7 @@ impl Device {
     /// check (shared memory does not corrupt it; the sender did not compute it).
     fn receive_local(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr) {
         match IbPacket::new_checked(payload) {
-            Err(_) => {
-                let counters = st.hca.counters_mut();
-                counters.rcvd_pkts += 1;
-                counters.drop_malformed += 1;
-            }
+            Err(_) => st.hca.counters_mut().count_malformed(),
             Ok(ib) => st.receiver().deliver(now, payload, &ib, src, local),
         }
     }
@@ -860,11 +853,7 @@ impl Device {
                                         st.rx_hint = data.chunks(seg).last().and_then(place::write_hint);
                                     }
                                 }
-                                None => {
-                                    let c = st.hca.counters_mut();
-                                    c.rcvd_pkts += 1;
-                                    c.drop_malformed += 1;
-                                }
+                                None => st.hca.counters_mut().count_malformed(),
                             }
                         }
                         // Another packet came between a WRITE's packets: its continuation may
@@ -914,9 +903,7 @@ impl Device {
         st.rx_single = true;
         st.rx_hint = None;
         let Some((len, src, seg)) = meta else {
-            let c = st.hca.counters_mut();
-            c.rcvd_pkts += 1;
-            c.drop_malformed += 1;
+            st.hca.counters_mut().count_malformed();
             return Ok(());
         };
         let seg = seg.map_or(len, usize::from).max(1);
