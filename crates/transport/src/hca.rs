@@ -17,6 +17,9 @@ use softrdma_wire::opcode::Flags;
 use softrdma_wire::{IbPacket, Qpn};
 
 pub use crate::qp::QpInfo as QueuePairInfo;
+pub use direct::DirectMessage;
+
+mod direct;
 
 /// A protection domain handle (allocated by the device layer; the engine only compares them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -179,6 +182,13 @@ pub(crate) struct Queues {
     srqs: BTreeMap<SrqId, Srq>,
     /// CQs with a new completion while armed, for completion channels.
     notify: VecDeque<CqId>,
+}
+
+impl Queues {
+    /// The receive WQE an SRQ hands out next.
+    pub fn srq_front(&self, id: SrqId) -> Option<&RecvWr> {
+        self.srqs.get(&id)?.wqes.front()
+    }
 }
 
 /// Everything a QP touches besides itself during one call.
@@ -425,6 +435,8 @@ pub struct Hca {
     held: ReadyList,
     next_qpn: u32,
     next_id: u32,
+    /// Direct execution between this HCA's QPs (hca/direct.rs).
+    direct: direct::Direct,
 }
 
 impl Hca {
@@ -443,6 +455,7 @@ impl Hca {
             held: ReadyList::default(),
             next_qpn: 0x11,
             next_id: 1,
+            direct: direct::Direct::default(),
         }
     }
 
@@ -687,6 +700,9 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
+        if self.post_direct(qpn, &wr, now, mem) {
+            return Ok(());
+        }
         self.with_qp(qpn, now, mem, |qp, ctx| qp.post_send(wr, ctx))
     }
 
@@ -700,7 +716,12 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
-        self.with_qp(qpn, now, mem, |qp, ctx| wrs.into_iter().try_for_each(|wr| qp.post_send(wr, ctx)))
+        if !self.direct.is_on() {
+            return self.with_qp(qpn, now, mem, |qp, ctx| wrs.into_iter().try_for_each(|wr| qp.post_send(wr, ctx)));
+        }
+        // Requests may be executed directly one by one (hca/direct.rs), each once those before it
+        // are done.
+        wrs.into_iter().try_for_each(|wr| self.post_send(qpn, wr, now, mem))
     }
 
     /// Asked by the I/O layer right after a post to `qpn`: whether what it produced may wait for

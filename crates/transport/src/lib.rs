@@ -29,7 +29,7 @@ pub use attr::{AddressVector, ModifyQp, Mtu, QpCap, QpInit, QpState, QpType};
 pub use config::Config;
 pub use cq::{WcFlags, WcOpcode, WcStatus, WorkCompletion};
 pub use error::VerbsError;
-pub use hca::{AsyncEvent, CqId, DeferredPayload, Hca, PdId, RxInfo, RxPlacement, SrqId, Transmit};
+pub use hca::{AsyncEvent, CqId, DeferredPayload, DirectMessage, Hca, PdId, RxInfo, RxPlacement, SrqId, Transmit};
 pub use memory::{Access, AtomicOp, KeyKind, MemError, MemoryAccess};
 pub use stats::Counters;
 pub use time::Instant;

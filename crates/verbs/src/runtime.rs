@@ -262,8 +262,16 @@ impl Device {
         let (async_tx, async_rx) = UnixDatagram::pair().map_err(|e| Error::io("creating the async event socket", e))?;
         async_tx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
         async_rx.set_nonblocking(true).map_err(|e| Error::io("setting O_NONBLOCK", e))?;
+        let mut hca = Hca::new(config);
+        if link.loops_back() {
+            // Two QPs of this device connected to each other through one of its own addresses (what
+            // the flush loops back) have their small SENDs and WRITEs executed at post time.
+            let own: Vec<[u8; 16]> =
+                port.sockets().filter(|(_, a)| !a.ip().is_unspecified()).map(|(_, a)| Gid::from_ip(a.ip()).0).collect();
+            hca.set_local_gids(&own);
+        }
         let state = State {
-            hca: Hca::new(config),
+            hca,
             mem: MrTable::default(),
             channels: HashMap::new(),
             async_events: VecDeque::new(),

@@ -576,6 +576,57 @@ impl Qp {
         Some(Transmit { len, av, src_qpn: self.qpn, dest_qpn: dest_qp, deferred })
     }
 
+    /// The payload of `wr`, gathered into `buf`, when this QP may have it executed directly by a
+    /// QP of this HCA (see `hca/direct.rs`) instead of sending it: an RC QP in RTS with nothing
+    /// queued or unacknowledged, `wr` a valid SEND or RDMA WRITE (with or without immediate) of
+    /// one packet whose SGEs it may read. `None`: the request takes the usual path, which also
+    /// reports what is wrong with it.
+    pub(crate) fn direct_payload<'b>(&self, wr: &SendWr, ctx: &Ctx<'_>, buf: &'b mut [u8]) -> Option<&'b [u8]> {
+        let sq = &self.sq;
+        if self.init.qp_type != QpType::Rc
+            || self.state != QpState::Rts
+            || !sq.wqes.is_empty()
+            || sq.rnr_paused
+            || sq.una != sq.npsn
+            || sq.send_psn != sq.npsn
+            || self.init.cap.max_send_wr == 0
+            || !matches!(
+                wr.op,
+                SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write { .. } | SendOp::WriteWithImm { .. }
+            )
+            || self.validate_send(wr).is_err()
+        {
+            return None;
+        }
+        let mtu = self.attr.mtu.bytes().min(buf.len());
+        match &wr.payload {
+            Payload::Inline(d) if d.len() <= mtu => {
+                buf[..d.len()].copy_from_slice(d);
+                Some(&buf[..d.len()])
+            }
+            Payload::Sgl(sgl) if memory::sgl_len(sgl) <= mtu as u64 => {
+                let out = &mut buf[..memory::sgl_len(sgl) as usize];
+                memory::gather(ctx.mem, self.init.pd, sgl, 0, out).ok()?;
+                Some(out)
+            }
+            _ => None,
+        }
+    }
+
+    /// `wr`, whose payload of `len` bytes [`Qp::direct_payload`] gave, was carried out by the
+    /// responder directly: its PSN is used up and acknowledged, and it completes as its ACK would
+    /// have completed it.
+    pub(crate) fn complete_direct(&mut self, wr: &SendWr, len: u32, ctx: &mut Ctx<'_>) {
+        let next = self.sq.npsn.next();
+        self.sq.reset_psn(next);
+        ctx.stats.sent_pkts += 1;
+        ctx.stats.sent_bytes += u64::from(len);
+        if self.init.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED) {
+            let wc = self.wc(wr.wr_id, WcStatus::Success, send_wc_opcode(&wr.op), len);
+            ctx.push_send_wc(self.init.send_cq, wc);
+        }
+    }
+
     /// Complete WQEs at the head that are finished: a local error, or (UC/UD) fully sent.
     pub(super) fn complete_send_head(&mut self, ctx: &mut Ctx<'_>) {
         while let Some(w) = self.sq.wqes.front() {

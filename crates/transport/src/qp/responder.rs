@@ -15,7 +15,7 @@ use crate::attr::{QpState, QpType};
 use crate::cq::{WcFlags, WcOpcode, WcStatus};
 use crate::hca::{AsyncEvent, Ctx, RxPlacement, Transmit};
 use crate::memory::{self, Access, AtomicOp, KeyKind, MemError};
-use crate::wr::RecvWr;
+use crate::wr::{RecvWr, SendOp};
 use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::bth::DEFAULT_PKEY;
 use softrdma_wire::opcode::{base, Flags};
@@ -127,6 +127,12 @@ impl Responder {
         let new =
             |r: &&Response| matches!(r, Response::AtomicAck { dup: false, .. } | Response::Read { dup: false, .. });
         self.out.iter().filter(new).count()
+    }
+
+    /// Nothing of an earlier request is pending: no message in progress, no response queued, no
+    /// NAK outstanding (see [`Qp::take_direct`]).
+    fn idle(&self) -> bool {
+        self.cur.is_none() && self.out.is_empty() && !self.nak_sent && !self.uc_drop
     }
 
     /// UC: forget the message in progress; a SEND's receive WQE is kept for the next message.
@@ -366,6 +372,73 @@ impl Qp {
         ctx.push_recv_wc(self.init.recv_cq, wc);
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         Ok(())
+    }
+
+    /// Take a one-packet RC SEND or RDMA WRITE (with or without immediate) carrying `payload`, with
+    /// PSN `psn`, straight from a QP of this HCA (see `hca/direct.rs`), when it succeeds here: the
+    /// PSN is the next expected one, nothing earlier is pending, and every check its packet would
+    /// pass is made first (a receive WQE that holds the payload in memory the QP may write, the
+    /// rkey's range and rights). Then it is carried out as its packet would be: memory, receive
+    /// completion, MSN and expected PSN, counters. `false` leaves everything as it was: the request
+    /// then takes the packet path, which answers a failing check with its NAK and error.
+    pub(crate) fn take_direct(&mut self, psn: Psn, op: &SendOp, payload: &[u8], ctx: &mut Ctx<'_>) -> bool {
+        if self.init.qp_type != QpType::Rc
+            || !self.state.can_receive()
+            || !self.resp.idle()
+            || psn != self.resp.epsn
+            || payload.len() > self.attr.mtu.bytes()
+        {
+            return false;
+        }
+        let (pd, len) = (self.init.pd, payload.len() as u64);
+        let (write, imm) = match *op {
+            SendOp::Send => (None, None),
+            SendOp::SendWithImm(imm) => (None, Some(imm)),
+            SendOp::Write { remote_addr, rkey } => (Some((remote_addr, rkey)), None),
+            SendOp::WriteWithImm { remote_addr, rkey, imm } => (Some((remote_addr, rkey)), Some(imm)),
+            _ => return false,
+        };
+        // The receive WQE a SEND fills, or a WRITE with immediate completes: looked at, not taken.
+        let next = match self.init.srq {
+            Some(srq) => ctx.queues.srq_front(srq),
+            None => self.rq.front(),
+        };
+        let written = match (write, next) {
+            (Some(_), None) if imm.is_some() => false,
+            (Some((va, rkey)), _) => {
+                self.remote_check(ctx, rkey, va, len, Access::REMOTE_WRITE).is_ok()
+                    && (len == 0 || ctx.mem.write(pd, rkey, KeyKind::Remote, va, payload).is_ok())
+            }
+            (None, None) => false,
+            (None, Some(wr)) => {
+                memory::sgl_len(&wr.sgl) >= len
+                    && memory::check_sgl(ctx.mem, pd, &wr.sgl, Access::LOCAL_WRITE).is_ok()
+                    && memory::scatter(ctx.mem, pd, &wr.sgl, 0, payload).is_ok()
+            }
+        };
+        if !written {
+            return false;
+        }
+        // Checked and written: from here on it cannot fail.
+        if self.state == QpState::Rtr && !self.resp.comm_est {
+            self.resp.comm_est = true;
+            ctx.events.push_back(AsyncEvent::CommEstablished(self.qpn));
+        }
+        if write.is_none() || imm.is_some() {
+            let wr = self.take_recv(ctx).expect("a receive WQE was found above");
+            let opcode = if write.is_some() { WcOpcode::RecvRdmaWithImm } else { WcOpcode::Recv };
+            let mut wc = self.wc(wr.wr_id, WcStatus::Success, opcode, len as u32);
+            if let Some(imm) = imm {
+                wc.imm = imm;
+                wc.flags = WcFlags::WITH_IMM;
+            }
+            ctx.push_recv_wc(self.init.recv_cq, wc);
+        }
+        self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
+        self.resp.epsn = psn.next();
+        ctx.stats.rcvd_pkts += 1;
+        ctx.stats.rcvd_bytes += len;
+        true
     }
 
     fn remote_check(&self, ctx: &Ctx<'_>, rkey: u32, va: u64, len: u64, need: Access) -> Result<(), Step> {

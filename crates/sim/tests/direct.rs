@@ -1,0 +1,445 @@
+//! Direct execution between two QPs of one HCA (`Hca::set_local_gids`, transport `hca/direct.rs`):
+//! the same work, run once with it and once without it (every packet looped back into the same
+//! HCA), must end in the same completions on every CQ, the same memory and the same QP states and
+//! PSNs; with it, the small SENDs and WRITEs it can take produce no packet.
+
+use softrdma_sim::memory::SimMemory;
+use softrdma_sim::rng::Rng;
+use softrdma_transport::attr::QpCap;
+use softrdma_transport::wr::Payload;
+use softrdma_transport::{
+    Access, AddressVector, Config, CqId, Hca, Instant, ModifyQp, Mtu, PdId, QpInit, QpState, QpType, RecvWr, RxInfo,
+    SendFlags, SendOp, SendWr, Sge, SgeList, SrqId, WcOpcode, WcStatus, WorkCompletion,
+};
+use softrdma_wire::{Psn, Qpn};
+
+/// The HCA's own GID (IPv4 127.0.0.1, mapped).
+const OWN: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, 1];
+const REGION: usize = 1 << 16;
+const PD: PdId = PdId(1);
+
+/// One side's objects: a QP with its own send and receive CQ, a region it sends from (filled
+/// with a pattern), one it lets the peer write and read, one its receives land in, and one the
+/// peer may not write.
+#[derive(Clone, Copy)]
+struct Side {
+    qpn: Qpn,
+    send_cq: CqId,
+    recv_cq: CqId,
+    src: (u32, u64),
+    target: (u32, u64),
+    recv: (u32, u64),
+    read_only: (u32, u64),
+}
+
+struct Node {
+    hca: Hca,
+    mem: SimMemory,
+    srq: Option<SrqId>,
+    sides: [Side; 2],
+    now: Instant,
+    /// Packets the engine produced (and that were handed back to it).
+    packets: u64,
+    /// Completions taken so far, per CQ (send and receive CQ of each side, in that order).
+    wcs: [Vec<WorkCompletion>; 4],
+}
+
+impl Node {
+    fn new(direct: bool, srq: bool) -> Node {
+        let mut hca = Hca::new(Config::default());
+        if direct {
+            hca.set_local_gids(&[OWN]);
+        }
+        let mut mem = SimMemory::new();
+        let srq = srq.then(|| hca.create_srq(64, 2));
+        let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 64 };
+        let mut side = |hca: &mut Hca, seed: u8| {
+            let (send_cq, recv_cq) = (hca.create_cq(4096), hca.create_cq(4096));
+            // Side 1 takes its receives from the SRQ, if there is one: one QP per SRQ, so that which
+            // receive a message takes does not depend on when the other QP's messages arrive.
+            let srq = srq.filter(|_| seed == 2);
+            let init = QpInit { qp_type: QpType::Rc, pd: PD, send_cq, recv_cq, srq, cap, sq_sig_all: false };
+            let qpn = hca.create_qp(init).unwrap();
+            let src = mem.register(PD, REGION, Access::LOCAL_WRITE);
+            for (i, b) in mem.region_mut(src.0).bytes.iter_mut().enumerate() {
+                *b = (i as u8).wrapping_mul(7).wrapping_add(seed);
+            }
+            let rights = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ);
+            let target = mem.register(PD, REGION, rights);
+            let recv = mem.register(PD, REGION, Access::LOCAL_WRITE);
+            let read_only = mem.register(PD, 4096, Access::LOCAL_WRITE.with(Access::REMOTE_READ));
+            Side { qpn, send_cq, recv_cq, src, target, recv, read_only }
+        };
+        let sides = [side(&mut hca, 1), side(&mut hca, 2)];
+        let mut n = Node { hca, mem, srq, sides, now: Instant::ZERO, packets: 0, wcs: Default::default() };
+        for (me, peer) in [(0, 1), (1, 0)] {
+            n.connect(me, peer);
+        }
+        n
+    }
+
+    /// Bring side `me` to RTS, connected to side `peer` through the HCA's own GID.
+    fn connect(&mut self, me: usize, peer: usize) {
+        let (qpn, dest) = (self.sides[me].qpn, self.sides[peer].qpn);
+        let psn = |s: usize| Psn::new(0x00ff_fff0 + s as u32); // both PSN spaces wrap in the run
+        let steps = [
+            ModifyQp {
+                state: Some(QpState::Init),
+                pkey_index: Some(0),
+                port: Some(1),
+                access: Some(Access::REMOTE_WRITE.with(Access::REMOTE_READ)),
+                ..Default::default()
+            },
+            ModifyQp {
+                state: Some(QpState::Rtr),
+                av: Some(AddressVector { dgid: OWN, ..AddressVector::default() }),
+                path_mtu: Some(Mtu::M1024),
+                dest_qpn: Some(dest),
+                rq_psn: Some(psn(peer)),
+                max_dest_rd_atomic: Some(4),
+                min_rnr_timer: Some(1),
+                ..Default::default()
+            },
+            ModifyQp {
+                state: Some(QpState::Rts),
+                sq_psn: Some(psn(me)),
+                timeout: Some(14),
+                retry_cnt: Some(7),
+                rnr_retry: Some(7),
+                max_rd_atomic: Some(4),
+                ..Default::default()
+            },
+        ];
+        for m in &steps {
+            self.hca.modify_qp(qpn, m, self.now, &mut self.mem).unwrap();
+        }
+    }
+
+    fn post_recv(&mut self, side: usize, wr_id: u64, len: u32) {
+        let (key, addr) = self.sides[side].recv;
+        // Two SGEs: the receive lands in two pieces.
+        let half = len / 2;
+        let mut sgl = SgeList::one(Sge { addr: addr + 64 * (wr_id % 256), length: half, lkey: key });
+        sgl.push(Sge { addr: addr + 0x8000 + 64 * (wr_id % 256), length: len - half, lkey: key });
+        let wr = RecvWr { wr_id, sgl };
+        let qpn = self.sides[side].qpn;
+        match self.srq.filter(|_| side == 1) {
+            Some(srq) => self.hca.post_srq_recv(srq, wr).unwrap(),
+            None => self.hca.post_recv(qpn, wr, self.now, &mut self.mem).unwrap(),
+        }
+    }
+
+    fn post(&mut self, side: usize, wr: SendWr) {
+        let qpn = self.sides[side].qpn;
+        self.hca.post_send(qpn, wr, self.now, &mut self.mem).unwrap();
+    }
+
+    /// Hand every packet the engine has back to it (the loopback), without moving the clock.
+    fn deliver(&mut self) {
+        let mut buf = vec![0u8; 4096 + 128];
+        while let Some(t) = self.hca.poll_transmit(self.now, &mut self.mem, &mut buf) {
+            assert!(t.deferred.is_none());
+            self.packets += 1;
+            self.hca.handle_packet(self.now, &buf[..t.len], &RxInfo { grh: [0; 40] }, &mut self.mem);
+        }
+    }
+
+    /// Deliver packets and fire timers until nothing is left to do.
+    fn settle(&mut self) {
+        for _ in 0..100_000 {
+            self.deliver();
+            match self.hca.poll_timeout() {
+                Some(at) => {
+                    self.now = self.now.max(at);
+                    self.hca.handle_timeout(self.now, &mut self.mem);
+                }
+                None => break,
+            }
+        }
+        assert!(self.hca.poll_timeout().is_none() && !self.hca.has_transmit(), "the engine did not settle");
+        self.take_wcs();
+    }
+
+    fn take_wcs(&mut self) {
+        for (i, cq) in self.sides.iter().flat_map(|s| [s.send_cq, s.recv_cq]).enumerate() {
+            let mut out = Vec::new();
+            self.hca.poll_cq(cq, usize::MAX, &mut out).unwrap();
+            self.wcs[i].extend(out);
+        }
+    }
+}
+
+/// One step of a script.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    /// Post a receive of `len` bytes (two SGEs) on `side` (or the SRQ).
+    Recv { side: usize, len: u32 },
+    /// SEND `len` bytes from `side`'s source region (inline when asked and short enough).
+    Send { side: usize, len: u32, imm: bool, inline: bool, signaled: bool },
+    /// RDMA WRITE `len` bytes into the peer's target region.
+    Write { side: usize, len: u32, imm: bool, signaled: bool },
+    /// RDMA WRITE into the peer's region that has no remote-write right.
+    WriteReadOnly { side: usize },
+    /// SEND from an SGE with a key that does not exist.
+    SendBadLkey { side: usize },
+    /// RDMA READ `len` bytes of the peer's target region.
+    Read { side: usize, len: u32 },
+    /// Hand the packets waiting back to the engine, without moving the clock.
+    Deliver,
+    /// Deliver and fire timers until nothing is left.
+    Settle,
+}
+
+use Op::*;
+
+impl Node {
+    fn apply(&mut self, op: Op, wr_id: u64) {
+        let flags = |signaled: bool| if signaled { SendFlags::SIGNALED } else { SendFlags::NONE };
+        match op {
+            Recv { side, len } => self.post_recv(side, wr_id, len),
+            Send { side, len, imm, inline, signaled } => {
+                let payload = if inline && len <= 64 {
+                    let (key, addr) = self.sides[side].src;
+                    let at = (addr - self.mem.region(key).addr) as usize + (wr_id as usize * 13) % 1024;
+                    Payload::Inline(self.mem.region(key).bytes[at..at + len as usize].to_vec())
+                } else {
+                    self.source(side, wr_id, len)
+                };
+                let op = if imm { SendOp::SendWithImm(wr_id as u32 ^ 0xabcd_0000) } else { SendOp::Send };
+                self.post(side, SendWr { wr_id, op, payload, flags: flags(signaled), ud: None });
+            }
+            Write { side, len, imm, signaled } => {
+                let (rkey, base) = self.sides[1 - side].target;
+                let remote_addr = base + (wr_id * 64) % 0x8000;
+                let op = if imm {
+                    SendOp::WriteWithImm { remote_addr, rkey, imm: wr_id as u32 }
+                } else {
+                    SendOp::Write { remote_addr, rkey }
+                };
+                let payload = self.source(side, wr_id, len);
+                self.post(side, SendWr { wr_id, op, payload, flags: flags(signaled), ud: None });
+            }
+            WriteReadOnly { side } => {
+                let (rkey, remote_addr) = self.sides[1 - side].read_only;
+                let payload = self.source(side, wr_id, 16);
+                let op = SendOp::Write { remote_addr, rkey };
+                self.post(side, SendWr { wr_id, op, payload, flags: SendFlags::SIGNALED, ud: None });
+            }
+            SendBadLkey { side } => {
+                let (_, addr) = self.sides[side].src;
+                let payload = Payload::Sgl(SgeList::one(Sge { addr, length: 16, lkey: 0xdead_0000 }));
+                self.post(side, SendWr { wr_id, op: SendOp::Send, payload, flags: SendFlags::SIGNALED, ud: None });
+            }
+            Read { side, len } => {
+                let (rkey, base) = self.sides[1 - side].target;
+                let (lkey, local) = self.sides[side].target;
+                let op = SendOp::Read { remote_addr: base + (wr_id * 32) % 0x4000, rkey };
+                let sge = Sge { addr: local + 0x8000 + (wr_id * 32) % 0x4000, length: len, lkey };
+                let payload = Payload::Sgl(SgeList::one(sge));
+                self.post(side, SendWr { wr_id, op, payload, flags: SendFlags::SIGNALED, ud: None });
+            }
+            Deliver => self.deliver(),
+            Settle => self.settle(),
+        }
+    }
+
+    /// `len` bytes of `side`'s source region, in two SGEs when there are two bytes or more.
+    fn source(&self, side: usize, wr_id: u64, len: u32) -> Payload {
+        let (lkey, addr) = self.sides[side].src;
+        let at = addr + (wr_id * 13) % 1024;
+        let first = len / 3;
+        let mut sgl = SgeList::one(Sge { addr: at, length: first, lkey });
+        if len - first > 0 {
+            sgl.push(Sge { addr: at + u64::from(first) + 100, length: len - first, lkey });
+        }
+        Payload::Sgl(sgl)
+    }
+
+    /// Everything a run leaves behind that the two runs must agree on.
+    fn outcome(&self) -> (Vec<Vec<WorkCompletion>>, Vec<Vec<u8>>, Vec<(QpState, Psn, Psn, u32, u32)>) {
+        let regions = self
+            .sides
+            .iter()
+            .flat_map(|s| [s.src, s.target, s.recv, s.read_only])
+            .map(|(key, _)| self.mem.region(key).bytes.clone())
+            .collect();
+        let qps = self
+            .sides
+            .iter()
+            .map(|s| {
+                let q = self.hca.query_qp(s.qpn).unwrap();
+                (q.state, q.sq_psn, q.rq_psn, q.sq_outstanding, q.rq_posted)
+            })
+            .collect();
+        (self.wcs.to_vec(), regions, qps)
+    }
+}
+
+/// Run `script` (then settle) with direct execution on or off.
+fn run(direct: bool, srq: bool, script: &[Op]) -> Node {
+    let mut n = Node::new(direct, srq);
+    for (i, op) in script.iter().enumerate() {
+        n.apply(*op, i as u64 + 1);
+    }
+    n.settle();
+    n
+}
+
+/// Run `script` both ways and check that they agree; returns (direct run, packet run).
+fn same_both_ways(srq: bool, script: &[Op]) -> (Node, Node) {
+    let (d, p) = (run(true, srq, script), run(false, srq, script));
+    let (od, op) = (d.outcome(), p.outcome());
+    for (i, (a, b)) in od.0.iter().zip(&op.0).enumerate() {
+        assert_eq!(a, b, "CQ {i} (send/recv of side 0, then of side 1) differs; script {script:?}");
+    }
+    assert!(od.1 == op.1, "memory differs; script {script:?}");
+    assert_eq!(od.2, op.2, "QP states or PSNs differ; script {script:?}");
+    (d, p)
+}
+
+#[test]
+fn a_small_send_and_write_complete_at_post_with_no_packet() {
+    let mut n = Node::new(true, false);
+    let (a, b) = (n.sides[0], n.sides[1]);
+    n.apply(Recv { side: 1, len: 256 }, 1);
+    n.apply(Send { side: 0, len: 200, imm: true, inline: false, signaled: true }, 2);
+    n.apply(Write { side: 0, len: 100, imm: false, signaled: true }, 3);
+    // Completed at post: nothing was sent.
+    n.take_wcs();
+    n.deliver();
+    assert_eq!(n.packets, 0);
+    let recv = &n.wcs[3];
+    assert_eq!(recv.len(), 1);
+    assert_eq!((recv[0].wr_id, recv[0].status, recv[0].opcode), (1, WcStatus::Success, WcOpcode::Recv));
+    assert_eq!((recv[0].byte_len, recv[0].imm, recv[0].qp_num), (200, 2 ^ 0xabcd_0000, b.qpn));
+    let sent: Vec<_> = n.wcs[0].iter().map(|w| (w.wr_id, w.status, w.opcode, w.byte_len, w.qp_num)).collect();
+    assert_eq!(
+        sent,
+        [(2, WcStatus::Success, WcOpcode::Send, 200, a.qpn), (3, WcStatus::Success, WcOpcode::RdmaWrite, 100, a.qpn)]
+    );
+    // The payloads, byte for byte: the SEND in the receive's two pieces, the WRITE at its address.
+    let src = &n.mem.region(a.src.0).bytes;
+    let sent_send: Vec<u8> = [&src[26..26 + 66], &src[26 + 66 + 100..26 + 200 + 100]].concat();
+    let rcv = &n.mem.region(b.recv.0).bytes;
+    assert_eq!([&rcv[64..64 + 128], &rcv[0x8000 + 64..0x8000 + 64 + 128]].concat()[..200], sent_send[..]);
+    let sent_write: Vec<u8> = [&src[39..39 + 33], &src[39 + 33 + 100..39 + 100 + 100]].concat();
+    assert_eq!(&n.mem.region(b.target.0).bytes[192..292], &sent_write[..]);
+    // Both PSN spaces moved on by one packet per message.
+    assert_eq!(n.hca.query_qp(a.qpn).unwrap().sq_psn, Psn::new(0x00ff_fff0).add(2));
+    assert_eq!(n.hca.query_qp(b.qpn).unwrap().rq_psn, Psn::new(0x00ff_fff0).add(2));
+    assert_eq!(n.hca.take_direct().map(|m| (m.requester, m.responder, m.len)), Some((a.qpn, b.qpn, 100)));
+    assert_eq!(n.hca.counters().sent_pkts, 2);
+    assert_eq!(n.hca.counters().rcvd_pkts, 2);
+    n.settle();
+    assert_eq!(n.packets, 0);
+}
+
+#[test]
+fn scripted_work_ends_the_same_with_and_without_direct_execution() {
+    let script = [
+        Recv { side: 1, len: 4096 },
+        Recv { side: 1, len: 4096 },
+        Recv { side: 0, len: 4096 },
+        // Executed directly.
+        Send { side: 0, len: 8, imm: false, inline: true, signaled: true },
+        Send { side: 0, len: 0, imm: true, inline: false, signaled: false },
+        Write { side: 0, len: 1024, imm: false, signaled: true },
+        Write { side: 1, len: 64, imm: true, signaled: true },
+        // A WRITE of three packets, then small requests behind it: they must not overtake it.
+        Write { side: 0, len: 3000, imm: false, signaled: true },
+        Write { side: 0, len: 16, imm: false, signaled: true },
+        Deliver,
+        Recv { side: 1, len: 4096 },
+        Send { side: 0, len: 1000, imm: true, inline: false, signaled: true },
+        // A READ, then a small WRITE behind it.
+        Read { side: 0, len: 2500 },
+        Write { side: 0, len: 32, imm: false, signaled: true },
+        Settle,
+        Recv { side: 1, len: 64 },
+        Recv { side: 1, len: 4096 },
+        Send { side: 0, len: 64, imm: false, inline: true, signaled: true },
+        Send { side: 0, len: 4000, imm: false, inline: false, signaled: true },
+        Write { side: 1, len: 512, imm: false, signaled: false },
+        Send { side: 1, len: 100, imm: false, inline: false, signaled: true },
+        Recv { side: 0, len: 4096 },
+    ];
+    for srq in [false, true] {
+        let (d, p) = same_both_ways(srq, &script);
+        assert!(d.packets < p.packets, "direct {} packets, plain {}", d.packets, p.packets);
+        assert!(d.wcs[0].iter().chain(&d.wcs[2]).all(|w| w.status == WcStatus::Success));
+    }
+}
+
+#[test]
+fn requests_that_would_fail_take_the_packet_path() {
+    // A SEND with no receive posted (RNR; the receive comes before the retry), one longer than its
+    // receive, a WRITE into a region without the remote-write right, a SEND from a bad lkey.
+    let scripts: [&[Op]; 4] = [
+        &[Send { side: 0, len: 10, imm: false, inline: false, signaled: true }, Deliver, Recv { side: 1, len: 64 }],
+        &[Recv { side: 1, len: 64 }, Send { side: 0, len: 100, imm: false, inline: false, signaled: true }],
+        &[WriteReadOnly { side: 0 }, Send { side: 0, len: 10, imm: false, inline: false, signaled: true }],
+        &[Recv { side: 1, len: 64 }, SendBadLkey { side: 0 }],
+    ];
+    let want = [WcStatus::Success, WcStatus::RemInvReqErr, WcStatus::RemAccessErr, WcStatus::LocProtErr];
+    for (script, want) in scripts.iter().zip(want) {
+        let (d, _) = same_both_ways(false, script);
+        assert_eq!(d.wcs[0].first().map(|w| w.status), Some(want), "{script:?}");
+        if want != WcStatus::LocProtErr {
+            assert!(d.packets > 0, "{script:?} took the packet path");
+        }
+    }
+}
+
+#[test]
+fn seeded_work_ends_the_same_with_and_without_direct_execution() {
+    for seed in 1..=24u64 {
+        let mut rng = Rng::new(seed);
+        let mut script = Vec::new();
+        // Receives posted and not yet taken, per side; every settle finds enough of them (RNR
+        // retries are unlimited), though a delivery before it may not.
+        let mut posted = [0i64; 2];
+        for _ in 0..40 {
+            for side in 0..2 {
+                for _ in 0..rng.below(3) {
+                    if posted[side] < 32 {
+                        script.push(Recv { side, len: 4096 });
+                        posted[side] += 1;
+                    }
+                }
+            }
+            for _ in 0..1 + rng.below(4) {
+                let side = rng.below(2) as usize;
+                let len = match rng.below(4) {
+                    0 => rng.below(65) as u32,
+                    1 => rng.below(1025) as u32,
+                    2 => 1024 + rng.below(3000) as u32,
+                    _ => 8,
+                };
+                let (imm, signaled) = (rng.chance(0.3), rng.chance(0.7));
+                let op = match rng.below(5) {
+                    0 | 1 => Send { side, len, imm, inline: rng.chance(0.3), signaled },
+                    2 | 3 => Write { side, len, imm, signaled },
+                    _ => Read { side, len: len.max(1) },
+                };
+                if matches!(op, Send { .. } | Write { imm: true, .. }) {
+                    posted[1 - side] -= 1;
+                }
+                script.push(op);
+            }
+            if rng.chance(0.3) {
+                script.push(Deliver);
+            }
+            for side in 0..2 {
+                while posted[side] < 0 {
+                    script.push(Recv { side, len: 4096 });
+                    posted[side] += 1;
+                }
+            }
+            if rng.chance(0.5) {
+                script.push(Settle);
+            }
+        }
+        let (d, p) = same_both_ways(seed % 2 == 0, &script);
+        assert!(d.packets < p.packets, "seed {seed}: direct {} packets, plain {}", d.packets, p.packets);
+    }
+}

@@ -1,0 +1,114 @@
+//! Direct execution between two QPs of this HCA: a one-packet RC SEND or RDMA WRITE (with or
+//! without immediate) posted to a QP whose peer is another QP of the same HCA, connected back to
+//! it, is carried out at post time: its payload goes from the requester's memory to the
+//! responder's, the responder completes its receive, and the requester its send, with no packet
+//! built, taken in or acknowledged. This is the internal loopback of a hardware HCA; rxe loops
+//! such packets back through its own receive path, which costs a packet each way.
+//!
+//! It applies only where the outcome is the packet path's: the requester has nothing queued or in
+//! flight (so nothing can be overtaken), the responder nothing in progress or pending, at the PSN
+//! it expects, and every check the packet would pass holds. Anything else (an RNR, a bad rkey, a
+//! receive too short, a READ, a multi-packet message) takes the packet path, which produces the
+//! exact NAK, completion and state change. A direct message consumes one PSN on both sides, as its
+//! packet would, and counts as one packet sent and received.
+//!
+//! The I/O layer says which destination GIDs are this HCA's own ([`Hca::set_local_gids`]): none
+//! (the default) turns direct execution off.
+
+use super::Hca;
+use crate::memory::MemoryAccess;
+use crate::time::Instant;
+use crate::wr::SendWr;
+use softrdma_wire::Qpn;
+
+/// Largest payload executed directly: the largest path MTU.
+const MAX_PAYLOAD: usize = 4096;
+
+/// One message executed directly (see [`Hca::take_direct`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirectMessage {
+    /// The QP that posted it.
+    pub requester: Qpn,
+    /// The QP that took it.
+    pub responder: Qpn,
+    /// Payload bytes.
+    pub len: u32,
+}
+
+/// The HCA's direct-execution state.
+#[derive(Debug, Default)]
+pub(super) struct Direct {
+    /// The GIDs that lead to this HCA itself.
+    gids: Vec<[u8; 16]>,
+    /// The payload on its way (kept to avoid zeroing a buffer per message).
+    buf: Vec<u8>,
+    /// The last message executed, until taken.
+    last: Option<DirectMessage>,
+}
+
+impl Direct {
+    /// Direct execution is on.
+    pub(super) fn is_on(&self) -> bool {
+        !self.gids.is_empty()
+    }
+}
+
+impl Hca {
+    /// Set the destination GIDs that are this HCA's own (the I/O layer's addresses), turning direct
+    /// execution between its QPs on (none: off).
+    pub fn set_local_gids(&mut self, gids: &[[u8; 16]]) {
+        self.direct.gids = gids.to_vec();
+        self.direct.buf.resize(if gids.is_empty() { 0 } else { MAX_PAYLOAD }, 0);
+    }
+
+    /// The last message executed directly, if one was since the last call (the I/O layer counts it
+    /// for the two QPs).
+    pub fn take_direct(&mut self) -> Option<DirectMessage> {
+        self.direct.last.take()
+    }
+
+    /// Execute `wr`, posted to `qpn`, directly if it may be (see the module comment): `true` when
+    /// done, `false` when nothing was done and the request is to be posted as usual.
+    pub(super) fn post_direct(&mut self, qpn: Qpn, wr: &SendWr, now: Instant, mem: &mut dyn MemoryAccess) -> bool {
+        if !self.direct.is_on() {
+            return false;
+        }
+        let mut buf = std::mem::take(&mut self.direct.buf);
+        let done = self.execute(qpn, wr, now, mem, &mut buf);
+        self.direct.buf = buf;
+        if let Some(m) = done {
+            self.direct.last = Some(m);
+        }
+        done.is_some()
+    }
+
+    fn execute(
+        &mut self,
+        qpn: Qpn,
+        wr: &SendWr,
+        now: Instant,
+        mem: &mut dyn MemoryAccess,
+        buf: &mut [u8],
+    ) -> Option<DirectMessage> {
+        let gids = std::mem::take(&mut self.direct.gids);
+        let local = |dgid: &[u8; 16]| gids.contains(dgid);
+        let (qps, _, mut ctx) = self.ctx(now, mem);
+        let r = qps.get(&qpn)?;
+        let peer = r.attr.dest_qpn;
+        let psn = r.sq.npsn;
+        let found = (peer != qpn && local(&r.attr.av.dgid))
+            .then(|| r.direct_payload(wr, &ctx, buf))
+            .flatten()
+            .and_then(|payload| {
+                let s = qps.get_mut(&peer)?;
+                let connected = s.attr.dest_qpn == qpn && local(&s.attr.av.dgid);
+                (connected && s.take_direct(psn, &wr.op, payload, &mut ctx)).then_some(payload.len() as u32)
+            });
+        if let Some(len) = found {
+            // Nothing was queued and nothing is: no timer, window or ready list to bring up to date.
+            qps.get_mut(&qpn).expect("looked up above").complete_direct(wr, len, &mut ctx);
+        }
+        self.direct.gids = gids;
+        found.map(|len| DirectMessage { requester: qpn, responder: peer, len })
+    }
+}
