@@ -9,13 +9,14 @@
 
 use std::collections::BTreeMap;
 
-use softrdma_transport::Counters;
+use softrdma_transport::{Counters, DirectMessage};
 use softrdma_wire::Qpn;
 
 /// One QP's share of the device's traffic and engine counters.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct QpTraffic {
-    /// Packets sent, bytes sent, packets received, bytes received (UDP payloads).
+    /// Packets sent, bytes sent, packets received, bytes received (UDP payloads; a message
+    /// executed directly counts as one packet of its payload's length).
     pub pkts: [u64; 4],
     /// The increments of the engine's rare counters (the ones `rare!` lists) while handling this
     /// QP's packets (received, or produced by `poll_transmit`). Timer work (`ack_timeouts`, retry
@@ -101,6 +102,20 @@ impl QpTrafficTable {
         self.qps.get(&qpn)
     }
 
+    /// A message the engine executed directly between two QPs of the device (transport
+    /// `hca/direct.rs`): one packet of its payload's length sent by the requester and received by
+    /// the responder. It changes no rare counter.
+    pub fn count_direct(&mut self, m: &DirectMessage) {
+        if let Some(q) = self.qps.get_mut(&m.requester) {
+            q.pkts[0] += 1;
+            q.pkts[1] += u64::from(m.len);
+        }
+        if let Some(q) = self.qps.get_mut(&m.responder) {
+            q.pkts[2] += 1;
+            q.pkts[3] += u64::from(m.len);
+        }
+    }
+
     /// Before a piece of work for one QP: what changed since the last one is nobody's.
     pub fn begin(&mut self, now: &Counters) {
         let sum = rare_sum(now);
@@ -171,5 +186,16 @@ mod tests {
         assert_eq!(b.engine.drop_no_recv, 1);
         assert_eq!((b.engine.ack_timeouts, b.engine.retry_rounds, b.engine.retransmits), (0, 0, 0));
         assert_eq!((b.engine.rcvd_pkts, b.engine.sent_pkts), (0, 0));
+    }
+
+    #[test]
+    fn a_direct_message_counts_as_a_packet_sent_by_one_qp_and_received_by_the_other() {
+        let mut t = QpTrafficTable::default();
+        t.insert(qpn(17));
+        t.insert(qpn(18));
+        t.count_direct(&DirectMessage { requester: qpn(17), responder: qpn(18), len: 64 });
+        t.count_direct(&DirectMessage { requester: qpn(18), responder: qpn(17), len: 8 });
+        assert_eq!(t.get(qpn(17)).expect("17").pkts, [1, 64, 1, 8]);
+        assert_eq!(t.get(qpn(18)).expect("18").pkts, [1, 8, 1, 64]);
     }
 }

@@ -351,7 +351,12 @@ impl Device {
     pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let mut st = self.lock();
         let now = self.now();
+        let direct = st.hca.direct_executed();
         let r = f(&mut st, now);
+        let direct = st.hca.direct_executed() - direct;
+        if direct > 0 {
+            st.link.executed_directly(now, direct);
+        }
         if !st.link.has_outbound_lane() && st.hca.cork(qpn, now) {
             st.corked += 1;
             self.dispatch(&mut st);

@@ -145,6 +145,9 @@ pub struct SameHostStats {
     /// Flushes that stopped handing packets to the device itself at their budget, leaving the
     /// rest for the next one ([`Link::loop_budget_used`]).
     pub loopback_budget_stops: u64,
+    /// Messages between two of the device's QPs executed when posted, with no packet (crates/
+    /// transport `hca/direct.rs`).
+    pub loopback_direct: u64,
 }
 
 /// The counters of [`SameHostStats`] under the names softrdmad exports them (`same_host_` + field).
@@ -188,7 +191,8 @@ same_host_counters!(
     doorbells,
     loopback_pkts,
     loopback_placed,
-    loopback_budget_stops
+    loopback_budget_stops,
+    loopback_direct
 );
 
 /// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
@@ -303,6 +307,13 @@ impl Link {
         self.looped_at = Some(now);
         self.stats.loopback_pkts += 1;
         self.stats.loopback_placed += u64::from(placed);
+    }
+
+    /// Count `n` messages the engine executed directly between two of the device's QPs at `now`
+    /// (traffic to itself, as [`Link::looped`] counts).
+    pub fn executed_directly(&mut self, now: Instant, n: u64) {
+        self.looped_at = Some(now);
+        self.stats.loopback_direct += n;
     }
 
     /// Whether packets arrive without a socket: an inbound lane is up, or the device sent itself a
@@ -777,7 +788,7 @@ mod tests {
         let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
         s = SameHostStats::from_named(&list);
         assert_eq!(s.named(), list);
-        assert_eq!(names.len(), 20);
+        assert_eq!(names.len(), 21);
         assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
     }
 }

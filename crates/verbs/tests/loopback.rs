@@ -250,13 +250,15 @@ fn rc_every_operation(first: u8, port: u16, between: Between) {
             // region (16 MiB of WRITE and WRITE with immediate: thousands of packets).
             assert_eq!((link.0.tx_pkts, link.0.lanes_out, link.0.lanes_in), (0, 0, 0), "{link:?}");
             assert!(link.0.loopback_placed > 4000 && link.0.loopback_pkts > link.0.loopback_placed, "{link:?}");
+            // SENDs and WRITEs of one packet were executed when posted, with no packet at all.
+            assert!(link.0.loopback_direct > 0, "{link:?}");
             assert_eq!((icrc.verified, icrc.bad), (0, 0), "{icrc:?}");
         }
         Between::Udp | Between::OneDeviceUdp => {
             assert!(icrc.verified > 0 && icrc.bad == 0, "{icrc:?}");
             assert_eq!(
-                (link.0.tx_pkts, link.1.rx_pkts, link.1.lanes_in, link.0.loopback_pkts),
-                (0, 0, 0, 0),
+                (link.0.tx_pkts, link.1.rx_pkts, link.1.lanes_in, link.0.loopback_pkts, link.0.loopback_direct),
+                (0, 0, 0, 0, 0),
                 "{link:?}"
             );
         }

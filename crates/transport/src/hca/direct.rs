@@ -44,6 +44,8 @@ pub(super) struct Direct {
     buf: Vec<u8>,
     /// The last message executed, until taken.
     last: Option<DirectMessage>,
+    /// Messages executed.
+    executed: u64,
 }
 
 impl Direct {
@@ -67,6 +69,11 @@ impl Hca {
         self.direct.last.take()
     }
 
+    /// How many messages were executed directly.
+    pub fn direct_executed(&self) -> u64 {
+        self.direct.executed
+    }
+
     /// Execute `wr`, posted to `qpn`, directly if it may be (see the module comment): `true` when
     /// done, `false` when nothing was done and the request is to be posted as usual.
     pub(super) fn post_direct(&mut self, qpn: Qpn, wr: &SendWr, now: Instant, mem: &mut dyn MemoryAccess) -> bool {
@@ -78,6 +85,7 @@ impl Hca {
         self.direct.buf = buf;
         if let Some(m) = done {
             self.direct.last = Some(m);
+            self.direct.executed += 1;
         }
         done.is_some()
     }

@@ -801,7 +801,16 @@ impl SvcDevice {
                     }
                 };
                 match st.hca.post_send(*qpn, wr, now, &mut st.mem) {
-                    Ok(()) => q.counters.send_wrs += 1,
+                    Ok(()) => {
+                        q.counters.send_wrs += 1;
+                        if let Some(m) = st.hca.take_direct() {
+                            // Executed at once, to another QP of this device: one packet each way.
+                            st.link.executed_directly(now, 1);
+                            if let Some(table) = st.qp_traffic.as_mut() {
+                                table.count_direct(&m);
+                            }
+                        }
+                    }
                     Err(VerbsError::QueueFull) => {
                         q.sq_blocked = true;
                         break;
