@@ -169,6 +169,10 @@ impl Node {
     }
 }
 
+/// Completions per CQ, region contents, and per QP its state, send and receive PSNs, send WQEs
+/// outstanding and receives posted.
+type Outcome = (Vec<Vec<WorkCompletion>>, Vec<Vec<u8>>, Vec<(QpState, Psn, Psn, u32, u32)>);
+
 /// One step of a script.
 #[derive(Debug, Clone, Copy)]
 enum Op {
@@ -256,7 +260,7 @@ impl Node {
     }
 
     /// Everything a run leaves behind that the two runs must agree on.
-    fn outcome(&self) -> (Vec<Vec<WorkCompletion>>, Vec<Vec<u8>>, Vec<(QpState, Psn, Psn, u32, u32)>) {
+    fn outcome(&self) -> Outcome {
         let regions = self
             .sides
             .iter()
@@ -399,11 +403,11 @@ fn seeded_work_ends_the_same_with_and_without_direct_execution() {
         // retries are unlimited), though a delivery before it may not.
         let mut posted = [0i64; 2];
         for _ in 0..40 {
-            for side in 0..2 {
+            for (side, posted) in posted.iter_mut().enumerate() {
                 for _ in 0..rng.below(3) {
-                    if posted[side] < 32 {
+                    if *posted < 32 {
                         script.push(Recv { side, len: 4096 });
-                        posted[side] += 1;
+                        *posted += 1;
                     }
                 }
             }
@@ -429,10 +433,10 @@ fn seeded_work_ends_the_same_with_and_without_direct_execution() {
             if rng.chance(0.3) {
                 script.push(Deliver);
             }
-            for side in 0..2 {
-                while posted[side] < 0 {
+            for (side, posted) in posted.iter_mut().enumerate() {
+                while *posted < 0 {
                     script.push(Recv { side, len: 4096 });
-                    posted[side] += 1;
+                    *posted += 1;
                 }
             }
             if rng.chance(0.5) {
