@@ -68,14 +68,14 @@ pub const COPIES_SAME_HOST: &[(&str, u32)] =
     &[("gather into the shared-memory ring slot", 1), ("scatter from the slot into registered memory", 1)];
 
 /// [`copies`] when both QPs are on one device (its internal loopback, crates/verbs loopback.rs):
-/// the packets after the first of a multi-packet RC WRITE go region to region; an RC SEND or WRITE
-/// of one packet is executed at post (crates/transport `hca/direct.rs`), through a buffer; every
-/// other packet is gathered into a transmit slot and scattered from it.
+/// the packets after the first of a multi-packet RC WRITE go region to region; an RC request of
+/// one packet is executed at post (crates/transport `hca/direct.rs`), its data copied through a
+/// buffer of the engine; every other packet is gathered into a transmit slot and scattered from it.
 fn copies_loopback(verb: Verb, rc: bool, size: u64, mtu: u64) -> Vec<(&'static str, u32)> {
     if rc && verb == Verb::Write && size > mtu && mtu >= IN_PLACE_FROM {
         vec![("region to region (a WRITE's packets after its first)", 1)]
-    } else if rc && matches!(verb, Verb::Write | Verb::Send) && size <= mtu {
-        vec![("gather into the engine's buffer", 1), ("write into registered memory", 1)]
+    } else if rc && size <= mtu {
+        vec![("copy into the engine's buffer", 1), ("copy into registered memory", 1)]
     } else {
         vec![("gather into the transmit slot", 1), ("scatter into registered memory", 1)]
     }

@@ -19,8 +19,8 @@ const REGION: usize = 1 << 16;
 const PD: PdId = PdId(1);
 
 /// One side's objects: a QP with its own send and receive CQ, a region it sends from (filled
-/// with a pattern), one it lets the peer write and read, one its receives land in, and one the
-/// peer may not write.
+/// with a pattern), one it lets the peer write and read, one its receives land in, one the peer
+/// may only read (filled with a pattern, never written), and one for the peer's atomics.
 #[derive(Clone, Copy)]
 struct Side {
     qpn: Qpn,
@@ -30,6 +30,7 @@ struct Side {
     target: (u32, u64),
     recv: (u32, u64),
     read_only: (u32, u64),
+    atomic: (u32, u64),
 }
 
 struct Node {
@@ -67,8 +68,12 @@ impl Node {
             let rights = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ);
             let target = mem.register(PD, REGION, rights);
             let recv = mem.register(PD, REGION, Access::LOCAL_WRITE);
-            let read_only = mem.register(PD, 4096, Access::LOCAL_WRITE.with(Access::REMOTE_READ));
-            Side { qpn, send_cq, recv_cq, src, target, recv, read_only }
+            let read_only = mem.register(PD, 0x4000, Access::LOCAL_WRITE.with(Access::REMOTE_READ));
+            for (i, b) in mem.region_mut(read_only.0).bytes.iter_mut().enumerate() {
+                *b = (i as u8).wrapping_mul(11).wrapping_add(seed);
+            }
+            let atomic = mem.register(PD, 64, Access::LOCAL_WRITE.with(Access::REMOTE_ATOMIC));
+            Side { qpn, send_cq, recv_cq, src, target, recv, read_only, atomic }
         };
         let sides = [side(&mut hca, 1), side(&mut hca, 2)];
         let mut n = Node { hca, mem, srq, sides, now: Instant::ZERO, packets: 0, wcs: Default::default() };
@@ -87,7 +92,7 @@ impl Node {
                 state: Some(QpState::Init),
                 pkey_index: Some(0),
                 port: Some(1),
-                access: Some(Access::REMOTE_WRITE.with(Access::REMOTE_READ)),
+                access: Some(Access::REMOTE_WRITE.with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC)),
                 ..Default::default()
             },
             ModifyQp {
@@ -186,8 +191,13 @@ enum Op {
     WriteReadOnly { side: usize },
     /// SEND from an SGE with a key that does not exist.
     SendBadLkey { side: usize },
-    /// RDMA READ `len` bytes of the peer's target region.
+    /// RDMA READ `len` bytes of the peer's read-only region.
     Read { side: usize, len: u32 },
+    /// RDMA READ from the peer's receive region, which has no remote-read right.
+    ReadNoRight { side: usize },
+    /// An atomic on a word of the peer's atomic region (compare-and-swap or fetch-and-add), or on
+    /// an address that is not 8-byte aligned.
+    Atomic { side: usize, cas: bool, aligned: bool },
     /// Hand the packets waiting back to the engine, without moving the clock.
     Deliver,
     /// Deliver and fire timers until nothing is left.
@@ -235,16 +245,41 @@ impl Node {
                 self.post(side, SendWr { wr_id, op: SendOp::Send, payload, flags: SendFlags::SIGNALED, ud: None });
             }
             Read { side, len } => {
-                let (rkey, base) = self.sides[1 - side].target;
+                let (rkey, base) = self.sides[1 - side].read_only;
+                let remote_addr = base + (wr_id * 32) % (0x4000 - u64::from(len)).max(1);
+                self.read(side, wr_id, rkey, remote_addr, len);
+            }
+            ReadNoRight { side } => {
+                let (rkey, remote_addr) = self.sides[1 - side].recv;
+                self.read(side, wr_id, rkey, remote_addr, 16);
+            }
+            Atomic { side, cas, aligned } => {
+                let (rkey, base) = self.sides[1 - side].atomic;
+                let remote_addr = base + (wr_id % 4) * 8 + u64::from(!aligned) * 4;
+                let op = if cas {
+                    SendOp::CompareSwap { remote_addr, rkey, compare: wr_id & 1, swap: wr_id << 8 }
+                } else {
+                    SendOp::FetchAdd { remote_addr, rkey, add: wr_id }
+                };
                 let (lkey, local) = self.sides[side].target;
-                let op = SendOp::Read { remote_addr: base + (wr_id * 32) % 0x4000, rkey };
-                let sge = Sge { addr: local + 0x8000 + (wr_id * 32) % 0x4000, length: len, lkey };
+                let sge = Sge { addr: local + 0xc000 + (wr_id % 512) * 8, length: 8, lkey };
                 let payload = Payload::Sgl(SgeList::one(sge));
                 self.post(side, SendWr { wr_id, op, payload, flags: SendFlags::SIGNALED, ud: None });
             }
             Deliver => self.deliver(),
             Settle => self.settle(),
         }
+    }
+
+    /// A signaled RDMA READ of `len` bytes at `remote_addr` under `rkey` into `side`'s target region.
+    fn read(&mut self, side: usize, wr_id: u64, rkey: u32, remote_addr: u64, len: u32) {
+        let (lkey, local) = self.sides[side].target;
+        let sge = Sge { addr: local + 0x8000 + (wr_id * 32) % 0x4000, length: len, lkey };
+        let op = SendOp::Read { remote_addr, rkey };
+        self.post(
+            side,
+            SendWr { wr_id, op, payload: Payload::Sgl(SgeList::one(sge)), flags: SendFlags::SIGNALED, ud: None },
+        );
     }
 
     /// `len` bytes of `side`'s source region, in two SGEs when there are two bytes or more.
@@ -264,7 +299,7 @@ impl Node {
         let regions = self
             .sides
             .iter()
-            .flat_map(|s| [s.src, s.target, s.recv, s.read_only])
+            .flat_map(|s| [s.src, s.target, s.recv, s.read_only, s.atomic])
             .map(|(key, _)| self.mem.region(key).bytes.clone())
             .collect();
         let qps = self
@@ -302,7 +337,7 @@ fn same_both_ways(srq: bool, script: &[Op]) -> (Node, Node) {
 }
 
 #[test]
-fn a_small_send_and_write_complete_at_post_with_no_packet() {
+fn small_requests_of_every_kind_complete_at_post_with_no_packet() {
     let mut n = Node::new(true, false);
     let (a, b) = (n.sides[0], n.sides[1]);
     n.apply(Recv { side: 1, len: 256 }, 1);
@@ -334,6 +369,28 @@ fn a_small_send_and_write_complete_at_post_with_no_packet() {
     assert_eq!(n.hca.take_direct().map(|m| (m.requester, m.responder, m.len)), Some((a.qpn, b.qpn, 100)));
     assert_eq!(n.hca.counters().sent_pkts, 2);
     assert_eq!(n.hca.counters().rcvd_pkts, 2);
+    // A READ and two atomics of side 0: their results in its SGEs at once.
+    n.apply(Read { side: 0, len: 100 }, 4);
+    n.apply(Atomic { side: 0, cas: false, aligned: true }, 5);
+    n.apply(Atomic { side: 0, cas: true, aligned: true }, 9);
+    n.take_wcs();
+    n.deliver();
+    assert_eq!(n.packets, 0);
+    let done: Vec<_> = n.wcs[0][2..].iter().map(|w| (w.wr_id, w.status, w.opcode, w.byte_len)).collect();
+    assert_eq!(
+        done,
+        [
+            (4, WcStatus::Success, WcOpcode::RdmaRead, 100),
+            (5, WcStatus::Success, WcOpcode::FetchAdd, 8),
+            (9, WcStatus::Success, WcOpcode::CompSwap, 8)
+        ]
+    );
+    let (peer_ro, mine) = (&n.mem.region(b.read_only.0).bytes, &n.mem.region(a.target.0).bytes);
+    assert_eq!(&mine[0x8000 + 128..0x8000 + 228], &peer_ro[128..228]);
+    // Word 1 (wr_id 5 and 9 both land on it): 0, +5 = 5; compare 1 against 5 fails, so it stays 5.
+    let word = |bytes: &[u8], at: usize| u64::from_ne_bytes(bytes[at..at + 8].try_into().unwrap());
+    assert_eq!(word(&n.mem.region(b.atomic.0).bytes, 8), 5);
+    assert_eq!((word(mine, 0xc000 + 5 * 8), word(mine, 0xc000 + 9 * 8)), (0, 5));
     n.settle();
     assert_eq!(n.packets, 0);
 }
@@ -366,6 +423,17 @@ fn scripted_work_ends_the_same_with_and_without_direct_execution() {
         Write { side: 1, len: 512, imm: false, signaled: false },
         Send { side: 1, len: 100, imm: false, inline: false, signaled: true },
         Recv { side: 0, len: 4096 },
+        Settle,
+        // READs and atomics of one packet, executed directly, then behind a queued WRITE.
+        Read { side: 0, len: 1000 },
+        Read { side: 1, len: 0 },
+        Atomic { side: 0, cas: false, aligned: true },
+        Atomic { side: 0, cas: true, aligned: true },
+        Atomic { side: 1, cas: true, aligned: true },
+        Write { side: 0, len: 2048, imm: false, signaled: true },
+        Atomic { side: 0, cas: false, aligned: true },
+        Read { side: 0, len: 64 },
+        Read { side: 0, len: 3000 },
     ];
     for srq in [false, true] {
         let (d, p) = same_both_ways(srq, &script);
@@ -378,16 +446,26 @@ fn scripted_work_ends_the_same_with_and_without_direct_execution() {
 fn requests_that_would_fail_take_the_packet_path() {
     // A SEND with no receive posted (RNR; the receive comes before the retry), one longer than its
     // receive, a WRITE into a region without the remote-write right, a SEND from a bad lkey.
-    let scripts: [&[Op]; 4] = [
+    let scripts: [&[Op]; 6] = [
         &[Send { side: 0, len: 10, imm: false, inline: false, signaled: true }, Deliver, Recv { side: 1, len: 64 }],
         &[Recv { side: 1, len: 64 }, Send { side: 0, len: 100, imm: false, inline: false, signaled: true }],
         &[WriteReadOnly { side: 0 }, Send { side: 0, len: 10, imm: false, inline: false, signaled: true }],
         &[Recv { side: 1, len: 64 }, SendBadLkey { side: 0 }],
+        &[ReadNoRight { side: 0 }, Read { side: 0, len: 8 }],
+        &[Atomic { side: 1, cas: false, aligned: false }, Atomic { side: 1, cas: true, aligned: true }],
     ];
-    let want = [WcStatus::Success, WcStatus::RemInvReqErr, WcStatus::RemAccessErr, WcStatus::LocProtErr];
+    let want = [
+        WcStatus::Success,
+        WcStatus::RemInvReqErr,
+        WcStatus::RemAccessErr,
+        WcStatus::LocProtErr,
+        WcStatus::RemAccessErr,
+        WcStatus::RemInvReqErr,
+    ];
     for (script, want) in scripts.iter().zip(want) {
         let (d, _) = same_both_ways(false, script);
-        assert_eq!(d.wcs[0].first().map(|w| w.status), Some(want), "{script:?}");
+        let sent = d.wcs[0].iter().chain(&d.wcs[2]).next();
+        assert_eq!(sent.map(|w| w.status), Some(want), "{script:?}");
         if want != WcStatus::LocProtErr {
             assert!(d.packets > 0, "{script:?} took the packet path");
         }
@@ -420,10 +498,11 @@ fn seeded_work_ends_the_same_with_and_without_direct_execution() {
                     _ => 8,
                 };
                 let (imm, signaled) = (rng.chance(0.3), rng.chance(0.7));
-                let op = match rng.below(5) {
+                let op = match rng.below(6) {
                     0 | 1 => Send { side, len, imm, inline: rng.chance(0.3), signaled },
                     2 | 3 => Write { side, len, imm, signaled },
-                    _ => Read { side, len: len.max(1) },
+                    4 => Read { side, len },
+                    _ => Atomic { side, cas: rng.chance(0.5), aligned: true },
                 };
                 if matches!(op, Send { .. } | Write { imm: true, .. }) {
                     posted[1 - side] -= 1;

@@ -104,19 +104,23 @@ impl Hca {
         let r = qps.get(&qpn)?;
         let peer = r.attr.dest_qpn;
         let psn = r.sq.npsn;
-        let found = (peer != qpn && local(&r.attr.av.dgid))
-            .then(|| r.direct_payload(wr, &ctx, buf))
-            .flatten()
-            .and_then(|payload| {
-                let s = qps.get_mut(&peer)?;
-                let connected = s.attr.dest_qpn == qpn && local(&s.attr.av.dgid);
-                (connected && s.take_direct(psn, &wr.op, payload, &mut ctx)).then_some(payload.len() as u32)
-            });
-        if let Some(len) = found {
-            // Nothing was queued and nothing is: no timer, window or ready list to bring up to date.
-            qps.get_mut(&qpn).expect("looked up above").complete_direct(wr, len, &mut ctx);
-        }
+        let mut d = (peer != qpn && local(&r.attr.av.dgid)).then(|| r.direct_request(wr, &ctx, buf)).flatten();
+        let taken = d.as_mut().is_some_and(|d| {
+            qps.get_mut(&peer).is_some_and(|s| {
+                s.attr.dest_qpn == qpn && local(&s.attr.av.dgid) && s.take_direct(psn, &wr.op, d, &mut ctx)
+            })
+        });
+        let found = match (taken, d) {
+            (true, Some(d)) => {
+                // Nothing was queued and nothing is: no timer, window or ready list to bring up
+                // to date.
+                let r = qps.get_mut(&qpn).expect("looked up above");
+                r.complete_direct(wr, &d, &mut ctx);
+                Some(d.len())
+            }
+            _ => None,
+        };
         self.direct.gids = gids;
-        found.map(|len| DirectMessage { requester: qpn, responder: peer, len })
+        found.map(|len| DirectMessage { requester: qpn, responder: peer, len: len as u32 })
     }
 }

@@ -233,6 +233,28 @@ impl SendQueue {
     }
 }
 
+/// A request on its way to direct execution (see [`Qp::direct_request`]).
+#[derive(Debug)]
+pub(crate) enum Direct<'b> {
+    /// A SEND's or WRITE's payload.
+    Out(&'b [u8]),
+    /// Where a READ's data goes, filled by the responder.
+    In(&'b mut [u8]),
+    /// An atomic; the original value, once the responder executed it.
+    Atomic(Option<u64>),
+}
+
+impl Direct<'_> {
+    /// Bytes moved: the payload, the READ's data, an atomic's 8.
+    pub fn len(&self) -> usize {
+        match self {
+            Direct::Out(p) => p.len(),
+            Direct::In(d) => d.len(),
+            Direct::Atomic(_) => 8,
+        }
+    }
+}
+
 /// Number of PSNs a message of `len` bytes takes at `mtu`.
 fn packets(len: u32, mtu: usize) -> u32 {
     (len as usize).div_ceil(mtu).max(1) as u32
@@ -576,12 +598,13 @@ impl Qp {
         Some(Transmit { len, av, src_qpn: self.qpn, dest_qpn: dest_qp, deferred })
     }
 
-    /// The payload of `wr`, gathered into `buf`, when this QP may have it executed directly by a
-    /// QP of this HCA (see `hca/direct.rs`) instead of sending it: an RC QP in RTS with nothing
-    /// queued or unacknowledged, `wr` a valid SEND or RDMA WRITE (with or without immediate) of
-    /// one packet whose SGEs it may read. `None`: the request takes the usual path, which also
-    /// reports what is wrong with it.
-    pub(crate) fn direct_payload<'b>(&self, wr: &SendWr, ctx: &Ctx<'_>, buf: &'b mut [u8]) -> Option<&'b [u8]> {
+    /// What `wr` carries to the responder when this QP may have it executed directly by a QP of
+    /// this HCA (see `hca/direct.rs`) instead of sending it: an RC QP in RTS with nothing queued or
+    /// unacknowledged, and `wr` a valid one-packet SEND or RDMA WRITE (with or without immediate;
+    /// its payload gathered into `buf`), one-packet RDMA READ (into `buf`) or atomic, with SGEs it
+    /// may read, or write for a READ or atomic. `None`: the request takes the usual path, which
+    /// also reports what is wrong with it.
+    pub(crate) fn direct_request<'b>(&self, wr: &SendWr, ctx: &Ctx<'_>, buf: &'b mut [u8]) -> Option<Direct<'b>> {
         let sq = &self.sq;
         if self.init.qp_type != QpType::Rc
             || self.state != QpState::Rts
@@ -590,10 +613,8 @@ impl Qp {
             || sq.una != sq.npsn
             || sq.send_psn != sq.npsn
             || self.init.cap.max_send_wr == 0
-            || !matches!(
-                wr.op,
-                SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write { .. } | SendOp::WriteWithImm { .. }
-            )
+            || matches!(wr.op, SendOp::SendWithInv(_))
+            || (wr.op.is_read_or_atomic() && self.attr.max_rd_atomic == 0)
             || self.validate_send(wr).is_err()
         {
             return None;
@@ -602,26 +623,51 @@ impl Qp {
         match &wr.payload {
             Payload::Inline(d) if d.len() <= mtu => {
                 buf[..d.len()].copy_from_slice(d);
-                Some(&buf[..d.len()])
+                Some(Direct::Out(&buf[..d.len()]))
             }
             Payload::Sgl(sgl) if memory::sgl_len(sgl) <= mtu as u64 => {
-                let out = &mut buf[..memory::sgl_len(sgl) as usize];
-                memory::gather(ctx.mem, self.init.pd, sgl, 0, out).ok()?;
-                Some(out)
+                let len = memory::sgl_len(sgl) as usize;
+                if !wr.op.is_read_or_atomic() {
+                    memory::gather(ctx.mem, self.init.pd, sgl, 0, &mut buf[..len]).ok()?;
+                    return Some(Direct::Out(&buf[..len]));
+                }
+                // The result lands in the SGEs: they must take it before the responder acts.
+                memory::check_sgl(ctx.mem, self.init.pd, sgl, Access::LOCAL_WRITE).ok()?;
+                match wr.op {
+                    SendOp::Read { .. } => Some(Direct::In(&mut buf[..len])),
+                    _ if len == 8 => Some(Direct::Atomic(None)),
+                    _ => None,
+                }
             }
             _ => None,
         }
     }
 
-    /// `wr`, whose payload of `len` bytes [`Qp::direct_payload`] gave, was carried out by the
-    /// responder directly: its PSN is used up and acknowledged, and it completes as its ACK would
-    /// have completed it.
-    pub(crate) fn complete_direct(&mut self, wr: &SendWr, len: u32, ctx: &mut Ctx<'_>) {
+    /// `wr`, which [`Qp::direct_request`] turned into `d`, was carried out by the responder
+    /// directly: its PSN is used up and acknowledged, a READ's data or an atomic's original value
+    /// lands in its SGEs, and it completes as its response would have completed it.
+    pub(crate) fn complete_direct(&mut self, wr: &SendWr, d: &Direct<'_>, ctx: &mut Ctx<'_>) {
         let next = self.sq.npsn.next();
         self.sq.reset_psn(next);
         ctx.stats.sent_pkts += 1;
-        ctx.stats.sent_bytes += u64::from(len);
+        let orig;
+        let (sent, back): (&[u8], &[u8]) = match d {
+            Direct::Out(p) => (p, &[]),
+            Direct::In(data) => (&[], data),
+            Direct::Atomic(v) => {
+                orig = v.unwrap_or(0).to_ne_bytes();
+                (&[], &orig)
+            }
+        };
+        ctx.stats.sent_bytes += sent.len() as u64;
+        if let (Payload::Sgl(sgl), false) = (&wr.payload, matches!(d, Direct::Out(_))) {
+            ctx.stats.rcvd_pkts += 1;
+            ctx.stats.rcvd_bytes += if matches!(d, Direct::In(_)) { back.len() as u64 } else { 0 };
+            // Checked by direct_request, under the same memory: cannot fail.
+            let _ = memory::scatter(ctx.mem, self.init.pd, sgl, 0, back);
+        }
         if self.init.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED) {
+            let len = sent.len().max(back.len()) as u32;
             let wc = self.wc(wr.wr_id, WcStatus::Success, send_wc_opcode(&wr.op), len);
             ctx.push_send_wc(self.init.send_cq, wc);
         }

@@ -10,6 +10,7 @@
 
 use std::collections::VecDeque;
 
+use super::requester::Direct;
 use super::Qp;
 use crate::attr::{QpState, QpType};
 use crate::cq::{WcFlags, WcOpcode, WcStatus};
@@ -374,20 +375,68 @@ impl Qp {
         Ok(())
     }
 
-    /// Take a one-packet RC SEND or RDMA WRITE (with or without immediate) carrying `payload`, with
-    /// PSN `psn`, straight from a QP of this HCA (see `hca/direct.rs`), when it succeeds here: the
-    /// PSN is the next expected one, nothing earlier is pending, and every check its packet would
-    /// pass is made first (a receive WQE that holds the payload in memory the QP may write, the
-    /// rkey's range and rights). Then it is carried out as its packet would be: memory, receive
-    /// completion, MSN and expected PSN, counters. `false` leaves everything as it was: the request
+    /// Take a one-packet RC request with PSN `psn` straight from a QP of this HCA (see
+    /// `hca/direct.rs`), when it succeeds here: the PSN is the next expected one, nothing earlier is
+    /// pending, and every check its packet would pass is made first (a receive WQE that holds a
+    /// SEND's payload in memory the QP may write, the rkey's range and rights, a responder resource
+    /// for a READ or atomic). Then it is carried out as its packet would be: memory (a READ's data
+    /// into `d`, an atomic's original value into `d`), receive completion, MSN and expected PSN,
+    /// the record kept for duplicates, counters. `false` leaves everything as it was: the request
     /// then takes the packet path, which answers a failing check with its NAK and error.
-    pub(crate) fn take_direct(&mut self, psn: Psn, op: &SendOp, payload: &[u8], ctx: &mut Ctx<'_>) -> bool {
-        if self.init.qp_type != QpType::Rc
-            || !self.state.can_receive()
-            || !self.resp.idle()
-            || psn != self.resp.epsn
-            || payload.len() > self.attr.mtu.bytes()
+    pub(crate) fn take_direct(&mut self, psn: Psn, op: &SendOp, d: &mut Direct<'_>, ctx: &mut Ctx<'_>) -> bool {
+        if self.init.qp_type != QpType::Rc || !self.state.can_receive() || !self.resp.idle() || psn != self.resp.epsn {
+            return false;
+        }
+        let pd = self.init.pd;
+        let done = match (*op, &mut *d) {
+            (SendOp::Read { remote_addr, rkey }, Direct::In(data)) => {
+                self.attr.max_dest_rd_atomic > 0
+                    && data.len() <= self.attr.mtu.bytes()
+                    && self.remote_check(ctx, rkey, remote_addr, data.len() as u64, Access::REMOTE_READ).is_ok()
+                    && (data.is_empty() || ctx.mem.read(pd, rkey, KeyKind::Remote, remote_addr, data).is_ok())
+            }
+            (SendOp::CompareSwap { remote_addr, rkey, compare, swap }, Direct::Atomic(orig)) => {
+                self.direct_atomic(remote_addr, rkey, AtomicOp::CompareSwap { compare, swap }, orig, ctx)
+            }
+            (SendOp::FetchAdd { remote_addr, rkey, add }, Direct::Atomic(orig)) => {
+                self.direct_atomic(remote_addr, rkey, AtomicOp::FetchAdd { add }, orig, ctx)
+            }
+            (op, Direct::Out(payload)) => return self.take_direct_payload(psn, &op, payload, ctx),
+            _ => false,
+        };
+        if !done {
+            return false;
+        }
+        // A READ or atomic: remembered for duplicates, answered (the requester takes the answer).
+        let res = match (*op, &*d) {
+            (_, Direct::Atomic(orig)) => Resource::Atomic { psn, orig: orig.unwrap_or(0) },
+            _ => Resource::Read { first: psn, last: psn },
+        };
+        self.resp.remember(res, self.attr.max_dest_rd_atomic);
+        self.direct_done(psn, ctx);
+        ctx.stats.sent_pkts += 1;
+        if let Direct::In(data) = d {
+            ctx.stats.sent_bytes += data.len() as u64;
+        }
+        true
+    }
+
+    /// An atomic for [`Qp::take_direct`]: performed (its original value into `orig`) if it may be.
+    fn direct_atomic(&self, va: u64, rkey: u32, op: AtomicOp, orig: &mut Option<u64>, ctx: &mut Ctx<'_>) -> bool {
+        if self.attr.max_dest_rd_atomic == 0
+            || !self.attr.access.contains(Access::REMOTE_ATOMIC)
+            || !va.is_multiple_of(8)
         {
+            return false;
+        }
+        // Checked before it touches memory: an error leaves the word as it was.
+        *orig = ctx.mem.atomic(self.init.pd, rkey, va, op).ok();
+        orig.is_some()
+    }
+
+    /// A SEND or WRITE (with or without immediate) for [`Qp::take_direct`].
+    fn take_direct_payload(&mut self, psn: Psn, op: &SendOp, payload: &[u8], ctx: &mut Ctx<'_>) -> bool {
+        if payload.len() > self.attr.mtu.bytes() {
             return false;
         }
         let (pd, len) = (self.init.pd, payload.len() as u64);
@@ -420,10 +469,6 @@ impl Qp {
             return false;
         }
         // Checked and written: from here on it cannot fail.
-        if self.state == QpState::Rtr && !self.resp.comm_est {
-            self.resp.comm_est = true;
-            ctx.events.push_back(AsyncEvent::CommEstablished(self.qpn));
-        }
         if write.is_none() || imm.is_some() {
             let wr = self.take_recv(ctx).expect("a receive WQE was found above");
             let opcode = if write.is_some() { WcOpcode::RecvRdmaWithImm } else { WcOpcode::Recv };
@@ -434,11 +479,20 @@ impl Qp {
             }
             ctx.push_recv_wc(self.init.recv_cq, wc);
         }
+        self.direct_done(psn, ctx);
+        ctx.stats.rcvd_bytes += len;
+        true
+    }
+
+    /// The end of every request [`Qp::take_direct`] carried out: as when its packet was taken in.
+    fn direct_done(&mut self, psn: Psn, ctx: &mut Ctx<'_>) {
+        if self.state == QpState::Rtr && !self.resp.comm_est {
+            self.resp.comm_est = true;
+            ctx.events.push_back(AsyncEvent::CommEstablished(self.qpn));
+        }
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         self.resp.epsn = psn.next();
         ctx.stats.rcvd_pkts += 1;
-        ctx.stats.rcvd_bytes += len;
-        true
     }
 
     fn remote_check(&self, ctx: &Ctx<'_>, rkey: u32, va: u64, len: u64, need: Access) -> Result<(), Step> {
