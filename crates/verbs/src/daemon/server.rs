@@ -764,67 +764,15 @@ impl SvcDevice {
         let now = self.dev.now();
         let mut work = false;
 
-        // Work requests: from the rings into the engine, while the engine takes them.
+        // Work requests: from the rings into the engine, while the engine takes them. Receives
+        // first: a SEND between two QPs of this device is executed when it is taken (transport
+        // hca/direct.rs) if its receive is already in the engine.
         for (qpn, q) in svc.qps.iter_mut() {
             if q.broken {
                 continue;
             }
-            let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
-            q.sq_blocked = false;
             q.rq_blocked = false;
-            loop {
-                sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
-                match q.sq.peek(&mut sc.buf) {
-                    Ok(false) => break,
-                    Err(e) => {
-                        log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
-                        q.broken = true;
-                        break;
-                    }
-                    Ok(true) => {}
-                }
-                let wr = match slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
-                    Ok(wr) => wr,
-                    Err(e) => {
-                        q.sq.advance();
-                        q.counters.bad_wqes += 1;
-                        svc.bad_wqes += 1;
-                        log!("client pid {pid}: QP {qpn}: {e}; QP to ERR");
-                        let _ = st.hca.modify_qp(
-                            *qpn,
-                            &ModifyQp { state: Some(QpState::Err), ..Default::default() },
-                            now,
-                            &mut st.mem,
-                        );
-                        work = true;
-                        continue;
-                    }
-                };
-                match st.hca.post_send(*qpn, wr, now, &mut st.mem) {
-                    Ok(()) => {
-                        q.counters.send_wrs += 1;
-                        if let Some(m) = st.hca.take_direct() {
-                            // Executed at once, to another QP of this device: one packet each way.
-                            st.link.executed_directly(now, 1);
-                            if let Some(table) = st.qp_traffic.as_mut() {
-                                table.count_direct(&m);
-                            }
-                        }
-                    }
-                    Err(VerbsError::QueueFull) => {
-                        q.sq_blocked = true;
-                        break;
-                    }
-                    Err(e) => {
-                        q.counters.rejected_wrs += 1;
-                        if q.counters.rejected_wrs == 1 {
-                            log!("client pid {pid}: QP {qpn}: send WR refused: {e}");
-                        }
-                    }
-                }
-                q.sq.advance();
-                work = true;
-            }
+            let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
             let Some(rq) = q.rq.as_mut() else { continue };
             loop {
                 sc.buf.resize(rq.ring().slot_size() as usize, 0);
@@ -886,7 +834,66 @@ impl SvcDevice {
                 work = true;
             }
         }
-
+        for (qpn, q) in svc.qps.iter_mut() {
+            if q.broken {
+                continue;
+            }
+            let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
+            q.sq_blocked = false;
+            loop {
+                sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
+                match q.sq.peek(&mut sc.buf) {
+                    Ok(false) => break,
+                    Err(e) => {
+                        log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
+                        q.broken = true;
+                        break;
+                    }
+                    Ok(true) => {}
+                }
+                let wr = match slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
+                    Ok(wr) => wr,
+                    Err(e) => {
+                        q.sq.advance();
+                        q.counters.bad_wqes += 1;
+                        svc.bad_wqes += 1;
+                        log!("client pid {pid}: QP {qpn}: {e}; QP to ERR");
+                        let _ = st.hca.modify_qp(
+                            *qpn,
+                            &ModifyQp { state: Some(QpState::Err), ..Default::default() },
+                            now,
+                            &mut st.mem,
+                        );
+                        work = true;
+                        continue;
+                    }
+                };
+                match st.hca.post_send(*qpn, wr, now, &mut st.mem) {
+                    Ok(()) => {
+                        q.counters.send_wrs += 1;
+                        if let Some(m) = st.hca.take_direct() {
+                            // Executed at once, to another QP of this device: one packet each way.
+                            st.link.executed_directly(now, 1);
+                            if let Some(table) = st.qp_traffic.as_mut() {
+                                table.count_direct(&m);
+                            }
+                        }
+                    }
+                    Err(VerbsError::QueueFull) => {
+                        q.sq_blocked = true;
+                        break;
+                    }
+                    Err(e) => {
+                        q.counters.rejected_wrs += 1;
+                        if q.counters.rejected_wrs == 1 {
+                            log!("client pid {pid}: QP {qpn}: send WR refused: {e}");
+                        }
+                    }
+                }
+                q.sq.advance();
+                work = true;
+            }
+        }
         // Network and timers.
         let before = (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
         self.dev.progress(st);
