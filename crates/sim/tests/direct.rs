@@ -8,8 +8,8 @@ use softrdma_sim::rng::Rng;
 use softrdma_transport::attr::QpCap;
 use softrdma_transport::wr::Payload;
 use softrdma_transport::{
-    Access, AddressVector, Config, CqId, Hca, Instant, ModifyQp, Mtu, PdId, QpInit, QpState, QpType, RecvWr, RxInfo,
-    SendFlags, SendOp, SendWr, Sge, SgeList, SrqId, WcOpcode, WcStatus, WorkCompletion,
+    Access, AddressVector, AsyncEvent, Config, CqId, Hca, Instant, ModifyQp, Mtu, PdId, QpInit, QpState, QpType,
+    RecvWr, RxInfo, SendFlags, SendOp, SendWr, Sge, SgeList, SrqId, WcOpcode, WcStatus, WorkCompletion,
 };
 use softrdma_wire::{Psn, Qpn};
 
@@ -43,10 +43,14 @@ struct Node {
     packets: u64,
     /// Completions taken so far, per CQ (send and receive CQ of each side, in that order).
     wcs: [Vec<WorkCompletion>; 4],
+    /// Async events, in order.
+    events: Vec<AsyncEvent>,
 }
 
 impl Node {
-    fn new(direct: bool, srq: bool) -> Node {
+    /// Two connected QPs; with `srq`, side 1 takes its receives from an SRQ armed at 3; with
+    /// `rtr`, side 1 stays in RTR (it only receives).
+    fn new(direct: bool, srq: bool, rtr: bool) -> Node {
         let mut hca = Hca::new(Config::default());
         if direct {
             hca.set_local_gids(&[OWN]);
@@ -76,15 +80,19 @@ impl Node {
             Side { qpn, send_cq, recv_cq, src, target, recv, read_only, atomic }
         };
         let sides = [side(&mut hca, 1), side(&mut hca, 2)];
-        let mut n = Node { hca, mem, srq, sides, now: Instant::ZERO, packets: 0, wcs: Default::default() };
+        let mut n =
+            Node { hca, mem, srq, sides, now: Instant::ZERO, packets: 0, wcs: Default::default(), events: vec![] };
         for (me, peer) in [(0, 1), (1, 0)] {
-            n.connect(me, peer);
+            n.connect(me, peer, rtr && me == 1);
+        }
+        if let Some(srq) = srq {
+            n.hca.arm_srq(srq, 3).unwrap();
         }
         n
     }
 
-    /// Bring side `me` to RTS, connected to side `peer` through the HCA's own GID.
-    fn connect(&mut self, me: usize, peer: usize) {
+    /// Bring side `me` to RTS (RTR if `rtr`), connected to side `peer` through the HCA's own GID.
+    fn connect(&mut self, me: usize, peer: usize, rtr: bool) {
         let (qpn, dest) = (self.sides[me].qpn, self.sides[peer].qpn);
         let psn = |s: usize| Psn::new(0x00ff_fff0 + s as u32); // both PSN spaces wrap in the run
         let steps = [
@@ -115,7 +123,7 @@ impl Node {
                 ..Default::default()
             },
         ];
-        for m in &steps {
+        for m in &steps[..if rtr { 2 } else { 3 }] {
             self.hca.modify_qp(qpn, m, self.now, &mut self.mem).unwrap();
         }
     }
@@ -149,6 +157,15 @@ impl Node {
         }
     }
 
+    /// Hand the next packet the engine has back to it, if there is one.
+    fn deliver_one(&mut self) {
+        let mut buf = vec![0u8; 4096 + 128];
+        if let Some(t) = self.hca.poll_transmit(self.now, &mut self.mem, &mut buf) {
+            self.packets += 1;
+            self.hca.handle_packet(self.now, &buf[..t.len], &RxInfo { grh: [0; 40] }, &mut self.mem);
+        }
+    }
+
     /// Deliver packets and fire timers until nothing is left to do.
     fn settle(&mut self) {
         for _ in 0..100_000 {
@@ -171,12 +188,15 @@ impl Node {
             self.hca.poll_cq(cq, usize::MAX, &mut out).unwrap();
             self.wcs[i].extend(out);
         }
+        while let Some(e) = self.hca.poll_event() {
+            self.events.push(e);
+        }
     }
 }
 
-/// Completions per CQ, region contents, and per QP its state, send and receive PSNs, send WQEs
-/// outstanding and receives posted.
-type Outcome = (Vec<Vec<WorkCompletion>>, Vec<Vec<u8>>, Vec<(QpState, Psn, Psn, u32, u32)>);
+/// Completions per CQ, region contents, per QP its state, send and receive PSNs, send WQEs
+/// outstanding and receives posted, and the async events.
+type Outcome = (Vec<Vec<WorkCompletion>>, Vec<Vec<u8>>, Vec<(QpState, Psn, Psn, u32, u32)>, Vec<AsyncEvent>);
 
 /// One step of a script.
 #[derive(Debug, Clone, Copy)]
@@ -198,8 +218,14 @@ enum Op {
     /// An atomic on a word of the peer's atomic region (compare-and-swap or fetch-and-add), or on
     /// an address that is not 8-byte aligned.
     Atomic { side: usize, cas: bool, aligned: bool },
+    /// RDMA WRITE `len` bytes at `offset` of the peer's target region.
+    WriteAt { side: usize, len: u32, offset: u64 },
+    /// SEND from one empty SGE whose key does not exist.
+    SendEmptyBadLkey { side: usize },
     /// Hand the packets waiting back to the engine, without moving the clock.
     Deliver,
+    /// Hand the next packet back to the engine.
+    DeliverOne,
     /// Deliver and fire timers until nothing is left.
     Settle,
 }
@@ -224,7 +250,8 @@ impl Node {
             }
             Write { side, len, imm, signaled } => {
                 let (rkey, base) = self.sides[1 - side].target;
-                let remote_addr = base + (wr_id * 64) % 0x8000;
+                // Over the place READs land in as well (0x8000..0xc000).
+                let remote_addr = base + (wr_id * 64) % (0xc000 - 0x1000);
                 let op = if imm {
                     SendOp::WriteWithImm { remote_addr, rkey, imm: wr_id as u32 }
                 } else {
@@ -266,7 +293,19 @@ impl Node {
                 let payload = Payload::Sgl(SgeList::one(sge));
                 self.post(side, SendWr { wr_id, op, payload, flags: SendFlags::SIGNALED, ud: None });
             }
+            WriteAt { side, len, offset } => {
+                let (rkey, base) = self.sides[1 - side].target;
+                let op = SendOp::Write { remote_addr: base + offset, rkey };
+                let payload = self.source(side, wr_id, len);
+                self.post(side, SendWr { wr_id, op, payload, flags: SendFlags::SIGNALED, ud: None });
+            }
+            SendEmptyBadLkey { side } => {
+                let (_, addr) = self.sides[side].src;
+                let payload = Payload::Sgl(SgeList::one(Sge { addr, length: 0, lkey: 0xdead_0000 }));
+                self.post(side, SendWr { wr_id, op: SendOp::Send, payload, flags: SendFlags::SIGNALED, ud: None });
+            }
             Deliver => self.deliver(),
+            DeliverOne => self.deliver_one(),
             Settle => self.settle(),
         }
     }
@@ -310,13 +349,13 @@ impl Node {
                 (q.state, q.sq_psn, q.rq_psn, q.sq_outstanding, q.rq_posted)
             })
             .collect();
-        (self.wcs.to_vec(), regions, qps)
+        (self.wcs.to_vec(), regions, qps, self.events.clone())
     }
 }
 
 /// Run `script` (then settle) with direct execution on or off.
-fn run(direct: bool, srq: bool, script: &[Op]) -> Node {
-    let mut n = Node::new(direct, srq);
+fn run(direct: bool, srq: bool, rtr: bool, script: &[Op]) -> Node {
+    let mut n = Node::new(direct, srq, rtr);
     for (i, op) in script.iter().enumerate() {
         n.apply(*op, i as u64 + 1);
     }
@@ -326,19 +365,25 @@ fn run(direct: bool, srq: bool, script: &[Op]) -> Node {
 
 /// Run `script` both ways and check that they agree; returns (direct run, packet run).
 fn same_both_ways(srq: bool, script: &[Op]) -> (Node, Node) {
-    let (d, p) = (run(true, srq, script), run(false, srq, script));
+    same_both_ways_from(srq, false, script)
+}
+
+/// [`same_both_ways`], with side 1 left in RTR if `rtr`.
+fn same_both_ways_from(srq: bool, rtr: bool, script: &[Op]) -> (Node, Node) {
+    let (d, p) = (run(true, srq, rtr, script), run(false, srq, rtr, script));
     let (od, op) = (d.outcome(), p.outcome());
     for (i, (a, b)) in od.0.iter().zip(&op.0).enumerate() {
         assert_eq!(a, b, "CQ {i} (send/recv of side 0, then of side 1) differs; script {script:?}");
     }
     assert!(od.1 == op.1, "memory differs; script {script:?}");
     assert_eq!(od.2, op.2, "QP states or PSNs differ; script {script:?}");
+    assert_eq!(od.3, op.3, "async events differ; script {script:?}");
     (d, p)
 }
 
 #[test]
 fn small_requests_of_every_kind_complete_at_post_with_no_packet() {
-    let mut n = Node::new(true, false);
+    let mut n = Node::new(true, false, false);
     let (a, b) = (n.sides[0], n.sides[1]);
     n.apply(Recv { side: 1, len: 256 }, 1);
     n.apply(Send { side: 0, len: 200, imm: true, inline: false, signaled: true }, 2);
@@ -446,13 +491,14 @@ fn scripted_work_ends_the_same_with_and_without_direct_execution() {
 fn requests_that_would_fail_take_the_packet_path() {
     // A SEND with no receive posted (RNR; the receive comes before the retry), one longer than its
     // receive, a WRITE into a region without the remote-write right, a SEND from a bad lkey.
-    let scripts: [&[Op]; 6] = [
+    let scripts: [&[Op]; 7] = [
         &[Send { side: 0, len: 10, imm: false, inline: false, signaled: true }, Deliver, Recv { side: 1, len: 64 }],
         &[Recv { side: 1, len: 64 }, Send { side: 0, len: 100, imm: false, inline: false, signaled: true }],
         &[WriteReadOnly { side: 0 }, Send { side: 0, len: 10, imm: false, inline: false, signaled: true }],
         &[Recv { side: 1, len: 64 }, SendBadLkey { side: 0 }],
         &[ReadNoRight { side: 0 }, Read { side: 0, len: 8 }],
         &[Atomic { side: 1, cas: false, aligned: false }, Atomic { side: 1, cas: true, aligned: true }],
+        &[Recv { side: 1, len: 64 }, SendEmptyBadLkey { side: 0 }],
     ];
     let want = [
         WcStatus::Success,
@@ -461,6 +507,7 @@ fn requests_that_would_fail_take_the_packet_path() {
         WcStatus::LocProtErr,
         WcStatus::RemAccessErr,
         WcStatus::RemInvReqErr,
+        WcStatus::LocProtErr,
     ];
     for (script, want) in scripts.iter().zip(want) {
         let (d, _) = same_both_ways(false, script);
@@ -470,6 +517,30 @@ fn requests_that_would_fail_take_the_packet_path() {
             assert!(d.packets > 0, "{script:?} took the packet path");
         }
     }
+}
+
+#[test]
+fn a_request_does_not_overtake_the_responses_its_qp_owes() {
+    // Side 1 READs 2,500 bytes of side 0 into its target at 0x8020; only the request is delivered,
+    // so side 0 owes the response when it WRITEs 100 bytes to that same place: the response goes
+    // first, the WRITE lands over it.
+    let script = [Read { side: 1, len: 2500 }, DeliverOne, WriteAt { side: 0, len: 100, offset: 0x8020 }];
+    let (d, _) = same_both_ways(false, &script);
+    let (src, target) = (&d.mem.region(d.sides[0].src.0).bytes, &d.mem.region(d.sides[1].target.0).bytes);
+    let written: Vec<u8> = [&src[39..39 + 33], &src[39 + 33 + 100..39 + 100 + 100]].concat();
+    assert_eq!(&target[0x8020..0x8020 + 100], &written[..]);
+}
+
+#[test]
+fn a_responder_in_rtr_raises_comm_established_first() {
+    // Side 1 in RTR, its SRQ armed at 3 with 3 receives: the first SEND establishes communication
+    // and leaves 2 receives, below the limit.
+    let mut script = vec![Recv { side: 1, len: 256 }; 3];
+    script.extend([Send { side: 0, len: 16, imm: false, inline: false, signaled: true }; 2]);
+    let (d, _) = same_both_ways_from(true, true, &script);
+    let b = d.sides[1].qpn;
+    assert!(matches!(d.events[..], [AsyncEvent::CommEstablished(q), AsyncEvent::SrqLimitReached(_)] if q == b));
+    assert_eq!(d.packets, 0);
 }
 
 #[test]
@@ -511,6 +582,9 @@ fn seeded_work_ends_the_same_with_and_without_direct_execution() {
             }
             if rng.chance(0.3) {
                 script.push(Deliver);
+            }
+            for _ in 0..rng.below(3) {
+                script.push(DeliverOne);
             }
             for (side, posted) in posted.iter_mut().enumerate() {
                 while *posted < 0 {

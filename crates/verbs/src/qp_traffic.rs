@@ -103,16 +103,26 @@ impl QpTrafficTable {
     }
 
     /// A message the engine executed directly between two QPs of the device (transport
-    /// `hca/direct.rs`): one packet of its payload's length sent by the requester and received by
-    /// the responder. It changes no rare counter.
+    /// `hca/direct.rs`): a request packet from the requester to the responder, carrying the bytes
+    /// of a SEND or WRITE; for a READ or atomic, a response packet back with its bytes. It changes
+    /// no rare counter.
     pub fn count_direct(&mut self, m: &DirectMessage) {
+        let (out, back) = if m.response { (0, u64::from(m.len)) } else { (u64::from(m.len), 0) };
         if let Some(q) = self.qps.get_mut(&m.requester) {
             q.pkts[0] += 1;
-            q.pkts[1] += u64::from(m.len);
+            q.pkts[1] += out;
+            if m.response {
+                q.pkts[2] += 1;
+                q.pkts[3] += back;
+            }
         }
         if let Some(q) = self.qps.get_mut(&m.responder) {
             q.pkts[2] += 1;
-            q.pkts[3] += u64::from(m.len);
+            q.pkts[3] += out;
+            if m.response {
+                q.pkts[0] += 1;
+                q.pkts[1] += back;
+            }
         }
     }
 
@@ -189,13 +199,17 @@ mod tests {
     }
 
     #[test]
-    fn a_direct_message_counts_as_a_packet_sent_by_one_qp_and_received_by_the_other() {
+    fn a_direct_message_counts_as_its_request_and_response_packets() {
         let mut t = QpTrafficTable::default();
         t.insert(qpn(17));
         t.insert(qpn(18));
-        t.count_direct(&DirectMessage { requester: qpn(17), responder: qpn(18), len: 64 });
-        t.count_direct(&DirectMessage { requester: qpn(18), responder: qpn(17), len: 8 });
+        t.count_direct(&DirectMessage { requester: qpn(17), responder: qpn(18), len: 64, response: false });
+        t.count_direct(&DirectMessage { requester: qpn(18), responder: qpn(17), len: 8, response: false });
         assert_eq!(t.get(qpn(17)).expect("17").pkts, [1, 64, 1, 8]);
         assert_eq!(t.get(qpn(18)).expect("18").pkts, [1, 8, 1, 64]);
+        // A READ of 100 bytes by 17: its request goes out empty, the data comes back.
+        t.count_direct(&DirectMessage { requester: qpn(17), responder: qpn(18), len: 100, response: true });
+        assert_eq!(t.get(qpn(17)).expect("17").pkts, [2, 64, 2, 108]);
+        assert_eq!(t.get(qpn(18)).expect("18").pkts, [2, 108, 2, 64]);
     }
 }

@@ -31,8 +31,11 @@ pub struct DirectMessage {
     pub requester: Qpn,
     /// The QP that took it.
     pub responder: Qpn,
-    /// Payload bytes.
+    /// Bytes moved: a SEND's or WRITE's payload, a READ's data, an atomic's 8.
     pub len: u32,
+    /// The bytes went from the responder to the requester (a READ or an atomic), whose request
+    /// carried none.
+    pub response: bool,
 }
 
 /// The HCA's direct-execution state.
@@ -116,11 +119,11 @@ impl Hca {
                 // to date.
                 let r = qps.get_mut(&qpn).expect("looked up above");
                 r.complete_direct(wr, &d, &mut ctx);
-                Some(d.len())
+                Some((d.len(), wr.op.is_read_or_atomic()))
             }
             _ => None,
         };
         self.direct.gids = gids;
-        found.map(|len| DirectMessage { requester: qpn, responder: peer, len: len as u32 })
+        found.map(|(len, response)| DirectMessage { requester: qpn, responder: peer, len: len as u32, response })
     }
 }

@@ -608,6 +608,7 @@ impl Qp {
         let sq = &self.sq;
         if self.init.qp_type != QpType::Rc
             || self.state != QpState::Rts
+            || !self.resp.idle()
             || !sq.wqes.is_empty()
             || sq.rnr_paused
             || sq.una != sq.npsn
@@ -627,7 +628,15 @@ impl Qp {
             }
             Payload::Sgl(sgl) if memory::sgl_len(sgl) <= mtu as u64 => {
                 let len = memory::sgl_len(sgl) as usize;
+                if len as u64 > ctx.config.max_msg_size {
+                    return None;
+                }
                 if !wr.op.is_read_or_atomic() {
+                    // Every SGE is checked, as the start check does (the gather skips empty ones),
+                    // unless the gather of one SGE reads all of it.
+                    if !(sgl.len() == 1 && len > 0) {
+                        memory::check_sgl(ctx.mem, self.init.pd, sgl, Access::NONE).ok()?;
+                    }
                     memory::gather(ctx.mem, self.init.pd, sgl, 0, &mut buf[..len]).ok()?;
                     return Some(Direct::Out(&buf[..len]));
                 }
@@ -649,6 +658,8 @@ impl Qp {
     pub(crate) fn complete_direct(&mut self, wr: &SendWr, d: &Direct<'_>, ctx: &mut Ctx<'_>) {
         let next = self.sq.npsn.next();
         self.sq.reset_psn(next);
+        self.sq.on_acked(1, ctx.config);
+        self.sq.reset_retries(&self.attr);
         ctx.stats.sent_pkts += 1;
         let orig;
         let (sent, back): (&[u8], &[u8]) = match d {
@@ -663,8 +674,14 @@ impl Qp {
         if let (Payload::Sgl(sgl), false) = (&wr.payload, matches!(d, Direct::Out(_))) {
             ctx.stats.rcvd_pkts += 1;
             ctx.stats.rcvd_bytes += if matches!(d, Direct::In(_)) { back.len() as u64 } else { 0 };
-            // Checked by direct_request, under the same memory: cannot fail.
-            let _ = memory::scatter(ctx.mem, self.init.pd, sgl, 0, back);
+            // Checked by direct_request; memory another process lends (softrdmad's process_vm
+            // regions) may still refuse it, as it would the response's: the completer's error.
+            if memory::scatter(ctx.mem, self.init.pd, sgl, 0, back).is_err() {
+                let wc = self.wc(wr.wr_id, WcStatus::LocProtErr, send_wc_opcode(&wr.op), 0);
+                ctx.push_send_wc(self.init.send_cq, wc);
+                self.enter_error(ctx);
+                return;
+            }
         }
         if self.init.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED) {
             let len = sent.len().max(back.len()) as u32;

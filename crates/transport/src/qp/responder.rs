@@ -132,7 +132,7 @@ impl Responder {
 
     /// Nothing of an earlier request is pending: no message in progress, no response queued, no
     /// NAK outstanding (see [`Qp::take_direct`]).
-    fn idle(&self) -> bool {
+    pub(super) fn idle(&self) -> bool {
         self.cur.is_none() && self.out.is_empty() && !self.nak_sent && !self.uc_drop
     }
 
@@ -407,6 +407,7 @@ impl Qp {
         if !done {
             return false;
         }
+        self.direct_comm_est(ctx);
         // A READ or atomic: remembered for duplicates, answered (the requester takes the answer).
         let res = match (*op, &*d) {
             (_, Direct::Atomic(orig)) => Resource::Atomic { psn, orig: orig.unwrap_or(0) },
@@ -469,6 +470,7 @@ impl Qp {
             return false;
         }
         // Checked and written: from here on it cannot fail.
+        self.direct_comm_est(ctx);
         if write.is_none() || imm.is_some() {
             let wr = self.take_recv(ctx).expect("a receive WQE was found above");
             let opcode = if write.is_some() { WcOpcode::RecvRdmaWithImm } else { WcOpcode::Recv };
@@ -484,12 +486,17 @@ impl Qp {
         true
     }
 
-    /// The end of every request [`Qp::take_direct`] carried out: as when its packet was taken in.
-    fn direct_done(&mut self, psn: Psn, ctx: &mut Ctx<'_>) {
+    /// The first request taken in RTR establishes communication, as its packet would have, before
+    /// anything it does raises an event.
+    fn direct_comm_est(&mut self, ctx: &mut Ctx<'_>) {
         if self.state == QpState::Rtr && !self.resp.comm_est {
             self.resp.comm_est = true;
             ctx.events.push_back(AsyncEvent::CommEstablished(self.qpn));
         }
+    }
+
+    /// The end of every request [`Qp::take_direct`] carried out: as when its packet was taken in.
+    fn direct_done(&mut self, psn: Psn, ctx: &mut Ctx<'_>) {
         self.resp.msn = (self.resp.msn + 1) & 0xff_ffff;
         self.resp.epsn = psn.next();
         ctx.stats.rcvd_pkts += 1;
