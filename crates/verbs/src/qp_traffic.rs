@@ -107,22 +107,21 @@ impl QpTrafficTable {
     /// of a SEND or WRITE; for a READ or atomic, a response packet back with its bytes. It changes
     /// no rare counter.
     pub fn count_direct(&mut self, m: &DirectMessage) {
-        let (out, back) = if m.response { (0, u64::from(m.len)) } else { (u64::from(m.len), 0) };
-        if let Some(q) = self.qps.get_mut(&m.requester) {
-            q.pkts[0] += 1;
-            q.pkts[1] += out;
-            if m.response {
-                q.pkts[2] += 1;
-                q.pkts[3] += back;
-            }
-        }
-        if let Some(q) = self.qps.get_mut(&m.responder) {
-            q.pkts[2] += 1;
-            q.pkts[3] += out;
-            if m.response {
-                q.pkts[0] += 1;
-                q.pkts[1] += back;
-            }
+        let len = u64::from(m.len);
+        // (packets, bytes) of the request and of the response.
+        let request = (1, if m.response { 0 } else { len });
+        let response = if m.response { (1, len) } else { (0, 0) };
+        self.add_packets(m.requester, request, response);
+        self.add_packets(m.responder, response, request);
+    }
+
+    /// Count (packets, bytes) sent and received by QP `qpn`.
+    fn add_packets(&mut self, qpn: Qpn, sent: (u64, u64), rcvd: (u64, u64)) {
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            q.pkts[0] += sent.0;
+            q.pkts[1] += sent.1;
+            q.pkts[2] += rcvd.0;
+            q.pkts[3] += rcvd.1;
         }
     }
 
