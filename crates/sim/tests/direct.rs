@@ -1,7 +1,7 @@
 //! Direct execution between two QPs of one HCA (`Hca::set_local_gids`, transport `hca/direct.rs`):
 //! the same work, run once with it and once without it (every packet looped back into the same
-//! HCA), must end in the same completions on every CQ, the same memory and the same QP states and
-//! PSNs; with it, the small SENDs and WRITEs it can take produce no packet.
+//! HCA), must end in the same completions on every CQ, the same memory, the same QP states and
+//! PSNs and the same async events; with it, the small requests it can take produce no packet.
 
 use softrdma_sim::memory::SimMemory;
 use softrdma_sim::rng::Rng;
@@ -9,7 +9,7 @@ use softrdma_transport::attr::QpCap;
 use softrdma_transport::wr::Payload;
 use softrdma_transport::{
     Access, AddressVector, AsyncEvent, Config, CqId, Hca, Instant, ModifyQp, Mtu, PdId, QpInit, QpState, QpType,
-    RecvWr, RxInfo, SendFlags, SendOp, SendWr, Sge, SgeList, SrqId, WcOpcode, WcStatus, WorkCompletion,
+    RecvWr, RxInfo, SendFlags, SendOp, SendWr, Sge, SgeList, SrqId, VerbsError, WcOpcode, WcStatus, WorkCompletion,
 };
 use softrdma_wire::{Psn, Qpn};
 
@@ -385,6 +385,9 @@ fn same_both_ways_from(srq: bool, rtr: bool, script: &[Op]) -> (Node, Node) {
 fn small_requests_of_every_kind_complete_at_post_with_no_packet() {
     let mut n = Node::new(true, false, false);
     let (a, b) = (n.sides[0], n.sides[1]);
+    // A post to a QP that does not exist is refused, and changes nothing for the others.
+    let wr = SendWr { wr_id: 0, op: SendOp::Send, payload: Payload::Inline(vec![1]), flags: SendFlags::NONE, ud: None };
+    assert_eq!(n.hca.post_send(Qpn::new(0x999), wr, n.now, &mut n.mem), Err(VerbsError::NoSuchObject));
     n.apply(Recv { side: 1, len: 256 }, 1);
     n.apply(Send { side: 0, len: 200, imm: true, inline: false, signaled: true }, 2);
     n.apply(Write { side: 0, len: 100, imm: false, signaled: true }, 3);

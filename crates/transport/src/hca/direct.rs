@@ -1,16 +1,18 @@
-//! Direct execution between two QPs of this HCA: a one-packet RC SEND or RDMA WRITE (with or
-//! without immediate) posted to a QP whose peer is another QP of the same HCA, connected back to
-//! it, is carried out at post time: its payload goes from the requester's memory to the
-//! responder's, the responder completes its receive, and the requester its send, with no packet
-//! built, taken in or acknowledged. This is the internal loopback of a hardware HCA; rxe loops
-//! such packets back through its own receive path, which costs a packet each way.
+//! Direct execution between two QPs of this HCA: a one-packet RC request (SEND or RDMA WRITE,
+//! either with immediate, RDMA READ, atomic) posted to a QP whose peer is another QP of the same
+//! HCA, connected back to it, is carried out at post time: its data goes from the requester's
+//! memory to the responder's (a READ's data or an atomic's original value back), the responder
+//! completes its receive, and the requester its send, with no packet built, taken in or
+//! acknowledged. This is the internal loopback of a hardware HCA; rxe loops such packets back
+//! through its own receive path, which costs a packet each way.
 //!
 //! It applies only where the outcome is the packet path's: the requester has nothing queued or in
-//! flight (so nothing can be overtaken), the responder nothing in progress or pending, at the PSN
-//! it expects, and every check the packet would pass holds. Anything else (an RNR, a bad rkey, a
-//! receive too short, a READ, a multi-packet message) takes the packet path, which produces the
-//! exact NAK, completion and state change. A direct message consumes one PSN on both sides, as its
-//! packet would, and counts as one packet sent and received.
+//! flight and owes its peer no response (so nothing can be overtaken), the responder has nothing in
+//! progress or pending and expects that PSN, and every check the packet would pass holds. Anything
+//! else (an RNR, a bad key, a receive too short, a multi-packet message) takes the packet path,
+//! which produces the exact NAK, completion and state change. A direct message consumes one PSN on
+//! both sides, as its packet would, and counts as its request packet (and a READ's or atomic's
+//! response).
 //!
 //! The I/O layer says which destination GIDs are this HCA's own ([`Hca::set_local_gids`]): none
 //! (the default) turns direct execution off.
@@ -101,29 +103,25 @@ impl Hca {
         mem: &mut dyn MemoryAccess,
         buf: &mut [u8],
     ) -> Option<DirectMessage> {
-        let gids = std::mem::take(&mut self.direct.gids);
-        let local = |dgid: &[u8; 16]| gids.contains(dgid);
+        // The two QPs are each other's peers, both through one of this HCA's own GIDs.
+        let local = |dgid: &[u8; 16]| self.direct.gids.contains(dgid);
+        let r = self.qps.get(&qpn)?;
+        let peer = r.attr.dest_qpn;
+        let s = self.qps.get(&peer)?;
+        if peer == qpn || s.attr.dest_qpn != qpn || !local(&r.attr.av.dgid) || !local(&s.attr.av.dgid) {
+            return None;
+        }
         let (qps, _, mut ctx) = self.ctx(now, mem);
         let r = qps.get(&qpn)?;
-        let peer = r.attr.dest_qpn;
         let psn = r.sq.npsn;
-        let mut d = (peer != qpn && local(&r.attr.av.dgid)).then(|| r.direct_request(wr, &ctx, buf)).flatten();
-        let taken = d.as_mut().is_some_and(|d| {
-            qps.get_mut(&peer).is_some_and(|s| {
-                s.attr.dest_qpn == qpn && local(&s.attr.av.dgid) && s.take_direct(psn, &wr.op, d, &mut ctx)
-            })
-        });
-        let found = match (taken, d) {
-            (true, Some(d)) => {
-                // Nothing was queued and nothing is: no timer, window or ready list to bring up
-                // to date.
-                let r = qps.get_mut(&qpn).expect("looked up above");
-                r.complete_direct(wr, &d, &mut ctx);
-                Some((d.len(), wr.op.is_read_or_atomic()))
-            }
-            _ => None,
-        };
-        self.direct.gids = gids;
-        found.map(|(len, response)| DirectMessage { requester: qpn, responder: peer, len: len as u32, response })
+        let mut d = r.direct_request(wr, &ctx, buf)?;
+        if !qps.get_mut(&peer).is_some_and(|s| s.take_direct(psn, &wr.op, &mut d, &mut ctx)) {
+            return None;
+        }
+        // Nothing was queued and nothing is: no window or ready list to bring up to date (and a
+        // requester that failed moved to ERR, which stops its timers).
+        qps.get_mut(&qpn)?.complete_direct(wr, &d, &mut ctx);
+        let response = wr.op.is_read_or_atomic();
+        Some(DirectMessage { requester: qpn, responder: peer, len: d.len() as u32, response })
     }
 }
