@@ -620,7 +620,9 @@ impl Qp {
         {
             return None;
         }
-        let mtu = self.attr.mtu.bytes().min(buf.len());
+        // One packet, and within the largest message (as the start check has it).
+        let mtu =
+            self.attr.mtu.bytes().min(buf.len()).min(usize::try_from(ctx.config.max_msg_size).unwrap_or(usize::MAX));
         match &wr.payload {
             Payload::Inline(d) if d.len() <= mtu => {
                 buf[..d.len()].copy_from_slice(d);
@@ -628,9 +630,6 @@ impl Qp {
             }
             Payload::Sgl(sgl) if memory::sgl_len(sgl) <= mtu as u64 => {
                 let len = memory::sgl_len(sgl) as usize;
-                if len as u64 > ctx.config.max_msg_size {
-                    return None;
-                }
                 if !wr.op.is_read_or_atomic() {
                     // Every SGE is checked, as the start check does (the gather skips empty ones),
                     // unless the gather of one SGE reads all of it.
