@@ -103,32 +103,52 @@ unsafe fn send_wr(q: &Qp, wr: &IbvSendWr) -> Result<SendWr, (c_int, &'static str
     Ok(SendWr { wr_id: wr.wr_id, op, payload, flags: SendFlags::from_bits(wr.send_flags), ud })
 }
 
-/// `ibv_context.ops.post_send`.
+/// `ibv_context.ops.post_send`. The chain is posted as one list (one device lock or one
+/// publication of the daemon's ring for all of it); the first work request that cannot be
+/// converted ends the list, and the one the QP refuses ends the posting.
 pub unsafe extern "C" fn post_send(qp: *mut IbvQp, wr: *mut IbvSendWr, bad_wr: *mut *mut IbvSendWr) -> c_int {
     // SAFETY: a live QP of ours.
     let q = unsafe { to_qp(qp) };
-    let mut cur = wr;
-    while !cur.is_null() {
-        // SAFETY: the caller's list of readable work requests.
-        let w = unsafe { &*cur };
-        // SAFETY: forwarded contract.
-        let r = unsafe { send_wr(q, w) }.and_then(|s| {
-            q.qp.post_send(s).map_err(|e| {
-                errno::explain("ibv_post_send", &e);
-                (errno::of(&e), "refused by the QP")
-            })
-        });
-        if let Err((n, why)) = r {
-            errno::explain("ibv_post_send", &why);
-            if !bad_wr.is_null() {
-                // SAFETY: writable out-pointer.
-                unsafe { *bad_wr = cur };
-            }
-            return n;
+    // The next request to convert, the one handed to the QP last (the refused one, if one is), and
+    // why the one at `next` could not be converted.
+    let (mut next, mut last) = (wr, ptr::null_mut());
+    let mut unconvertible = None;
+    let list = std::iter::from_fn(|| {
+        if next.is_null() || unconvertible.is_some() {
+            return None;
         }
-        cur = w.next;
+        // SAFETY: the caller's list of readable work requests.
+        let w = unsafe { &*next };
+        // SAFETY: forwarded contract.
+        match unsafe { send_wr(q, w) } {
+            Ok(s) => {
+                last = next;
+                next = w.next;
+                Some(s)
+            }
+            Err(e) => {
+                unconvertible = Some(e);
+                None
+            }
+        }
+    });
+    let (failed, (n, why)) = match q.qp.post_send_list(list) {
+        Ok(()) => match unconvertible {
+            None => return 0,
+            Some(e) => (next, e),
+        },
+        Err(e) => {
+            errno::explain("ibv_post_send", &e);
+            // Refused before the QP took any request (its state): the first one.
+            (if last.is_null() { wr } else { last }, (errno::of(&e), "refused by the QP"))
+        }
+    };
+    errno::explain("ibv_post_send", &why);
+    if !bad_wr.is_null() {
+        // SAFETY: writable out-pointer.
+        unsafe { *bad_wr = failed };
     }
-    0
+    n
 }
 
 /// Post a chain of receive work requests with `post`.

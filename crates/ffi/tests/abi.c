@@ -8,7 +8,8 @@
  *    QPs on one device, connected to each other; SEND, RDMA WRITE, RDMA READ, fetch-and-add, the
  *    extended CQ and the ibv_wr_* builder, completion channel events.
  * 3. Error paths: bad lkey, bad QP transition, deregistering an MR in use, destroying a CQ, PD or
- *    channel still in use, bad_wr on a failing chain, refused extended verbs.
+ *    channel still in use, bad_wr on a failing chain (refused by the QP, or not convertible),
+ *    refused extended verbs.
  *
  * Prints one line per failed check and "abi: N checks, M failed"; exits 1 on any failure.
  */
@@ -347,6 +348,15 @@ int main(void)
 	bad = NULL;
 	CHECK(ibv_post_send(qa, &w1, &bad) == EINVAL && bad == &w2, "bad_wr points at the failing WR");
 	CHECK(poll_one(cq_a, &wc) && wc.wr_id == 5 && wc.status == IBV_WC_SUCCESS, "the WR before it was posted");
+	/* A chain whose third WR has an opcode that does not exist: the first two are posted. */
+	struct ibv_send_wr w5 = w1, w4 = w1, w3 = w1;
+	w3.wr_id = 61, w3.next = &w4;
+	w4.wr_id = 62, w4.next = &w5;
+	w5.wr_id = 63, w5.next = NULL, w5.opcode = (enum ibv_wr_opcode)0x7f;
+	bad = NULL;
+	CHECK(ibv_post_send(qa, &w3, &bad) == EINVAL && bad == &w5, "bad_wr points at the unconvertible WR");
+	CHECK(poll_one(cq_a, &wc) && wc.wr_id == 61 && wc.status == IBV_WC_SUCCESS, "first WR of the chain");
+	CHECK(poll_one(cq_a, &wc) && wc.wr_id == 62 && wc.status == IBV_WC_SUCCESS, "second WR of the chain");
 
 	/* Bad lkey: a local protection error completion. */
 	CHECK(post_send(qa, IBV_WR_RDMA_WRITE, 8, buf_a, 64, mr_a->lkey ^ 0x5a5a00, (uintptr_t)buf_b, mr_b->rkey) == 0,
