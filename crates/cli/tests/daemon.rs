@@ -513,10 +513,11 @@ fn stream_role(ctx: &Context) {
     std::process::exit(1);
 }
 
-/// Regions from `reg_mr`, which on a daemon device live in memfds the daemon maps, and one from
-/// `reg_mr_raw` (the process_vm path): SENDs of sizes across the MTU, RDMA WRITEs (unaligned, and
-/// into the raw region), an RDMA READ and two atomics, all towards the peer process, checked byte
-/// for byte. Then (at `PHASE2`) the test looks at the daemon's mappings and says go; each side
+/// Regions from `reg_mr`, which on a daemon device live in memfds the daemon maps, and two from
+/// `reg_mr_raw`: a heap buffer that is not page-aligned (the process_vm path) and whole heap pages
+/// (moved onto a memfd the daemon maps, their contents kept). SENDs of sizes across the MTU, RDMA
+/// WRITEs (unaligned, and into the raw region), RDMA READs (one of the moved pages) and two
+/// atomics, all towards the peer process, checked byte for byte. Then (at `PHASE2`) the test looks at the daemon's mappings and says go; each side
 /// checks what the peer did to its memory, and holds its regions (`HOLDING`) until told to exit,
 /// or killed.
 fn shared_role(ctx: &Context) {
@@ -533,6 +534,18 @@ fn shared_role(ctx: &Context) {
     // SAFETY: `raw` outlives the region (dropped after it, at the end of this function) and is
     // only read again after the peer's WRITE into it completed.
     let raw_mr = unsafe { pd.reg_mr_raw(raw.as_mut_ptr(), raw.len(), RW) }.unwrap();
+    // And one of whole pages of this process's heap (what `ibv_reg_mr` of a page-aligned buffer
+    // registers): moved onto a memfd the daemon maps, its contents kept.
+    let layout = std::alloc::Layout::from_size_align(AREA, 4096).unwrap();
+    // SAFETY: a layout of non-zero size.
+    let paged = unsafe { std::alloc::alloc(layout) };
+    assert!(!paged.is_null());
+    // SAFETY: the AREA bytes just allocated, freed at the end of this function after the region.
+    let paged_bytes = unsafe { std::slice::from_raw_parts_mut(paged, AREA) };
+    paged_bytes.copy_from_slice(&pattern(me, b'P', AREA));
+    // SAFETY: as `raw`; the peer only reads it.
+    let paged_mr = unsafe { pd.reg_mr_raw(paged, AREA, RW) }.unwrap();
+    assert!(paged_bytes == &pattern(me, b'P', AREA)[..], "a moved region keeps its contents");
     send_mr.write(0, &pattern(me, b'S', SIZES.len() * 8192)).unwrap();
     read_area.write(0, &pattern(me, b'R', AREA)).unwrap();
     atomic_area.write(8, &(u64::from(me) * 1000).to_ne_bytes()).unwrap();
@@ -543,7 +556,7 @@ fn shared_role(ctx: &Context) {
     }
     let gid = ctx.query_gid(1, 1).unwrap();
     out(&format!(
-        "{me} {} {} {} {} {} {} {} {}",
+        "{me} {} {} {} {} {} {} {} {} {} {}",
         write_area.addr(),
         write_area.rkey(),
         read_area.addr(),
@@ -551,12 +564,15 @@ fn shared_role(ctx: &Context) {
         atomic_area.addr(),
         atomic_area.rkey(),
         raw_mr.addr(),
-        raw_mr.rkey()
+        raw_mr.rkey(),
+        paged_mr.addr(),
+        paged_mr.rkey()
     ));
     let peer: Vec<u64> = input().split(' ').map(|w| w.parse().unwrap()).collect();
     let pqpn = peer[0] as u32;
     let (pw, pr, pa, praw) =
         ((peer[1], peer[2] as u32), (peer[3], peer[4] as u32), (peer[5], peer[6] as u32), (peer[7], peer[8] as u32));
+    let ppaged = (peer[9], peer[10] as u32);
     qp.connect(&pd, &ConnectParams::new(softrdma_verbs::Qpn::new(pqpn), Psn::new(pqpn), gid, Psn::new(me))).unwrap();
 
     // SENDs.
@@ -590,6 +606,12 @@ fn shared_role(ctx: &Context) {
     let wcs = wait_wcs(&cq, 1, 30);
     assert_eq!(wcs[0].status, WcStatus::Success);
     assert_eq!(local.to_vec(0, AREA).unwrap(), pattern(pqpn, b'R', AREA), "RDMA READ data");
+    // And of the peer's moved heap pages.
+    local.fill(0);
+    qp.post_send(send(7, SendOp::Read { remote_addr: ppaged.0, rkey: ppaged.1 }, &local, 0, AREA)).unwrap();
+    let wcs = wait_wcs(&cq, 1, 30);
+    assert_eq!(wcs[0].status, WcStatus::Success);
+    assert_eq!(local.to_vec(0, AREA).unwrap(), pattern(pqpn, b'P', AREA), "RDMA READ of moved heap pages");
 
     // Atomics on the peer's word at offset 8: fetch-and-add 5, then compare-and-swap.
     let orig = u64::from(pqpn) * 1000;
@@ -614,7 +636,9 @@ fn shared_role(ctx: &Context) {
     assert_eq!(raw, pattern(pqpn, b'W', AREA), "RDMA WRITE into the reg_mr_raw region");
     out("HOLDING");
     assert_eq!(input(), "exit");
-    drop((send_mr, recv_mr, write_area, read_area, atomic_area, local, qp, cq, pd));
+    drop((send_mr, recv_mr, write_area, read_area, atomic_area, local, paged_mr, qp, cq, pd));
+    // SAFETY: allocated above with this layout; its region is gone.
+    unsafe { std::alloc::dealloc(paged, layout) };
     out("OK");
 }
 
@@ -1224,8 +1248,9 @@ fn shared_regions_between_two_processes() {
     pair(&mut a, &mut b);
     assert_eq!(a.line(), "PHASE2");
     assert_eq!(b.line(), "PHASE2");
-    // Six memfd regions per client, mapped by the daemon.
-    assert_eq!(region_maps(&d), 12);
+    // Seven memfd regions per client, mapped by the daemon: six of `reg_mr`, and the moved heap
+    // pages of `reg_mr_raw` (the other `reg_mr_raw` region is not page-aligned: process_vm).
+    assert_eq!(region_maps(&d), 14);
     a.send("go");
     b.send("go");
     assert_eq!(a.line(), "HOLDING");
@@ -1243,7 +1268,7 @@ fn shared_regions_between_two_processes() {
     d.wait_idle();
     assert_eq!(region_maps(&d), 0, "the daemon still maps regions of gone clients");
     assert!(
-        d.log().contains(&format!("client pid {pid} uid 0 gone: freed 1 QPs, 1 CQs, 0 SRQs, 6 MRs")),
+        d.log().contains(&format!("client pid {pid} uid 0 gone: freed 1 QPs, 1 CQs, 0 SRQs, 7 MRs")),
         "{}",
         d.log()
     );

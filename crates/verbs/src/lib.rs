@@ -34,6 +34,7 @@ mod loopback;
 pub mod memory;
 mod place;
 mod qp_traffic;
+mod remap;
 mod runtime;
 mod same_host;
 pub mod verbs;

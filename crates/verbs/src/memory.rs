@@ -554,28 +554,7 @@ impl MemoryRegion {
         let map = RegionMap::map(&fd, len).map_err(io)?;
         let ptr = map.as_ptr();
         // Pinning allocates every page, which the daemon requires (a sparse file is refused).
-        pin(ptr, len)?;
-        let req = softrdma_abi::msg::Request::RegMrShared {
-            pd: pd.0,
-            addr: ptr as u64,
-            len: len as u64,
-            access: access.bits(),
-        };
-        let key = match s.call(&req, &[std::os::fd::AsRawFd::as_raw_fd(&fd)]) {
-            Ok((softrdma_abi::msg::Response::Id(k), _)) => k,
-            Ok(_) => {
-                unpin(ptr, len);
-                return Err(Error::Daemon("unexpected answer to a shared region registration".into()));
-            }
-            Err(e) => {
-                unpin(ptr, len);
-                return match e {
-                    Error::Daemon(_) => Ok(None),
-                    Error::InvalidArgument(m) if m.starts_with(softrdma_abi::msg::SHARED_REGION_REFUSED) => Ok(None),
-                    e => Err(e),
-                };
-            }
-        };
+        let Some(key) = Self::share(s, &fd, pd, ptr, len, access)? else { return Ok(None) };
         Ok(Some(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Shared { _map: map } }))
     }
 
@@ -597,6 +576,17 @@ impl MemoryRegion {
         if ptr.is_null() && len > 0 {
             return Err(Error::InvalidArgument("null address".into()));
         }
+        if let Dev::Daemon(s) = &dev {
+            if s.shared_regions.load(std::sync::atomic::Ordering::Relaxed) && crate::remap::movable(ptr, len) {
+                let s = std::sync::Arc::clone(s);
+                // SAFETY: forwarded from this function's contract.
+                match unsafe { Self::register_moved(dev.clone(), &s, pd, ptr, len, access)? } {
+                    Some(mr) => return Ok(mr),
+                    // Refused: process_vm from now on, and no more memory moved for nothing.
+                    None => s.shared_regions.store(false, std::sync::atomic::Ordering::Relaxed),
+                }
+            }
+        }
         pin(ptr, len)?;
         let key = match Self::enter(&dev, pd, ptr, len, access) {
             Ok(k) => k,
@@ -606,6 +596,62 @@ impl MemoryRegion {
             }
         };
         Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Caller })
+    }
+
+    /// `reg_mr_raw` on a daemon device of whole pages of private anonymous memory: the pages are
+    /// moved onto a new sealed memfd at the same addresses (crates/verbs `remap.rs`) and registered
+    /// as a shared region, which the daemon maps. `Ok(None)` when the daemon does not take it (the
+    /// pages stay moved, which the caller cannot tell apart); the caller then registers them for
+    /// process_vm access.
+    ///
+    /// # Safety
+    /// As [`MemoryRegion::register_raw`], and [`crate::remap::movable`] accepted the range.
+    unsafe fn register_moved(
+        dev: Dev,
+        s: &crate::daemon::client::Session,
+        pd: PdId,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Option<MemoryRegion>> {
+        let io = |e| Error::io("moving a region onto shared memory", e);
+        let fd = softrdma_abi::shm::region_memfd("softrdma-mr", len).map_err(io)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { crate::remap::move_onto(&fd, ptr, len) }.map_err(io)?;
+        let key = Self::share(s, &fd, pd, ptr, len, access)?;
+        Ok(key.map(|key| MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Caller }))
+    }
+
+    /// Pin `[ptr, ptr+len)`, the mapping of the memfd `fd` here, and register it with the daemon as
+    /// a shared region (`RegMrShared`): its key, or `None` (unpinned again) when the daemon does not
+    /// take shared regions (an older one answers an unknown request; one on a kernel without
+    /// `F_SEAL_FUTURE_WRITE` refuses the memfd).
+    fn share(
+        s: &crate::daemon::client::Session,
+        fd: &std::os::fd::OwnedFd,
+        pd: PdId,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Option<u32>> {
+        pin(ptr, len)?;
+        let req = softrdma_abi::msg::Request::RegMrShared {
+            pd: pd.0,
+            addr: ptr as u64,
+            len: len as u64,
+            access: access.bits(),
+        };
+        let r = s.call(&req, &[std::os::fd::AsRawFd::as_raw_fd(fd)]);
+        if !matches!(r, Ok((softrdma_abi::msg::Response::Id(_), _))) {
+            unpin(ptr, len);
+        }
+        match r {
+            Ok((softrdma_abi::msg::Response::Id(key), _)) => Ok(Some(key)),
+            Ok(_) => Err(Error::Daemon("unexpected answer to a shared region registration".into())),
+            Err(Error::Daemon(_)) => Ok(None),
+            Err(Error::InvalidArgument(m)) if m.starts_with(softrdma_abi::msg::SHARED_REGION_REFUSED) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Local key.
