@@ -637,6 +637,12 @@ fn shared_role(ctx: &Context) {
     out("HOLDING");
     assert_eq!(input(), "exit");
     drop((send_mr, recv_mr, write_area, read_area, atomic_area, local, paged_mr, qp, cq, pd));
+    // Deregistered: the pages are private again, with the same contents.
+    // SAFETY: still the AREA bytes allocated above.
+    let paged_bytes = unsafe { std::slice::from_raw_parts(paged, AREA) };
+    assert!(paged_bytes == &pattern(me, b'P', AREA)[..], "moved back with its contents");
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    assert!(!maps.contains("/memfd:softrdma-mr"), "a region's memfd is still mapped here:\n{maps}");
     // SAFETY: allocated above with this layout; its region is gone.
     unsafe { std::alloc::dealloc(paged, layout) };
     out("OK");

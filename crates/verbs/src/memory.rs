@@ -468,6 +468,9 @@ pub struct MemoryRegion {
 enum Backing {
     /// The caller's (`reg_mr_raw`).
     Caller,
+    /// The caller's, moved onto a memfd shared with softrdmad (`remap.rs`), moved back when the
+    /// region goes.
+    Moved,
     /// A heap buffer (embedded devices), freed with the region.
     Heap { _buf: AlignedBuf },
     /// A sealed memfd shared with softrdmad (daemon devices), mapped here, unmapped with the region.
@@ -619,7 +622,7 @@ impl MemoryRegion {
         // SAFETY: forwarded from this function's contract.
         unsafe { crate::remap::move_onto(&fd, ptr, len) }.map_err(io)?;
         let key = Self::share(s, &fd, pd, ptr, len, access)?;
-        Ok(key.map(|key| MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Caller }))
+        Ok(key.map(|key| MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Moved }))
     }
 
     /// Pin `[ptr, ptr+len)`, the mapping of the memfd `fd` here, and register it with the daemon as
@@ -744,6 +747,11 @@ impl Drop for MemoryRegion {
             Dev::Daemon(s) => s.call_quiet(&softrdma_abi::msg::Request::DeregMr { key: self.key }),
         }
         unpin(self.ptr, self.len);
+        if let Backing::Moved = self._owned {
+            // SAFETY: the caller's memory, still allocated (register_raw's contract), which the
+            // daemon no longer maps; on failure it stays shared, with the same contents.
+            let _ = unsafe { crate::remap::move_back(self.ptr, self.len) };
+        }
     }
 }
 

@@ -12,8 +12,10 @@
 //! The copy and the new mapping are not one step: a write to the region by another thread between
 //! them would be lost. Registering memory that other threads are writing is already a race in
 //! verbs (the device may read either version), so the region's contents are taken as those of the
-//! moment it is registered. After deregistration the pages stay shared-memfd pages, with the same
-//! contents; a child created by `fork` shares them instead of copying them.
+//! moment it is registered. While registered, a child created by `fork` shares the pages instead
+//! of copying them. Deregistration moves them back ([`move_back`]): private anonymous pages again,
+//! with the same contents, so that an allocator that later drops them (`MADV_DONTNEED`) gets the
+//! zeroed pages it expects, which memfd pages would not be.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -88,6 +90,34 @@ pub(crate) unsafe fn move_onto(fd: &OwnedFd, ptr: *mut u8, len: usize) -> io::Re
     Ok(())
 }
 
+/// Move `[ptr, ptr+len)`, moved by [`move_onto`], back to private anonymous pages with the same
+/// contents: they are copied into a new anonymous mapping, which then replaces the memfd's at
+/// `ptr` (`mremap`, one step).
+///
+/// # Safety
+/// As [`move_onto`]: memory of this process that nothing else changes during the call.
+pub(crate) unsafe fn move_back(ptr: *mut u8, len: usize) -> io::Result<()> {
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: a new private anonymous mapping at an address the kernel picks.
+    let tmp = unsafe { libc::mmap(std::ptr::null_mut(), len, rw, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+    if tmp == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both ranges are `len` bytes of readable/writable memory and do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(ptr, tmp.cast::<u8>(), len) };
+    // SAFETY: moves our new mapping over the caller's range (the caller's contract), replacing the
+    // memfd pages there.
+    let moved =
+        unsafe { libc::mremap(tmp, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, ptr.cast::<libc::c_void>()) };
+    if moved == libc::MAP_FAILED {
+        let err = io::Error::last_os_error();
+        // SAFETY: unmaps only our temporary mapping, which did not move.
+        unsafe { libc::munmap(tmp, len) };
+        return Err(err);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,7 +146,7 @@ mod tests {
     }
 
     #[test]
-    fn moved_memory_keeps_its_bytes_and_is_the_memfd() {
+    fn moved_memory_keeps_its_bytes_is_the_memfd_and_moves_back() {
         let len = 4 * PAGE;
         // SAFETY: a new private anonymous mapping of our own.
         let p = unsafe {
@@ -152,6 +182,18 @@ mod tests {
         assert_eq!(unsafe { libc::pread(fd.as_raw_fd(), got.as_mut_ptr().cast(), 1, (PAGE + 5) as i64) }, 1);
         assert_eq!(got[0], 0xee);
         assert!(!movable(p, len), "shared now");
+        // And back: private anonymous pages with the same bytes, the memfd no longer behind them.
+        // SAFETY: our mapping, which nothing else touches.
+        unsafe { move_back(p, len) }.unwrap();
+        assert!(movable(p, len), "private anonymous again");
+        // SAFETY: still `len` bytes mapped at `p`.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(p, len) };
+        assert_eq!(bytes[PAGE + 5], 0xee);
+        assert!(bytes.iter().enumerate().all(|(i, &b)| i == PAGE + 5 || b == (i * 7 % 251) as u8), "contents kept");
+        bytes[0] = 0x11;
+        // SAFETY: a one-byte read into our buffer.
+        assert_eq!(unsafe { libc::pread(fd.as_raw_fd(), got.as_mut_ptr().cast(), 1, 0) }, 1);
+        assert_eq!(got[0], 0, "a write no longer reaches the memfd");
         // SAFETY: our mapping.
         unsafe { libc::munmap(p.cast(), len) };
     }
