@@ -168,6 +168,13 @@ impl Client {
         Client::spawn_with(d, role, cmd, &[])
     }
 
+    /// [`Client::spawn`] with `SOFTRDMA_MOVE_REGIONS=1`: page-aligned caller memory is moved onto
+    /// memfds the daemon maps.
+    fn spawn_moving(d: &Daemon, role: &str) -> Client {
+        let exe = std::env::current_exe().unwrap();
+        Client::spawn_with(d, role, Command::new(exe), &[("SOFTRDMA_MOVE_REGIONS", "1")])
+    }
+
     fn spawn_with(d: &Daemon, role: &str, mut cmd: Command, env: &[(&str, &str)]) -> Client {
         cmd.envs(env.iter().copied());
         cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
@@ -524,18 +531,9 @@ fn shared_role(ctx: &Context) {
     const SIZES: [usize; 6] = [1, 1023, 1024, 1025, 4096 + 17, 3 * MSG + 5];
     let (pd, cq, qp) = rc_qp(ctx);
     let me = qp.qpn().value();
-    let send_mr = pd.reg_mr(SIZES.len() * 8192, Access::LOCAL_WRITE).unwrap();
-    let recv_mr = pd.reg_mr((SIZES.len() + 1) * 8192, Access::LOCAL_WRITE).unwrap();
-    let write_area = pd.reg_mr(AREA + 3, RW).unwrap();
-    let read_area = pd.reg_mr(AREA, Access::REMOTE_READ).unwrap();
-    let atomic_area = pd.reg_mr(64, RW).unwrap();
-    let local = pd.reg_mr(AREA + 64, Access::LOCAL_WRITE).unwrap();
-    let mut raw = vec![0u8; AREA];
-    // SAFETY: `raw` outlives the region (dropped after it, at the end of this function) and is
-    // only read again after the peer's WRITE into it completed.
-    let raw_mr = unsafe { pd.reg_mr_raw(raw.as_mut_ptr(), raw.len(), RW) }.unwrap();
-    // And one of whole pages of this process's heap (what `ibv_reg_mr` of a page-aligned buffer
-    // registers): moved onto a memfd the daemon maps, its contents kept.
+    // First, whole pages of this process's heap (what `ibv_reg_mr` of a page-aligned buffer
+    // registers; the clients run with SOFTRDMA_MOVE_REGIONS=1): moved onto a memfd the daemon
+    // maps, or, if the daemon maps none, moved back and reached by process_vm; its contents kept.
     let layout = std::alloc::Layout::from_size_align(AREA, 4096).unwrap();
     // SAFETY: a layout of non-zero size.
     let paged = unsafe { std::alloc::alloc(layout) };
@@ -543,9 +541,20 @@ fn shared_role(ctx: &Context) {
     // SAFETY: the AREA bytes just allocated, freed at the end of this function after the region.
     let paged_bytes = unsafe { std::slice::from_raw_parts_mut(paged, AREA) };
     paged_bytes.copy_from_slice(&pattern(me, b'P', AREA));
-    // SAFETY: as `raw`; the peer only reads it.
+    // SAFETY: freed after the region; the peer only reads it.
     let paged_mr = unsafe { pd.reg_mr_raw(paged, AREA, RW) }.unwrap();
-    assert!(paged_bytes == &pattern(me, b'P', AREA)[..], "a moved region keeps its contents");
+    assert!(paged_bytes == &pattern(me, b'P', AREA)[..], "a registered region keeps its contents");
+    let send_mr = pd.reg_mr(SIZES.len() * 8192, Access::LOCAL_WRITE).unwrap();
+    let recv_mr = pd.reg_mr((SIZES.len() + 1) * 8192, Access::LOCAL_WRITE).unwrap();
+    let write_area = pd.reg_mr(AREA + 3, RW).unwrap();
+    let read_area = pd.reg_mr(AREA, Access::REMOTE_READ).unwrap();
+    let atomic_area = pd.reg_mr(64, RW).unwrap();
+    let local = pd.reg_mr(AREA + 64, Access::LOCAL_WRITE).unwrap();
+    // Never page-aligned (8 bytes into a 16-byte aligned allocation): the process_vm path.
+    let mut raw = vec![0u8; AREA + 8];
+    // SAFETY: `raw` outlives the region (dropped after it, at the end of this function) and is
+    // only read again after the peer's WRITE into it completed.
+    let raw_mr = unsafe { pd.reg_mr_raw(raw.as_mut_ptr().add(8), AREA, RW) }.unwrap();
     send_mr.write(0, &pattern(me, b'S', SIZES.len() * 8192)).unwrap();
     read_area.write(0, &pattern(me, b'R', AREA)).unwrap();
     atomic_area.write(8, &(u64::from(me) * 1000).to_ne_bytes()).unwrap();
@@ -633,7 +642,7 @@ fn shared_role(ctx: &Context) {
     want[8..16].copy_from_slice(&(0xdead_beef_0000_0000 | u64::from(me)).to_ne_bytes());
     assert_eq!(atomic_area.to_vec(0, 64).unwrap(), want, "atomics");
     drop(raw_mr);
-    assert_eq!(raw, pattern(pqpn, b'W', AREA), "RDMA WRITE into the reg_mr_raw region");
+    assert_eq!(raw[8..], pattern(pqpn, b'W', AREA), "RDMA WRITE into the reg_mr_raw region");
     out("HOLDING");
     assert_eq!(input(), "exit");
     drop((send_mr, recv_mr, write_area, read_area, atomic_area, local, paged_mr, qp, cq, pd));
@@ -1249,8 +1258,8 @@ fn shared_regions_between_two_processes() {
     let dir = Daemon::dir("shared", "rxe0 netdev lo addr 127.0.0.1\n");
     let d = Daemon::start(&dir, 18968, None);
     assert_eq!(region_maps(&d), 0);
-    let mut a = Client::spawn(&d, "shared", false);
-    let mut b = Client::spawn(&d, "shared", false);
+    let mut a = Client::spawn_moving(&d, "shared");
+    let mut b = Client::spawn_moving(&d, "shared");
     pair(&mut a, &mut b);
     assert_eq!(a.line(), "PHASE2");
     assert_eq!(b.line(), "PHASE2");
@@ -1287,8 +1296,8 @@ fn shared_regions_between_two_processes() {
 fn regions_fall_back_to_process_vm_when_the_daemon_maps_none() {
     let dir = Daemon::dir("noshared", "rxe0 netdev lo addr 127.0.0.1\n");
     let d = Daemon::start_with(&dir, 18967, None, vec!["--no-shared-regions"]);
-    let mut a = Client::spawn(&d, "shared", false);
-    let mut b = Client::spawn(&d, "shared", false);
+    let mut a = Client::spawn_moving(&d, "shared");
+    let mut b = Client::spawn_moving(&d, "shared");
     pair(&mut a, &mut b);
     assert_eq!(a.line(), "PHASE2");
     assert_eq!(b.line(), "PHASE2");

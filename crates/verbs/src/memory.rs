@@ -598,14 +598,16 @@ impl MemoryRegion {
                 return Err(e);
             }
         };
+        crate::remap::note(ptr, len);
         Ok(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Caller })
     }
 
-    /// `reg_mr_raw` on a daemon device of whole pages of private anonymous memory: the pages are
-    /// moved onto a new sealed memfd at the same addresses (crates/verbs `remap.rs`) and registered
-    /// as a shared region, which the daemon maps. `Ok(None)` when the daemon does not take it (the
-    /// pages stay moved, which the caller cannot tell apart); the caller then registers them for
-    /// process_vm access.
+    /// `reg_mr_raw` on a daemon device of whole pages of plain private anonymous memory, with
+    /// `SOFTRDMA_MOVE_REGIONS=1`: the pages are moved onto a new sealed memfd at the same addresses
+    /// (crates/verbs `remap.rs`) and registered as a shared region, which the daemon maps.
+    /// `Ok(None)` when they could not be moved, or the daemon does not take them (they are moved
+    /// back): the caller then registers them for process_vm access. An error of the registration
+    /// itself (a memlock limit, a bad PD) moves them back too.
     ///
     /// # Safety
     /// As [`MemoryRegion::register_raw`], and [`crate::remap::movable`] accepted the range.
@@ -617,12 +619,19 @@ impl MemoryRegion {
         len: usize,
         access: Access,
     ) -> Result<Option<MemoryRegion>> {
-        let io = |e| Error::io("moving a region onto shared memory", e);
-        let fd = softrdma_abi::shm::region_memfd("softrdma-mr", len).map_err(io)?;
+        let Ok(fd) = softrdma_abi::shm::region_memfd("softrdma-mr", len) else { return Ok(None) };
         // SAFETY: forwarded from this function's contract.
-        unsafe { crate::remap::move_onto(&fd, ptr, len) }.map_err(io)?;
-        let key = Self::share(s, &fd, pd, ptr, len, access)?;
-        Ok(key.map(|key| MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Moved }))
+        if unsafe { crate::remap::move_onto(&fd, ptr, len) }.is_err() {
+            return Ok(None);
+        }
+        let shared = Self::share(s, &fd, pd, ptr, len, access);
+        if !matches!(shared, Ok(Some(_))) {
+            // SAFETY: as above; the daemon did not keep the memfd.
+            let _ = unsafe { crate::remap::move_back(ptr, len) };
+        }
+        let Some(key) = shared? else { return Ok(None) };
+        crate::remap::note(ptr, len);
+        Ok(Some(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Moved }))
     }
 
     /// Pin `[ptr, ptr+len)`, the mapping of the memfd `fd` here, and register it with the daemon as
@@ -749,8 +758,13 @@ impl Drop for MemoryRegion {
         unpin(self.ptr, self.len);
         if let Backing::Moved = self._owned {
             // SAFETY: the caller's memory, still allocated (register_raw's contract), which the
-            // daemon no longer maps; on failure it stays shared, with the same contents.
+            // daemon no longer maps; if it is no longer read-write, or the move fails, it stays
+            // shared, with the same contents.
             let _ = unsafe { crate::remap::move_back(self.ptr, self.len) };
+        }
+        // Only now may another registration move these pages.
+        if let Backing::Caller | Backing::Moved = self._owned {
+            crate::remap::forget(self.ptr, self.len);
         }
     }
 }
