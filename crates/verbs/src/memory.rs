@@ -610,7 +610,8 @@ impl MemoryRegion {
     /// itself (a memlock limit, a bad PD) moves them back too.
     ///
     /// # Safety
-    /// As [`MemoryRegion::register_raw`], and [`crate::remap::movable`] accepted the range.
+    /// As [`MemoryRegion::register_raw`], and [`crate::remap::movable`] accepted (and noted) the
+    /// range; it is forgotten again unless the region is made.
     unsafe fn register_moved(
         dev: Dev,
         s: &crate::daemon::client::Session,
@@ -619,18 +620,21 @@ impl MemoryRegion {
         len: usize,
         access: Access,
     ) -> Result<Option<MemoryRegion>> {
-        let Ok(fd) = softrdma_abi::shm::region_memfd("softrdma-mr", len) else { return Ok(None) };
-        // SAFETY: forwarded from this function's contract.
-        if unsafe { crate::remap::move_onto(&fd, ptr, len) }.is_err() {
+        let moved = softrdma_abi::shm::region_memfd("softrdma-mr", len).ok().filter(|fd| {
+            // SAFETY: forwarded from this function's contract.
+            unsafe { crate::remap::move_onto(fd, ptr, len) }.is_ok()
+        });
+        let Some(fd) = moved else {
+            crate::remap::forget(ptr, len);
             return Ok(None);
-        }
+        };
         let shared = Self::share(s, &fd, pd, ptr, len, access);
         if !matches!(shared, Ok(Some(_))) {
             // SAFETY: as above; the daemon did not keep the memfd.
             let _ = unsafe { crate::remap::move_back(ptr, len) };
+            crate::remap::forget(ptr, len);
         }
         let Some(key) = shared? else { return Ok(None) };
-        crate::remap::note(ptr, len);
         Ok(Some(MemoryRegion { dev, key, access, ptr, len, _owned: Backing::Moved }))
     }
 

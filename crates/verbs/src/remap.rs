@@ -51,15 +51,25 @@ pub(crate) fn forget(ptr: *const u8, len: usize) {
 }
 
 /// Whether `[ptr, ptr+len)` may be moved: moving is on, the range is whole pages of plain private
-/// anonymous read-write memory (per `/proc/self/smaps`), and no registered range overlaps it.
+/// anonymous read-write memory (per `/proc/self/smaps`), and no registered range overlaps it. If
+/// so the range is noted as registered at once (so that no other thread moves it too); the caller
+/// forgets it should the registration not happen.
 pub(crate) fn movable(ptr: *const u8, len: usize) -> bool {
-    enabled() && !overlaps_registered(ptr, len) && plain_pages(ptr, len)
+    if !enabled() || !plain_pages(ptr, len) {
+        return false;
+    }
+    let mut r = REGISTERED.lock().expect("registered ranges");
+    if overlaps(&r, ptr, len) {
+        return false;
+    }
+    r.push((ptr as usize, ptr as usize + len));
+    true
 }
 
-/// Whether a registered range of caller memory overlaps `[ptr, ptr+len)`.
-fn overlaps_registered(ptr: *const u8, len: usize) -> bool {
+/// Whether one of the `registered` ranges overlaps `[ptr, ptr+len)`.
+fn overlaps(registered: &[(usize, usize)], ptr: *const u8, len: usize) -> bool {
     let (start, end) = (ptr as usize, ptr as usize + len);
-    REGISTERED.lock().expect("registered ranges").iter().any(|&(a, b)| a < end && start < b)
+    registered.iter().any(|&(a, b)| a < end && start < b)
 }
 
 /// Whether `[ptr, ptr+len)` is whole pages of plain private anonymous read-write memory.
@@ -294,9 +304,10 @@ VmFlags: rd wr mr mw me gd ac
         assert!(!plain_pages(p, PAGE + 1), "a part page");
         // A registration over part of it keeps the rest from moving while it lasts.
         note(p.wrapping_add(PAGE), PAGE);
-        assert!(overlaps_registered(p, len) && !overlaps_registered(p.wrapping_add(2 * PAGE), PAGE));
+        let registered = || REGISTERED.lock().unwrap().clone();
+        assert!(overlaps(&registered(), p, len) && !overlaps(&registered(), p.wrapping_add(2 * PAGE), PAGE));
         forget(p.wrapping_add(PAGE), PAGE);
-        assert!(!overlaps_registered(p, len));
+        assert!(!overlaps(&registered(), p, len));
         let fd = softrdma_abi::shm::region_memfd("remap-test", len).unwrap();
         // SAFETY: our mapping, which nothing else touches.
         unsafe { move_onto(&fd, p, len) }.unwrap();
