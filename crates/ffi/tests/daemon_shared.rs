@@ -47,11 +47,17 @@ fn start_daemon_with(tag: &str, conf: &str) -> Daemon {
 }
 
 fn run_shared(d: &Daemon, prog: &str, args: &[&str], port_flag: &str) -> (Output, Output) {
+    run_shared_env(d, prog, args, port_flag, &[])
+}
+
+/// [`run_shared`] with more environment for both programs.
+fn run_shared_env(d: &Daemon, prog: &str, args: &[&str], port_flag: &str, env: &[(&str, &str)]) -> (Output, Output) {
     let prog = program(prog).unwrap();
     let tcp = free_tcp_port().to_string();
     let cmd = |extra: &[&str]| {
         let mut c = std::process::Command::new(&prog);
-        c.env("LD_LIBRARY_PATH", lib_dir())
+        c.envs(env.iter().copied())
+            .env("LD_LIBRARY_PATH", lib_dir())
             .env("SOFTRDMA_CONFIG", &d.config)
             .env("SOFTRDMA_SOCKET", &d.socket)
             .env("SOFTRDMA_UDP_PORT", d.udp.to_string())
@@ -95,6 +101,32 @@ fn rc_pingpong_and_write_bw_share_one_daemon_device() {
     let row =
         out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no result row:\n{out}"));
     assert_eq!(row.split_whitespace().nth(1), Some("200"), "{row}");
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// With `SOFTRDMA_MOVE_REGIONS=1` the programs' own page-aligned buffers are moved onto memfds the
+/// daemon maps (crates/verbs `remap.rs`): `ibv_rc_pingpong -c` checks every byte it receives, and
+/// perftest's WRITE and READ bandwidth tests run to their result rows.
+#[test]
+fn programs_whose_buffers_are_moved_onto_shared_memory() {
+    if program("ibv_rc_pingpong").is_none() || program("ib_read_bw").is_none() {
+        eprintln!("SKIP: ibv_rc_pingpong / ib_read_bw not installed (apt-get install ibverbs-utils perftest)");
+        return;
+    }
+    let d = start_daemon("moved");
+    let moving = [("SOFTRDMA_MOVE_REGIONS", "1")];
+    let args = ["-g", "1", "-n", "200", "-s", "4096", "-c"];
+    let (s, c) = run_shared_env(&d, "ibv_rc_pingpong", &args, "-p", &moving);
+    for o in [&s, &c] {
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains("200 iters in"), "{out}");
+    }
+    for prog in ["ib_write_bw", "ib_read_bw"] {
+        let (_, c) = run_shared_env(&d, prog, &["-x", "1", "-F", "-n", "200"], "-p", &moving);
+        let out = String::from_utf8_lossy(&c.stdout);
+        let row = out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("{prog}:\n{out}"));
+        assert_eq!(row.split_whitespace().nth(1), Some("200"), "{row}");
+    }
     let _ = std::fs::remove_dir_all(&d.dir);
 }
 
