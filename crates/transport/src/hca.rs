@@ -255,10 +255,6 @@ impl Ctx<'_> {
         }
         Some(wr)
     }
-
-    pub fn srq_len(&self, id: SrqId) -> usize {
-        self.queues.srqs.get(&id).map_or(0, |s| s.wqes.len())
-    }
 }
 
 /// A hasher for QPNs (24-bit numbers allocated in sequence): one multiply, enough to spread them

@@ -320,7 +320,7 @@ impl Qp {
         if self.sq.len() >= self.init.cap.max_send_wr as usize {
             return Err(VerbsError::QueueFull);
         }
-        let signaled = self.init.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED);
+        let signaled = self.signaled(&wr);
         if matches!(self.state, QpState::Err | QpState::Sqe) {
             // Posted to a QP in error: completes at once, flushed.
             let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, send_wc_opcode(&wr.op), 0);
@@ -330,6 +330,11 @@ impl Qp {
         self.sq.push(wr, signaled);
         ctx.mark_ready(self.qpn);
         Ok(())
+    }
+
+    /// Whether `wr` completes with a completion when it succeeds.
+    fn signaled(&self, wr: &SendWr) -> bool {
+        self.init.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED)
     }
 
     fn validate_send(&self, wr: &SendWr) -> Result<(), VerbsError> {

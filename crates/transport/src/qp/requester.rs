@@ -660,19 +660,24 @@ impl Qp {
         self.sq.on_acked(1, ctx.config);
         self.sq.reset_retries(&self.attr);
         ctx.stats.sent_pkts += 1;
+        // What comes back into the SGEs: a READ's data, an atomic's original value.
         let orig;
-        let (sent, back): (&[u8], &[u8]) = match d {
-            Direct::Out(p) => (p, &[]),
-            Direct::In(data) => (&[], data),
+        let back: Option<&[u8]> = match d {
+            Direct::Out(p) => {
+                ctx.stats.sent_bytes += p.len() as u64;
+                None
+            }
+            Direct::In(data) => {
+                ctx.stats.rcvd_bytes += data.len() as u64;
+                Some(data)
+            }
             Direct::Atomic(v) => {
                 orig = v.unwrap_or(0).to_ne_bytes();
-                (&[], &orig)
+                Some(&orig)
             }
         };
-        ctx.stats.sent_bytes += sent.len() as u64;
-        if let (Payload::Sgl(sgl), false) = (&wr.payload, matches!(d, Direct::Out(_))) {
+        if let (Some(back), Payload::Sgl(sgl)) = (back, &wr.payload) {
             ctx.stats.rcvd_pkts += 1;
-            ctx.stats.rcvd_bytes += if matches!(d, Direct::In(_)) { back.len() as u64 } else { 0 };
             // Checked by direct_request; memory another process lends (softrdmad's process_vm
             // regions) may still refuse it, as it would the response's: the completer's error.
             if memory::scatter(ctx.mem, self.init.pd, sgl, 0, back).is_err() {
@@ -682,9 +687,8 @@ impl Qp {
                 return;
             }
         }
-        if self.init.sq_sig_all || wr.flags.contains(SendFlags::SIGNALED) {
-            let len = sent.len().max(back.len()) as u32;
-            let wc = self.wc(wr.wr_id, WcStatus::Success, send_wc_opcode(&wr.op), len);
+        if self.signaled(wr) {
+            let wc = self.wc(wr.wr_id, WcStatus::Success, send_wc_opcode(&wr.op), d.len() as u32);
             ctx.push_send_wc(self.init.send_cq, wc);
         }
     }

@@ -14,7 +14,7 @@ use super::requester::Direct;
 use super::Qp;
 use crate::attr::{QpState, QpType};
 use crate::cq::{WcFlags, WcOpcode, WcStatus};
-use crate::hca::{AsyncEvent, Ctx, RxPlacement, Transmit};
+use crate::hca::{AsyncEvent, Ctx, Queues, RxPlacement, Transmit};
 use crate::memory::{self, Access, AtomicOp, KeyKind, MemError};
 use crate::wr::{RecvWr, SendOp};
 use softrdma_wire::aeth::CREDITS_INVALID;
@@ -165,10 +165,11 @@ impl Qp {
         }
     }
 
-    fn recv_available(&self, ctx: &Ctx<'_>) -> bool {
+    /// The receive WQE [`Qp::take_recv`] would take, left in place.
+    fn next_recv<'a>(&'a self, queues: &'a Queues) -> Option<&'a RecvWr> {
         match self.init.srq {
-            Some(srq) => ctx.srq_len(srq) > 0,
-            None => !self.rq.is_empty(),
+            Some(srq) => queues.srq_front(srq),
+            None => self.rq.front(),
         }
     }
 
@@ -449,10 +450,7 @@ impl Qp {
             _ => return false,
         };
         // The receive WQE a SEND fills, or a WRITE with immediate completes: looked at, not taken.
-        let next = match self.init.srq {
-            Some(srq) => ctx.queues.srq_front(srq),
-            None => self.rq.front(),
-        };
+        let next = self.next_recv(ctx.queues);
         let written = match (write, next) {
             (Some(_), None) if imm.is_some() => false,
             (Some((va, rkey)), _) => {
@@ -531,7 +529,7 @@ impl Qp {
             return Err(Step::Error(INVALID_REQUEST));
         }
         // A write with immediate needs a receive WQE; ask for it before touching memory.
-        if info.ends_message() && info.is(Flags::IMM) && !self.recv_available(ctx) {
+        if info.ends_message() && info.is(Flags::IMM) && self.next_recv(ctx.queues).is_none() {
             self.resp.cur = (!info.starts_message()).then_some(InMsg::Write { va, rkey, len, offset });
             return Err(Step::Rnr);
         }
