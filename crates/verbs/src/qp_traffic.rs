@@ -16,7 +16,8 @@ use softrdma_wire::Qpn;
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct QpTraffic {
     /// Packets sent, bytes sent, packets received, bytes received (UDP payloads; a message
-    /// executed directly counts as one packet of its payload's length).
+    /// executed directly counts as its request packet and, for a READ or atomic, its response,
+    /// each of the length of the data it carries: see [`QpTrafficTable::count_direct`]).
     pub pkts: [u64; 4],
     /// The increments of the engine's rare counters (the ones `rare!` lists) while handling this
     /// QP's packets (received, or produced by `poll_transmit`). Timer work (`ack_timeouts`, retry

@@ -265,7 +265,7 @@ impl Device {
         let mut hca = Hca::new(config);
         if link.loops_back() {
             // Two QPs of this device connected to each other through one of its own addresses (what
-            // the flush loops back) have their small SENDs and WRITEs executed at post time.
+            // the flush loops back) have their one-packet requests executed at post time.
             let own: Vec<[u8; 16]> =
                 port.sockets().filter(|(_, a)| !a.ip().is_unspecified()).map(|(_, a)| Gid::from_ip(a.ip()).0).collect();
             hca.set_local_gids(&own);
