@@ -46,6 +46,19 @@ fn start_daemon_with(tag: &str, conf: &str) -> Daemon {
     Daemon { dir, config, socket, udp }
 }
 
+/// `prog` set up to use the daemon's device through our `libibverbs.so.1`, its output captured.
+fn on_daemon(d: &Daemon, prog: &std::path::Path) -> std::process::Command {
+    let mut c = std::process::Command::new(prog);
+    c.env("LD_LIBRARY_PATH", lib_dir())
+        .env("SOFTRDMA_CONFIG", &d.config)
+        .env("SOFTRDMA_SOCKET", &d.socket)
+        .env("SOFTRDMA_UDP_PORT", d.udp.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    c
+}
+
 fn run_shared(d: &Daemon, prog: &str, args: &[&str], port_flag: &str) -> (Output, Output) {
     run_shared_env(d, prog, args, port_flag, &[])
 }
@@ -55,19 +68,8 @@ fn run_shared_env(d: &Daemon, prog: &str, args: &[&str], port_flag: &str, env: &
     let prog = program(prog).unwrap();
     let tcp = free_tcp_port().to_string();
     let cmd = |extra: &[&str]| {
-        let mut c = std::process::Command::new(&prog);
-        c.envs(env.iter().copied())
-            .env("LD_LIBRARY_PATH", lib_dir())
-            .env("SOFTRDMA_CONFIG", &d.config)
-            .env("SOFTRDMA_SOCKET", &d.socket)
-            .env("SOFTRDMA_UDP_PORT", d.udp.to_string())
-            .args(["-d", "sd0"])
-            .args(args)
-            .args([port_flag, &tcp])
-            .args(extra)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut c = on_daemon(d, &prog);
+        c.envs(env.iter().copied()).args(["-d", "sd0"]).args(args).args([port_flag, &tcp]).args(extra);
         c
     };
     let server = cmd(&[]).spawn().expect("server");
@@ -134,15 +136,8 @@ fn programs_whose_buffers_are_moved_onto_shared_memory() {
 fn run_cm_shared(d: &Daemon, prog: &str, server: &[&str], client: &[&str]) -> (String, String) {
     let prog = program(prog).unwrap();
     let cmd = |args: &[&str]| {
-        let mut c = std::process::Command::new(&prog);
-        c.env("LD_LIBRARY_PATH", lib_dir())
-            .env("SOFTRDMA_CONFIG", &d.config)
-            .env("SOFTRDMA_SOCKET", &d.socket)
-            .env("SOFTRDMA_UDP_PORT", d.udp.to_string())
-            .args(args)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
+        let mut c = on_daemon(d, &prog);
+        c.args(args);
         c
     };
     let server = cmd(server).spawn().expect("server");
