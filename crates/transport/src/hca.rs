@@ -864,11 +864,18 @@ impl Hca {
             }
             match t {
                 Some(t) => {
-                    qp.burst += 1;
-                    if qp.burst >= burst {
+                    if qp.nothing_to_transmit() {
+                        // Its next call would find nothing and leave the list: it leaves now, and
+                        // the flush that sent this packet makes no call for nothing.
                         qp.burst = 0;
-                        // The QP is at the front (a QP is queued once): its turn is over.
-                        ctx.ready.rotate();
+                        ctx.ready.pop_front();
+                    } else {
+                        qp.burst += 1;
+                        if qp.burst >= burst {
+                            qp.burst = 0;
+                            // The QP is at the front (a QP is queued once): its turn is over.
+                            ctx.ready.rotate();
+                        }
                     }
                     return Some(t);
                 }

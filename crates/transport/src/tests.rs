@@ -603,3 +603,31 @@ fn sends_may_wait_only_behind_enough_unacknowledged_packets() {
         assert!(!hca.cork(Qpn::new(0x7777), now), "unknown QP");
     }
 }
+
+/// A QP leaves the transmit list with its last packet: the flush that takes that packet makes no
+/// further call to find there is nothing (`Hca::has_transmit` is false at once), while a QP with
+/// more to send, or a response owed, stays on it.
+#[test]
+fn a_qp_leaves_the_transmit_list_with_its_last_packet() {
+    let now = Instant::ZERO;
+    let (mut hca, mut mem, qpn, _) = requester_with(Config::default());
+    let mut buf = vec![0u8; 4096 + 64];
+    for id in 1..=2 {
+        hca.post_send(qpn, write64(id, 1), now, &mut mem).unwrap();
+    }
+    assert!(hca.has_transmit());
+    assert!(hca.poll_transmit(now, &mut mem, &mut buf).is_some());
+    assert!(hca.has_transmit(), "one request still to send");
+    assert!(hca.poll_transmit(now, &mut mem, &mut buf).is_some());
+    assert!(!hca.has_transmit(), "nothing left after the last packet");
+    assert!(hca.poll_transmit(now, &mut mem, &mut buf).is_none());
+    // A 4-packet WRITE (MTU 256) keeps its QP on the list until its last packet.
+    let mut wr = write64(3, 1);
+    wr.payload = crate::wr::Payload::Sgl(SgeList::one(Sge { addr: 0x40, length: 1024, lkey: 1 }));
+    hca.post_send(qpn, wr, now, &mut mem).unwrap();
+    for k in 0..4 {
+        assert!(hca.has_transmit(), "packet {k}");
+        assert!(hca.poll_transmit(now, &mut mem, &mut buf).is_some());
+    }
+    assert!(!hca.has_transmit());
+}

@@ -413,6 +413,13 @@ impl Qp {
         ctx.mark_ready(self.qpn);
     }
 
+    /// Whether [`Qp::poll_transmit`] would find nothing, with no side effect: no response owed and
+    /// no work request left to (re)transmit. Anything that changes that (a post, a packet, a timer)
+    /// queues the QP again.
+    pub fn nothing_to_transmit(&self) -> bool {
+        self.resp.nothing_owed() && self.sq.cur >= self.sq.len()
+    }
+
     /// Produce the next packet to send, responses first.
     pub fn poll_transmit(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
         if let Some(t) = self.poll_response(buf, ctx) {

@@ -130,6 +130,11 @@ impl Responder {
         self.out.iter().filter(new).count()
     }
 
+    /// No response (ACK, NAK, READ response, atomic ACK) waits to be sent.
+    pub(super) fn nothing_owed(&self) -> bool {
+        self.out.is_empty()
+    }
+
     /// Nothing of an earlier request is pending: no message in progress, no response queued, no
     /// NAK outstanding (see [`Qp::take_direct`]).
     pub(super) fn idle(&self) -> bool {
