@@ -130,6 +130,10 @@ pub(crate) struct State {
     tx_self: Vec<(usize, usize, Option<DeferredPayload>, SocketAddr)>,
     /// The ICRC pseudo-header of the last sent packets' addresses and length.
     tx_icrc: IcrcCache,
+    /// The destination GID of the last packet sent, with the UDP addresses it maps to (destination,
+    /// and this device's source for it): a function of the GID alone, kept from flush to flush, as
+    /// a burst, or a ping-pong, goes to one peer.
+    tx_peer: Option<([u8; 16], SocketAddr, SocketAddr)>,
     rx_buf: Vec<u8>,
     /// The QP whose RC WRITE the last received packet continued (a FIRST or MIDDLE): the next
     /// datagram may be its continuation, received in place (see place.rs).
@@ -290,6 +294,7 @@ impl Device {
             tx_meta: Vec::with_capacity(udp::BATCH),
             tx_self: Vec::with_capacity(udp::BATCH),
             tx_icrc: IcrcCache::default(),
+            tx_peer: None,
             rx_buf: vec![0; udp::BATCH * RX_SLOT],
             rx_hint: None,
             rx_single: false,
@@ -419,12 +424,12 @@ impl Device {
                 st.link.loop_budget_used();
             }
         }
-        let State { cm, hca, mem, tx_buf, tx_meta, tx_self, tx_icrc, tx_errors, qp_traffic, link, .. } = &mut *st;
+        let State { cm, hca, mem, tx_buf, tx_meta, tx_self, tx_icrc, tx_peer, tx_errors, qp_traffic, link, .. } =
+            &mut *st;
         // Busy polling calls this on every empty poll: nothing is set up while the engine has
         // nothing to send, and the UDP batch only when a packet goes to UDP. A lane whose ring is
         // full stops the building: the packets stay in the engine until the receiver made room.
         let mut congested = link.flush_pending();
-        let mut peer: Option<([u8; 16], SocketAddr, SocketAddr)> = None;
         let mut loop_batches = 0;
         while hca.has_transmit() && !congested {
             // (length, destination, source, transmit slot) of the packets for UDP.
@@ -467,8 +472,8 @@ impl Device {
                     q.pkts[0] += 1;
                     q.pkts[1] += t.len as u64;
                 }
-                // A burst goes to one peer: its addresses are worked out once per flush.
-                let (dst, src) = match peer {
+                // A burst goes to one peer: its addresses are worked out when the peer changes.
+                let (dst, src) = match *tx_peer {
                     Some((dgid, dst, src)) if dgid == t.av.dgid => (dst, src),
                     _ => {
                         let dst = SocketAddr::new(Gid(t.av.dgid).to_ip(), self.port.port());
@@ -476,7 +481,7 @@ impl Device {
                             *tx_errors += 1;
                             continue;
                         };
-                        peer = Some((t.av.dgid, dst, src));
+                        *tx_peer = Some((t.av.dgid, dst, src));
                         (dst, src)
                     }
                 };
