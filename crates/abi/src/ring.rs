@@ -355,6 +355,19 @@ impl Consumer {
         Ok(true)
     }
 
+    /// Copy entry `k` (0: the oldest) into `out` like [`Consumer::peek`], without consuming
+    /// anything; false if fewer than `k + 1` entries wait.
+    pub fn peek_at(&self, k: u32, out: &mut [u8]) -> Result<bool, RingCorrupt> {
+        if self.pending()? <= k {
+            return Ok(false);
+        }
+        let n = out.len().min(self.ring.slot_size as usize);
+        // SAFETY: as in `peek`: the slot lies inside the mapping (`slot_ptr` masks the index) and
+        // was published before the acquire load in `pending`.
+        unsafe { ptr::copy_nonoverlapping(self.ring.slot_ptr(self.next.wrapping_add(k)), out.as_mut_ptr(), n) };
+        Ok(true)
+    }
+
     /// The oldest entry in place (the whole slot, `slot_size` bytes), without copying or consuming
     /// it; `None` if the ring is empty.
     ///

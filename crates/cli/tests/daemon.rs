@@ -657,6 +657,83 @@ fn shared_role(ctx: &Context) {
     out("OK");
 }
 
+/// Buffers in the clients' own heap (`reg_mr_raw`, not page-aligned: reached by process_vm),
+/// which softrdmad reads ahead and writes behind in batches (verbs client_io.rs). The side with the
+/// lower QPN leads:
+/// 1. it sends ROUNDS messages from one buffer, rewritten before each post: what was read ahead
+///    for one pass must not serve a later one; the peer checks every message;
+/// 2. ROUNDS times it posts, in one list, an RDMA WRITE of a new pattern into the peer's buffer,
+///    a READ of that buffer back (it must see the write, kept behind or made) and a SEND with
+///    immediate; the peer, once that SEND arrived, finds the pattern in its own memory and
+///    answers, and only then does the next round start.
+fn batched_role(ctx: &Context) {
+    const ROUNDS: usize = 150;
+    const LEN: usize = 64;
+    const SRC: usize = 0;
+    const DST: usize = 4096;
+    const BACK: usize = 8192;
+    const RECV: usize = 12288;
+    let (pd, cq, qp) = rc_qp(ctx);
+    let me = qp.qpn().value();
+    let mut heap = vec![0u8; RECV + ROUNDS * LEN + 8];
+    // SAFETY: `heap` outlives the region (dropped after it, at the end of this function); this
+    // process touches it only through the region, between completions.
+    let mr = unsafe { pd.reg_mr_raw(heap.as_mut_ptr().add(8), RECV + ROUNDS * LEN, RW) }.unwrap();
+    qp.init(RW).unwrap();
+    let recv = |i: usize| RecvWr { wr_id: i as u64, sgl: vec![mr.sge(RECV + i * LEN, LEN).unwrap()].into() };
+    for i in 0..ROUNDS {
+        qp.post_recv(recv(i)).unwrap();
+    }
+    let gid = ctx.query_gid(1, 1).unwrap();
+    out(&format!("{me} {} {}", mr.addr(), mr.rkey()));
+    let peer: Vec<u64> = input().split(' ').map(|w| w.parse().unwrap()).collect();
+    let (pqpn, paddr, prkey) = (peer[0] as u32, peer[1], peer[2] as u32);
+    qp.connect(&pd, &ConnectParams::new(softrdma_verbs::Qpn::new(pqpn), Psn::new(pqpn), gid, Psn::new(me))).unwrap();
+    let ok = |wcs: &[WorkCompletion]| assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    if me < pqpn {
+        for i in 0..ROUNDS {
+            mr.write(SRC, &pattern(i as u32, b's', LEN)).unwrap();
+            qp.post_send(send(i as u64, SendOp::Send, &mr, SRC, LEN)).unwrap();
+            ok(&wait_wcs(&cq, 1, 30));
+        }
+        assert_eq!(input(), "ready");
+        for i in 0..ROUNDS {
+            mr.write(SRC, &pattern(i as u32, b'w', LEN)).unwrap();
+            qp.post_send_list([
+                send(1, SendOp::Write { remote_addr: paddr + DST as u64, rkey: prkey }, &mr, SRC, LEN),
+                send(2, SendOp::Read { remote_addr: paddr + DST as u64, rkey: prkey }, &mr, BACK, LEN),
+                send(3, SendOp::SendWithImm(i as u32), &mr, SRC, 0),
+            ])
+            .unwrap();
+            let wcs = wait_wcs(&cq, 4, 30);
+            ok(&wcs);
+            assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
+            assert_eq!(mr.to_vec(BACK, LEN).unwrap(), pattern(i as u32, b'w', LEN), "round {i}: READ after WRITE");
+        }
+    } else {
+        let wcs = wait_wcs(&cq, ROUNDS, 30);
+        ok(&wcs);
+        for w in &wcs {
+            let i = w.wr_id as usize;
+            assert_eq!(mr.to_vec(RECV + i * LEN, LEN).unwrap(), pattern(i as u32, b's', LEN), "message {i}");
+            qp.post_recv(recv(i)).unwrap();
+        }
+        out("READY");
+        for i in 0..ROUNDS {
+            let wcs = wait_wcs(&cq, 1, 30);
+            ok(&wcs);
+            assert_eq!(wcs[0].imm, i as u32);
+            assert_eq!(mr.to_vec(DST, LEN).unwrap(), pattern(i as u32, b'w', LEN), "round {i}: WRITE seen");
+            qp.post_recv(recv(i)).unwrap();
+            qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
+            ok(&wait_wcs(&cq, 1, 30));
+        }
+    }
+    drop((mr, qp, cq, pd));
+    drop(heap);
+    out("OK");
+}
+
 /// Two QPs of one process connected to each other: what a non-root user runs.
 fn selftest_role(ctx: &Context) {
     let (pd, cq, a) = rc_qp(ctx);
@@ -815,6 +892,7 @@ fn child() {
         "stream" => stream_role(&ctx),
         "selftest" => selftest_role(&ctx),
         "shared" => shared_role(&ctx),
+        "batched" => batched_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
         "portwatch" => portwatch_role(&ctx),
         "cmserver" => cm_server_role(&ctx),
@@ -1287,6 +1365,27 @@ fn shared_regions_between_two_processes() {
         "{}",
         d.log()
     );
+}
+
+/// Clients' own memory, reached by process_vm, is read ahead and written behind in batches
+/// (verbs client_io.rs) and never served stale: a buffer rewritten before every SEND, a READ right
+/// behind a WRITE into the same bytes, a WRITE seen by the peer once a later SEND arrived.
+#[test]
+fn batched_access_to_client_memory_is_never_stale() {
+    let dir = Daemon::dir("batched", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18964, None);
+    let mut a = Client::spawn(&d, "batched", false);
+    let mut b = Client::spawn(&d, "batched", false);
+    let (ia, ib) = pair(&mut a, &mut b);
+    let qpn = |info: &str| info.split(' ').next().unwrap().parse::<u32>().unwrap();
+    let (mut lead, mut follow) = if qpn(&ia) < qpn(&ib) { (a, b) } else { (b, a) };
+    // The follower has checked every message of phase 1 and posted its receives again.
+    assert_eq!(follow.line(), "READY");
+    lead.send("ready");
+    assert_eq!(follow.finish(), "OK");
+    assert_eq!(lead.finish(), "OK");
+    assert_eq!(d.counter("client_writes_lost"), 0);
+    d.wait_idle();
 }
 
 /// A daemon that maps no client memory (`--no-shared-regions`, as an older daemon or a kernel

@@ -25,6 +25,7 @@
 //! network namespace) go through shared-memory rings instead of UDP (the same-host link,
 //! `same_host.rs`; `SOFTRDMA_SAME_HOST=0` turns it off, [`Context::same_host_stats`] counts it).
 
+mod client_io;
 pub mod cm;
 pub mod daemon;
 pub mod device;

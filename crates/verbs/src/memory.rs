@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use softrdma_abi::shm::{RegionMap, PAGE};
 use softrdma_transport::{Access, AtomicOp, DeferredPayload, KeyKind, MemError, MemoryAccess, PdId, Sge};
 
+use crate::client_io::{ReadAhead, WriteBehind};
 use crate::error::{Error, Result};
 use crate::verbs::Dev;
 
@@ -169,6 +170,12 @@ type KeyMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<KeyHasher>>;
 pub(crate) struct MrTable {
     entries: KeyMap<Entry>,
     next_index: u32,
+    /// Entries reached through process_vm (daemon clients' own memory).
+    process_regions: usize,
+    /// Their bytes read ahead for the work requests of one pass of softrdmad's device loop.
+    read_ahead: ReadAhead,
+    /// Writes to them not yet made (see client_io.rs).
+    write_behind: WriteBehind,
 }
 
 // SAFETY: the raw pointers refer to buffers owned by live MemoryRegions (see the module docs); the
@@ -201,6 +208,11 @@ impl MrTable {
     }
 
     fn insert_entry(&mut self, entry: Entry) -> u32 {
+        self.write_pending();
+        self.read_ahead.clear();
+        if let Home::Process(_) = entry.home {
+            self.process_regions += 1;
+        }
         // rxe-style keys: an index in the upper 24 bits and a rolling key byte in the lower 8.
         loop {
             self.next_index = self.next_index.wrapping_add(1);
@@ -215,7 +227,56 @@ impl MrTable {
     /// Forget region `key`; a mapped client region is unmapped here, after which no access can
     /// reach it (callers hold the device lock, as for every access).
     pub(crate) fn remove(&mut self, key: u32) {
-        self.entries.remove(&key);
+        self.write_pending();
+        self.read_ahead.clear();
+        if let Some(Entry { home: Home::Process(_), .. }) = self.entries.remove(&key) {
+            self.process_regions -= 1;
+        }
+    }
+
+    /// Whether any region is reached through process_vm (a daemon client registered its own
+    /// memory): then [`MrTable::prefetch`] is worth its look at the work requests.
+    pub(crate) fn has_process_regions(&self) -> bool {
+        self.process_regions > 0
+    }
+
+    /// Read ahead, one system call per client, what the SGEs of work requests taken from the send
+    /// rings (`sges`) name in regions reached through process_vm, replacing what was read ahead
+    /// before; their gathers in this pass then copy from there (see client_io.rs). SGEs with an
+    /// unknown key or out of their region's bounds are left to the gather, which fails them.
+    pub(crate) fn prefetch<'a>(&mut self, sges: impl IntoIterator<Item = &'a Sge>) {
+        self.write_pending();
+        self.read_ahead.clear();
+        for s in sges {
+            let Some(e) = self.entries.get(&s.lkey) else { continue };
+            let Home::Process(pid) = e.home else { continue };
+            let start = e.ptr as u64;
+            let in_bounds = s.addr >= start && s.addr.saturating_add(u64::from(s.length)) <= start + e.len as u64;
+            if in_bounds && !self.read_ahead.add(pid, s.addr, s.length as usize) {
+                break;
+            }
+        }
+        self.read_ahead.read_all();
+    }
+
+    /// Forget what [`MrTable::prefetch`] read (the pass it was read for is over).
+    pub(crate) fn forget_prefetched(&mut self) {
+        self.read_ahead.clear();
+    }
+
+    /// Make the writes to regions reached through process_vm that were kept behind (see
+    /// client_io.rs): before anything can tell anyone they were made (a packet sent, completions
+    /// handed out).
+    pub(crate) fn write_pending(&mut self) {
+        if !self.write_behind.is_empty() {
+            self.write_behind.write_all();
+        }
+    }
+
+    /// Writes to a region reached through process_vm that its process refused after they were
+    /// kept behind (it unmapped the range): their data is lost.
+    pub(crate) fn lost_writes(&self) -> u64 {
+        self.write_behind.lost
     }
 
     /// Regions registered.
@@ -385,7 +446,13 @@ impl MemoryAccess for MrTable {
     fn read(&self, pd: PdId, key: u32, kind: KeyKind, addr: u64, out: &mut [u8]) -> core::result::Result<(), MemError> {
         let p = match self.resolve(pd, key, addr, out.len() as u64, read_right(kind))? {
             Loc::Local(p) => p,
-            Loc::Remote(pid, a) => return process_vm(pid, a, out.as_mut_ptr(), out.len(), false),
+            // A gather for the client's own work request may have been read ahead (client_io.rs).
+            Loc::Remote(pid, a) if kind == KeyKind::Local && self.read_ahead.get(pid, a, out) => return Ok(()),
+            Loc::Remote(pid, a) => {
+                process_vm(pid, a, out.as_mut_ptr(), out.len(), false)?;
+                self.write_behind.overlay(pid, a, out);
+                return Ok(());
+            }
         };
         // SAFETY: `resolve` checked the range lies in a live registered buffer; the device lock is
         // held, so nothing else touches it; `out` is a distinct Rust buffer.
@@ -403,7 +470,16 @@ impl MemoryAccess for MrTable {
     ) -> core::result::Result<(), MemError> {
         let p = match self.resolve(pd, key, addr, data.len() as u64, write_right(kind))? {
             Loc::Local(p) => p,
-            Loc::Remote(pid, a) => return process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true),
+            Loc::Remote(pid, a) => {
+                self.read_ahead.forget_overlapping(pid, a, data.len());
+                if !self.write_behind.defer(pid, a, data) {
+                    self.write_behind.write_all();
+                    if !self.write_behind.defer(pid, a, data) {
+                        return process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true);
+                    }
+                }
+                return Ok(());
+            }
         };
         // SAFETY: as in `read`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
@@ -419,6 +495,8 @@ impl MemoryAccess for MrTable {
             Loc::Remote(pid, a) => {
                 // Atomic with respect to every other RDMA access (all run under the device lock),
                 // as IBV_ATOMIC_HCA promises; not with respect to the client's own CPU accesses.
+                self.read_ahead.forget_overlapping(pid, a, 8);
+                self.write_pending();
                 let mut w = [0u8; 8];
                 process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
                 let orig = u64::from_ne_bytes(w);

@@ -392,6 +392,9 @@ impl Device {
         // First the CM's MADs; those to this device itself are handed to its CM at once, and what
         // that makes it say is drained in the next round.
         st.link.flush_starts();
+        // Writes to daemon clients' memory kept behind are made before any packet leaves
+        // (client_io.rs).
+        st.mem.write_pending();
         for round in 0..CM_LOOP_ROUNDS {
             let mut to_self: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
             let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
@@ -432,6 +435,8 @@ impl Device {
         let mut congested = link.flush_pending();
         let mut loop_batches = 0;
         while hca.has_transmit() && !congested {
+            // What the last batch's packets to this device itself wrote, before this batch leaves.
+            mem.write_pending();
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
             // Per UDP packet (entry j of `tx_meta`): where its deferred payload is, if it stayed in

@@ -37,8 +37,8 @@ use softrdma_abi::sock::{Conn, Listener, PeerCred};
 use softrdma_device::registry::{Registry, RegistryError};
 use softrdma_device::{netdev, DeviceConfig, DeviceInfo};
 use softrdma_transport::{
-    Access, AsyncEvent, CqId, ModifyQp, PdId, QpCap, QpInit, QpState, SrqId, VerbsError, WcOpcode, WcStatus,
-    WorkCompletion,
+    wr::Payload, Access, AsyncEvent, CqId, ModifyQp, PdId, QpCap, QpInit, QpState, Sge, SrqId, VerbsError, WcOpcode,
+    WcStatus, WorkCompletion,
 };
 use softrdma_wire::Qpn;
 
@@ -478,6 +478,8 @@ struct QpEntry {
     /// timer frees room, both of which wake the loop, so the loop may sleep meanwhile.
     sq_blocked: bool,
     rq_blocked: bool,
+    /// Entries of the send ring whose payloads this pass read ahead: the pass takes no more.
+    sq_read_ahead: u32,
     _shm: Shm,
 }
 
@@ -834,13 +836,41 @@ impl SvcDevice {
                 work = true;
             }
         }
+        // Payloads in clients' own memory (reached by a system call per access) are read ahead
+        // for the work requests the send rings hold now, one call per client (client_io.rs); the
+        // pass then takes only those requests.
+        let read_ahead = st.mem.has_process_regions();
+        if read_ahead {
+            sc.sges.clear();
+            for q in svc.qps.values_mut() {
+                // A broken ring is found broken by the loop below.
+                q.sq_read_ahead = q.sq.pending().unwrap_or(1);
+                sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
+                for k in 0..q.sq_read_ahead {
+                    if !matches!(q.sq.peek_at(k, &mut sc.buf), Ok(true)) {
+                        break;
+                    }
+                    if let Ok(wr) = slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
+                        if let (false, Payload::Sgl(sgl)) = (wr.op.is_read_or_atomic(), &wr.payload) {
+                            sc.sges.extend_from_slice(sgl);
+                        }
+                    }
+                }
+            }
+            st.mem.prefetch(&sc.sges);
+        }
         for (qpn, q) in svc.qps.iter_mut() {
             if q.broken {
                 continue;
             }
             let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
             q.sq_blocked = false;
+            let mut left = if read_ahead { q.sq_read_ahead } else { u32::MAX };
             loop {
+                if left == 0 {
+                    break;
+                }
+                left -= 1;
                 sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
                 match q.sq.peek(&mut sc.buf) {
                     Ok(false) => break,
@@ -900,7 +930,8 @@ impl SvcDevice {
         work |= before != (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
         work |= route_cm_all(&self.dev, svc, st);
 
-        // Completions: from the engine into the CQ rings.
+        // Completions: from the engine into the CQ rings, once the writes they complete are made.
+        st.mem.write_pending();
         for (id, c) in svc.cqs.iter_mut() {
             let free = c.ring.free() as usize;
             if free == 0 {
@@ -967,6 +998,9 @@ impl SvcDevice {
                 let _ = c.events.send(&b);
             }
         }
+        // The completions of the requests read ahead for are out: what was read is not theirs
+        // to use any more.
+        st.mem.forget_prefetched();
         work
     }
 
@@ -1004,6 +1038,7 @@ impl SvcDevice {
             ("icrc_recovered_id", st.verify.recovered),
             ("device_thread_cpu_us", device_cpu.as_micros() as u64),
             ("tx_errors", st.tx_errors),
+            ("client_writes_lost", st.mem.lost_writes()),
             ("bad_wqes", svc.bad_wqes),
             ("late_wakeups", svc.late_wakeups),
             ("port_active", u64::from(self.port_up.load(Ordering::Relaxed))),
@@ -1133,6 +1168,8 @@ impl SvcDevice {
 struct Scratch {
     buf: Vec<u8>,
     wcs: Vec<WorkCompletion>,
+    /// The SGEs of the work requests a pass reads ahead for.
+    sges: Vec<Sge>,
 }
 
 // ---- one session --------------------------------------------------------------------------------
@@ -1537,6 +1574,7 @@ impl Session {
                         counters: QpCounters::default(),
                         broken: false,
                         sq_blocked: false,
+                        sq_read_ahead: 0,
                         rq_blocked: false,
                         _shm: shm,
                     },

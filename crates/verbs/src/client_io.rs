@@ -1,0 +1,348 @@
+//! Batched access to daemon clients' own memory: payloads read ahead, placements written behind.
+//!
+//! softrdmad reaches a region its client registered from the client's own memory (`reg_mr_raw`,
+//! the C ABI's `ibv_reg_mr` of a `malloc`ed buffer) with `process_vm_readv`/`process_vm_writev`:
+//! a system call per access, about a microsecond each. A 64-byte WRITE between two such clients
+//! cost two (the gather, the placing at the target) and the device loop little else. Both are
+//! batched here, one system call per client per pass of the device loop:
+//!
+//! * [`ReadAhead`]: before a pass takes work requests from the send rings, it reads the payloads
+//!   those requests name; the gathers that build their packets copy from the copy. That is reading
+//!   the payload at another moment between the post and the completion, which the verbs allow (a
+//!   NIC reads it whenever it gets to it), as long as the copy serves only those requests: it
+//!   lives for one pass; the pass takes no request posted after the read; the pass's completions
+//!   reach the clients only when it is over, so no client can have reused one of those buffers in
+//!   between; every write this device makes to a client's memory drops the copies it overlaps;
+//!   and only gathers (local keys) use it, while a READ response reads the memory itself.
+//! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
+//!   READ response's data, an atomic's result) is kept and written, in order, before anything
+//!   could tell anyone it was written: before the device sends a packet (an ACK, a response, or a
+//!   request a peer could act on) and before the pass hands completions to the clients. Reads
+//!   in between see it (`overlay`). A client polling its memory for a WRITE (as `ib_write_lat`
+//!   does) sees the data up to one pass later, as it would after a NIC's DMA. A write the client
+//!   made impossible (it unmapped a registered buffer) is lost and counted, as the data of a NIC
+//!   writing to the pinned pages of an unmapped buffer would be.
+
+/// Most bytes read ahead per pass: larger payloads are read when their packets are built; the
+/// most bytes written behind before they are written at once.
+const BUDGET: usize = 1 << 20;
+
+/// Most iovecs per `process_vm_readv`/`process_vm_writev` (the kernel's `UIO_MAXIOV`).
+const MAX_IOV: usize = 1024;
+
+/// One range of a client's memory read ahead or written behind.
+#[derive(Debug, Clone, Copy)]
+struct Range {
+    pid: u32,
+    addr: u64,
+    len: usize,
+    /// Where its bytes are in the owner's buffer.
+    at: usize,
+}
+
+/// Bytes of clients' memory read ahead for one pass of the device loop.
+#[derive(Debug, Default)]
+pub(crate) struct ReadAhead {
+    bytes: Vec<u8>,
+    ranges: Vec<Range>,
+}
+
+impl ReadAhead {
+    /// Forget everything read ahead.
+    pub fn clear(&mut self) {
+        self.bytes.clear();
+        self.ranges.clear();
+    }
+
+    /// Queue `len` bytes at `addr` of process `pid` for [`ReadAhead::read_all`]; false (nothing
+    /// queued) once the pass's budget is spent.
+    pub fn add(&mut self, pid: u32, addr: u64, len: usize) -> bool {
+        if len == 0 || self.bytes.len() + len > BUDGET {
+            return false;
+        }
+        let at = self.bytes.len();
+        self.bytes.resize(at + len, 0);
+        self.ranges.push(Range { pid, addr, len, at });
+        true
+    }
+
+    /// Read every queued range: one `process_vm_readv` per process (per [`MAX_IOV`] ranges). A
+    /// call stops at the first range it cannot read whole (the client unmapped it): that range and
+    /// the ones after it in the call are dropped, and read by system call when (if) they are used.
+    pub fn read_all(&mut self) {
+        let mut ranges = std::mem::take(&mut self.ranges);
+        ranges.sort_by_key(|r| r.pid);
+        let mut kept = Vec::with_capacity(ranges.len());
+        for call in ranges.chunk_by(|a, b| a.pid == b.pid).flat_map(|same| same.chunks(MAX_IOV)) {
+            let mut done = transfer(call, self.bytes.as_mut_ptr(), false);
+            for r in call {
+                if r.len > done {
+                    break;
+                }
+                done -= r.len;
+                kept.push(*r);
+            }
+        }
+        self.ranges = kept;
+    }
+
+    /// Copy `out.len()` bytes at `addr` of process `pid` from what was read ahead; false if they
+    /// were not (all) read ahead.
+    pub fn get(&self, pid: u32, addr: u64, out: &mut [u8]) -> bool {
+        let end = addr.saturating_add(out.len() as u64);
+        let Some(r) = self.ranges.iter().find(|r| r.pid == pid && r.addr <= addr && end <= r.addr + r.len as u64)
+        else {
+            return false;
+        };
+        let from = r.at + (addr - r.addr) as usize;
+        out.copy_from_slice(&self.bytes[from..from + out.len()]);
+        true
+    }
+
+    /// `len` bytes at `addr` of process `pid` are being written: drop what was read ahead of them.
+    pub fn forget_overlapping(&mut self, pid: u32, addr: u64, len: usize) {
+        if self.ranges.is_empty() {
+            return;
+        }
+        let end = addr.saturating_add(len as u64);
+        self.ranges.retain(|r| r.pid != pid || r.addr + r.len as u64 <= addr || end <= r.addr);
+    }
+}
+
+/// One `process_vm_readv` (`write` false) or `process_vm_writev` of `ranges`, all of one process,
+/// their local bytes at `base + at`; returns the bytes transferred (0 on an error).
+fn transfer(ranges: &[Range], base: *mut u8, write: bool) -> usize {
+    let Some(first) = ranges.first() else { return 0 };
+    let local: Vec<libc::iovec> = ranges
+        .iter()
+        // SAFETY: each range's `at + len` lies in the buffer that starts at `base` (the owner's
+        // `add`/`defer` made it so), so the pointer stays in it.
+        .map(|r| libc::iovec { iov_base: unsafe { base.add(r.at) }.cast(), iov_len: r.len })
+        .collect();
+    let remote: Vec<libc::iovec> =
+        ranges.iter().map(|r| libc::iovec { iov_base: r.addr as *mut libc::c_void, iov_len: r.len }).collect();
+    let (l, r, n) = (local.as_ptr(), remote.as_ptr(), ranges.len() as libc::c_ulong);
+    // SAFETY: the local iovecs cover bytes of the owner's buffer, which outlives the call and is
+    // not otherwise borrowed during it (read: written by the kernel, each range its own bytes;
+    // write: only read); the remote iovecs are only interpreted by the kernel in the address
+    // space of `pid`, with that process's permissions checked.
+    let n = unsafe {
+        if write {
+            libc::process_vm_writev(first.pid as libc::pid_t, l, n, r, n, 0)
+        } else {
+            libc::process_vm_readv(first.pid as libc::pid_t, l, n, r, n, 0)
+        }
+    };
+    usize::try_from(n).unwrap_or(0)
+}
+
+/// Most writes kept behind at once: a read looks through all of them.
+const MAX_WRITES: usize = 256;
+
+/// Writes to clients' memory kept to be written together, in order.
+#[derive(Debug, Default)]
+pub(crate) struct WriteBehind {
+    bytes: Vec<u8>,
+    ranges: Vec<Range>,
+    /// Writes the client's memory refused (it unmapped the range).
+    pub lost: u64,
+}
+
+impl WriteBehind {
+    /// Nothing waits to be written.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// Keep `data` to be written at `addr` of process `pid`; false (nothing kept) when it does not
+    /// fit: write what waits ([`WriteBehind::write_all`]) and then this one at once.
+    pub fn defer(&mut self, pid: u32, addr: u64, data: &[u8]) -> bool {
+        if self.ranges.len() == MAX_WRITES || self.bytes.len() + data.len() > BUDGET {
+            return false;
+        }
+        let at = self.bytes.len();
+        self.bytes.extend_from_slice(data);
+        self.ranges.push(Range { pid, addr, len: data.len(), at });
+        true
+    }
+
+    /// `out` holds the memory at `addr` of process `pid`: lay over it what waits to be written
+    /// there, in the order it was written.
+    pub fn overlay(&self, pid: u32, addr: u64, out: &mut [u8]) {
+        let end = addr.saturating_add(out.len() as u64);
+        for r in &self.ranges {
+            let (from, to) = (r.addr.max(addr), (r.addr + r.len as u64).min(end));
+            if r.pid == pid && from < to {
+                let src = r.at + (from - r.addr) as usize;
+                out[(from - addr) as usize..(to - addr) as usize]
+                    .copy_from_slice(&self.bytes[src..src + (to - from) as usize]);
+            }
+        }
+    }
+
+    /// Write everything that waits, one `process_vm_writev` per run of writes to one process (in
+    /// the order they were made); a write the process refuses is counted in `lost` and the ones
+    /// after it are still written.
+    pub fn write_all(&mut self) {
+        let ranges = std::mem::take(&mut self.ranges);
+        let base = self.bytes.as_mut_ptr();
+        // Runs of one process keep the order of the writes to that process (the only order that
+        // can be seen: different processes' memories are apart).
+        for run in ranges.chunk_by(|a, b| a.pid == b.pid) {
+            let mut rest = run;
+            while !rest.is_empty() {
+                let call = &rest[..rest.len().min(MAX_IOV)];
+                let mut done = transfer(call, base, true);
+                let mut whole = 0;
+                while whole < call.len() && call[whole].len <= done {
+                    done -= call[whole].len;
+                    whole += 1;
+                }
+                if whole < call.len() {
+                    // The call stopped in this write: it is lost; go on after it.
+                    self.lost += 1;
+                    whole += 1;
+                }
+                rest = &rest[whole..];
+            }
+        }
+        self.bytes.clear();
+        self.ranges = ranges;
+        self.ranges.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn me() -> u32 {
+        std::process::id()
+    }
+
+    /// A pid above any `pid_max`: no process has it, so nothing can be written to it by mistake.
+    const NO_PROCESS: u32 = i32::MAX as u32;
+
+    /// Ranges of this process's memory are read in one call and served from the copy: later
+    /// changes to the memory are not seen (the copy is what was read), sub-ranges are served,
+    /// anything not wholly read ahead is not.
+    #[test]
+    fn ranges_read_ahead_are_served_from_the_copy() {
+        let mut a: Vec<u8> = (0..200u8).collect();
+        let b = [9u8; 64];
+        let mut p = ReadAhead::default();
+        assert!(p.add(me(), a.as_ptr() as u64 + 10, 100));
+        assert!(p.add(me(), b.as_ptr() as u64, 64));
+        p.read_all();
+        a[20] = 0xee;
+        let mut out = [0u8; 30];
+        assert!(p.get(me(), a.as_ptr() as u64 + 15, &mut out));
+        assert_eq!(out.to_vec(), (15..45u8).collect::<Vec<_>>(), "the bytes as read, before the change");
+        let mut out = [0u8; 64];
+        assert!(p.get(me(), b.as_ptr() as u64, &mut out));
+        assert_eq!(out, [9u8; 64]);
+        let mut out = [0u8; 8];
+        assert!(!p.get(me(), a.as_ptr() as u64 + 105, &mut out), "runs past the range");
+        assert!(!p.get(me(), a.as_ptr() as u64 + 5, &mut out), "starts before it");
+        assert!(!p.get(NO_PROCESS, a.as_ptr() as u64 + 15, &mut out), "another process");
+        p.clear();
+        assert!(!p.get(me(), b.as_ptr() as u64, &mut out));
+    }
+
+    /// A write drops exactly the ranges it overlaps.
+    #[test]
+    fn a_write_drops_the_ranges_it_overlaps() {
+        let a = vec![1u8; 300];
+        let base = a.as_ptr() as u64;
+        let mut p = ReadAhead::default();
+        for k in 0..3 {
+            assert!(p.add(me(), base + 100 * k, 100));
+        }
+        p.read_all();
+        p.forget_overlapping(me(), base + 199, 2);
+        let mut out = [0u8; 100];
+        assert!(p.get(me(), base, &mut out));
+        assert!(!p.get(me(), base + 100, &mut out));
+        assert!(!p.get(me(), base + 200, &mut out));
+        p.forget_overlapping(NO_PROCESS, base, 100);
+        assert!(p.get(me(), base, &mut out), "another process's write");
+    }
+
+    /// A range the process does not have mapped stops its call there: it and the ranges after it
+    /// in the call are not served; the ones before are.
+    #[test]
+    fn an_unreadable_range_drops_itself_and_what_follows_it() {
+        let a = [5u8; 64];
+        let mut p = ReadAhead::default();
+        assert!(p.add(me(), a.as_ptr() as u64, 32));
+        assert!(p.add(me(), 8, 32), "page 0 is never mapped");
+        assert!(p.add(me(), a.as_ptr() as u64 + 32, 32));
+        p.read_all();
+        let mut out = [0u8; 32];
+        assert!(p.get(me(), a.as_ptr() as u64, &mut out));
+        assert_eq!(out, [5u8; 32]);
+        assert!(!p.get(me(), 8, &mut out));
+        assert!(!p.get(me(), a.as_ptr() as u64 + 32, &mut out));
+    }
+
+    /// Writes kept behind are seen by reads before they are made, in the order they were made
+    /// (the later wins where two overlap), and are made in that order: to this process's memory
+    /// here.
+    #[test]
+    fn writes_kept_behind_are_seen_and_then_made_in_order() {
+        let target = vec![0u8; 64];
+        let base = target.as_ptr() as u64;
+        let mut w = WriteBehind::default();
+        assert!(w.is_empty());
+        assert!(w.defer(me(), base + 8, &[1; 16]));
+        assert!(w.defer(me(), base + 16, &[2; 16]));
+        assert!(w.defer(NO_PROCESS, base, &[3; 64]), "another process");
+        let mut out = [9u8; 32];
+        w.overlay(me(), base, &mut out);
+        let mut want = [9u8; 32];
+        want[8..16].fill(1);
+        want[16..32].fill(2);
+        assert_eq!(out, want);
+        assert_eq!(target, vec![0u8; 64], "not made yet");
+        w.write_all();
+        assert!(w.is_empty());
+        // SAFETY: a plain read of `target`'s buffer, which the kernel wrote through process_vm.
+        let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };
+        let mut want = [0u8; 64];
+        want[8..16].fill(1);
+        want[16..32].fill(2);
+        assert_eq!(now, want);
+        assert_eq!(w.lost, 1, "the other process's write: there is no such process");
+    }
+
+    /// A write the process refuses (its page is not mapped) is counted and the ones after it are
+    /// still made; a full buffer refuses more.
+    #[test]
+    fn a_refused_write_is_counted_and_the_rest_are_made() {
+        let target = Box::new([0u8; 8]);
+        let mut w = WriteBehind::default();
+        assert!(w.defer(me(), 8, &[1; 4]), "page 0 is never mapped");
+        assert!(w.defer(me(), target.as_ptr() as u64, &[7; 8]));
+        w.write_all();
+        assert_eq!(w.lost, 1);
+        // SAFETY: as above.
+        let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 8]) };
+        assert_eq!(now, [7; 8]);
+        for _ in 0..MAX_WRITES {
+            assert!(w.defer(me(), target.as_ptr() as u64, &[1]));
+        }
+        assert!(!w.defer(me(), target.as_ptr() as u64, &[1]), "MAX_WRITES");
+        w.write_all();
+        assert!(!w.defer(me(), target.as_ptr() as u64, &vec![0; BUDGET + 1]), "over the budget");
+    }
+
+    /// The budget bounds what one pass reads ahead.
+    #[test]
+    fn the_budget_bounds_a_pass() {
+        let mut p = ReadAhead::default();
+        assert!(p.add(me(), 4096, BUDGET - 10));
+        assert!(!p.add(me(), 4096, 11));
+        assert!(p.add(me(), 4096, 10));
+        assert!(!p.add(me(), 4096, 0), "nothing to read");
+    }
+}
