@@ -1334,7 +1334,7 @@ fn region_maps(d: &Daemon) -> usize {
 #[test]
 fn shared_regions_between_two_processes() {
     let dir = Daemon::dir("shared", "rxe0 netdev lo addr 127.0.0.1\n");
-    let d = Daemon::start(&dir, 18968, None);
+    let d = Daemon::start(&dir, 18970, None);
     assert_eq!(region_maps(&d), 0);
     let mut a = Client::spawn_moving(&d, "shared");
     let mut b = Client::spawn_moving(&d, "shared");
@@ -1373,7 +1373,7 @@ fn shared_regions_between_two_processes() {
 #[test]
 fn batched_access_to_client_memory_is_never_stale() {
     let dir = Daemon::dir("batched", "rxe0 netdev lo addr 127.0.0.1\n");
-    let d = Daemon::start(&dir, 18964, None);
+    let d = Daemon::start(&dir, 18971, None);
     let mut a = Client::spawn(&d, "batched", false);
     let mut b = Client::spawn(&d, "batched", false);
     let (ia, ib) = pair(&mut a, &mut b);
@@ -1394,7 +1394,7 @@ fn batched_access_to_client_memory_is_never_stale() {
 #[test]
 fn regions_fall_back_to_process_vm_when_the_daemon_maps_none() {
     let dir = Daemon::dir("noshared", "rxe0 netdev lo addr 127.0.0.1\n");
-    let d = Daemon::start_with(&dir, 18967, None, vec!["--no-shared-regions"]);
+    let d = Daemon::start_with(&dir, 18972, None, vec!["--no-shared-regions"]);
     let mut a = Client::spawn_moving(&d, "shared");
     let mut b = Client::spawn_moving(&d, "shared");
     pair(&mut a, &mut b);
@@ -1423,7 +1423,7 @@ fn bad_shared_region_registrations_are_refused() {
     use softrdma_abi::msg::{Refusal, Request, Response};
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let dir = Daemon::dir("badshm", "rxe0 netdev lo addr 127.0.0.1\n");
-    let d = Daemon::start(&dir, 18969, None);
+    let d = Daemon::start(&dir, 18973, None);
     let conn = softrdma_abi::sock::Conn::connect(&d.socket()).unwrap();
     let call = |r: Request, fds: &[i32]| {
         conn.send(&r.encode(), fds).unwrap();
