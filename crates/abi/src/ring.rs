@@ -477,6 +477,32 @@ mod tests {
         }
     }
 
+    /// `peek_at` sees the k-th waiting entry without consuming anything, across the wrap, and
+    /// nothing beyond what waits.
+    #[test]
+    fn peek_at_looks_ahead_without_consuming() {
+        let mut mem = Mem([0; 256 + 128]);
+        ring(&mut mem).init();
+        let mut p = Producer::new(ring(&mut mem));
+        let mut c = Consumer::new(ring(&mut mem));
+        let mut out = [0u8; 32];
+        for round in 0..5u8 {
+            for i in 0..3u8 {
+                assert!(p.push(&[round, i]));
+            }
+            for k in 0..3u8 {
+                assert!(c.peek_at(u32::from(k), &mut out).unwrap());
+                assert_eq!(out[..2], [round, k]);
+            }
+            assert!(!c.peek_at(3, &mut out).unwrap(), "only three wait");
+            assert_eq!(c.pending().unwrap(), 3, "nothing consumed");
+            for i in 0..3u8 {
+                assert!(c.pop(&mut out).unwrap());
+                assert_eq!(out[..2], [round, i]);
+            }
+        }
+    }
+
     #[test]
     fn push_pop_wrap_full_and_doorbell() {
         let mut mem = Mem([0; 256 + 128]);

@@ -665,7 +665,10 @@ fn shared_role(ctx: &Context) {
 /// 2. ROUNDS times it posts, in one list, an RDMA WRITE of a new pattern into the peer's buffer,
 ///    a READ of that buffer back (it must see the write, kept behind or made) and a SEND with
 ///    immediate; the peer, once that SEND arrived, finds the pattern in its own memory and
-///    answers, and only then does the next round start.
+///    answers, and only then does the next round start;
+/// 3. ROUNDS times, in one list, the WRITE of a new pattern, the READ of it back into a buffer
+///    and a fenced SEND of that buffer: the SEND was read ahead with the buffer's old contents,
+///    which the READ's data must replace; the peer checks what arrives and answers.
 fn batched_role(ctx: &Context) {
     const ROUNDS: usize = 150;
     const LEN: usize = 64;
@@ -709,6 +712,22 @@ fn batched_role(ctx: &Context) {
             ok(&wcs);
             assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
             assert_eq!(mr.to_vec(BACK, LEN).unwrap(), pattern(i as u32, b'w', LEN), "round {i}: READ after WRITE");
+            qp.post_recv(recv(i)).unwrap();
+        }
+        for i in 0..ROUNDS {
+            mr.write(SRC, &pattern(i as u32, b'f', LEN)).unwrap();
+            let mut fenced = send(3, SendOp::Send, &mr, BACK, LEN);
+            fenced.flags = SendFlags::SIGNALED.with(SendFlags::FENCE);
+            qp.post_send_list([
+                send(1, SendOp::Write { remote_addr: paddr + DST as u64, rkey: prkey }, &mr, SRC, LEN),
+                send(2, SendOp::Read { remote_addr: paddr + DST as u64, rkey: prkey }, &mr, BACK, LEN),
+                fenced,
+            ])
+            .unwrap();
+            let wcs = wait_wcs(&cq, 4, 30);
+            ok(&wcs);
+            assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
+            qp.post_recv(recv(i)).unwrap();
         }
     } else {
         let wcs = wait_wcs(&cq, ROUNDS, 30);
@@ -728,9 +747,110 @@ fn batched_role(ctx: &Context) {
             qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
             ok(&wait_wcs(&cq, 1, 30));
         }
+        for i in 0..ROUNDS {
+            let wcs = wait_wcs(&cq, 1, 30);
+            ok(&wcs);
+            let slot = RECV + wcs[0].wr_id as usize * LEN;
+            assert_eq!(wcs[0].byte_len as usize, LEN);
+            assert_eq!(
+                mr.to_vec(slot, LEN).unwrap(),
+                pattern(i as u32, b'f', LEN),
+                "round {i}: fenced SEND of READ data"
+            );
+            qp.post_recv(recv(wcs[0].wr_id as usize)).unwrap();
+            qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
+            ok(&wait_wcs(&cq, 1, 30));
+        }
     }
     drop((mr, qp, cq, pd));
     drop(heap);
+    out("OK");
+}
+
+/// A WRITE of data into the peer's heap buffer (process_vm: written behind) and then a WRITE of
+/// a flag into its `reg_mr` region (mapped: written at once), on one QP: the peer spins on the flag
+/// and must find the data in place whenever the flag has arrived ("data, then flag").
+fn ordered_role(ctx: &Context) {
+    const ROUNDS: usize = 500;
+    const LEN: usize = 64;
+    let (pd, cq, qp) = rc_qp(ctx);
+    let me = qp.qpn().value();
+    let mut heap = vec![0u8; 2 * 4096 + 8];
+    // SAFETY: `heap` outlives the regions (dropped after them); this process touches it only
+    // through them. The sources are heap memory too, read ahead: no read of mapped memory comes
+    // between the two WRITEs.
+    let data = unsafe { pd.reg_mr_raw(heap.as_mut_ptr().add(8), 4096, RW) }.unwrap();
+    let src = unsafe { pd.reg_mr_raw(heap.as_mut_ptr().add(4096 + 8), 4096, RW) }.unwrap();
+    let flag = pd.reg_mr(4096, RW).unwrap();
+    qp.init(RW).unwrap();
+    let recv = || RecvWr { wr_id: 0, sgl: vec![src.sge(2048, 8).unwrap()].into() };
+    for _ in 0..16 {
+        qp.post_recv(recv()).unwrap();
+    }
+    let gid = ctx.query_gid(1, 1).unwrap();
+    out(&format!("{me} {} {} {} {}", data.addr(), data.rkey(), flag.addr(), flag.rkey()));
+    let peer: Vec<u64> = input().split(' ').map(|w| w.parse().unwrap()).collect();
+    let (pqpn, pdata, pflag) = (peer[0] as u32, (peer[1], peer[2] as u32), (peer[3], peer[4] as u32));
+    qp.connect(&pd, &ConnectParams::new(softrdma_verbs::Qpn::new(pqpn), Psn::new(pqpn), gid, Psn::new(me))).unwrap();
+    for i in 1..=ROUNDS {
+        if me < pqpn {
+            src.write(0, &pattern(i as u32, b'd', LEN)).unwrap();
+            src.write(1024, &(i as u64).to_ne_bytes()).unwrap();
+            qp.post_send_list([
+                send(1, SendOp::Write { remote_addr: pdata.0, rkey: pdata.1 }, &src, 0, LEN),
+                send(2, SendOp::Write { remote_addr: pflag.0, rkey: pflag.1 }, &src, 1024, 8),
+            ])
+            .unwrap();
+            // Both WRITEs, and the peer's answer.
+            let wcs = wait_wcs(&cq, 3, 30);
+            assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+            qp.post_recv(recv()).unwrap();
+        } else {
+            let t = Instant::now();
+            while flag.to_vec(0, 8).unwrap() != (i as u64).to_ne_bytes() {
+                assert!(t.elapsed() < Duration::from_secs(30), "round {i}: no flag");
+                std::hint::spin_loop();
+            }
+            assert_eq!(data.to_vec(0, LEN).unwrap(), pattern(i as u32, b'd', LEN), "round {i}: flag before data");
+            qp.post_send(send(9, SendOp::Send, &src, 0, 8)).unwrap();
+            let wcs = wait_wcs(&cq, 1, 30);
+            assert_eq!(wcs[0].status, WcStatus::Success);
+        }
+    }
+    drop((data, flag, src, qp, cq, pd));
+    drop(heap);
+    out("OK");
+}
+
+/// Registering memory of this process that is not writable, with a right to write it, is refused
+/// (the daemon writes such regions after the fact, when a refusal could no longer fail the work
+/// request); with read rights alone it is accepted, and so is writable memory.
+fn readonly_role(ctx: &Context) {
+    let pd = ctx.alloc_pd();
+    // SAFETY: a fresh private anonymous mapping of two pages, unmapped below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let p = p.cast::<u8>();
+    // SAFETY: the second page of the mapping above.
+    assert_eq!(unsafe { libc::mprotect(p.add(4096).cast(), 4096, libc::PROT_READ) }, 0);
+    // SAFETY: the ranges lie in the mapping, which outlives the regions (dropped before munmap).
+    unsafe {
+        assert!(pd.reg_mr_raw(p.add(8), 8000, RW).is_err(), "write rights on a read-only page");
+        assert!(pd.reg_mr_raw(p.add(4096), 64, Access::LOCAL_WRITE).is_err(), "local write on a read-only page");
+        let ro = pd.reg_mr_raw(p.add(8), 8000, Access::REMOTE_READ).expect("read rights on readable pages");
+        let rw = pd.reg_mr_raw(p.add(8), 4000, RW).expect("write rights on a writable page");
+        drop((ro, rw));
+        libc::munmap(p.cast(), 8192);
+    }
     out("OK");
 }
 
@@ -893,6 +1013,8 @@ fn child() {
         "selftest" => selftest_role(&ctx),
         "shared" => shared_role(&ctx),
         "batched" => batched_role(&ctx),
+        "ordered" => ordered_role(&ctx),
+        "readonly" => readonly_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
         "portwatch" => portwatch_role(&ctx),
         "cmserver" => cm_server_role(&ctx),
@@ -1369,7 +1491,8 @@ fn shared_regions_between_two_processes() {
 
 /// Clients' own memory, reached by process_vm, is read ahead and written behind in batches
 /// (verbs client_io.rs) and never served stale: a buffer rewritten before every SEND, a READ right
-/// behind a WRITE into the same bytes, a WRITE seen by the peer once a later SEND arrived.
+/// behind a WRITE into the same bytes, a WRITE seen by the peer once a later SEND arrived, a fenced
+/// SEND of a buffer a READ just filled.
 #[test]
 fn batched_access_to_client_memory_is_never_stale() {
     let dir = Daemon::dir("batched", "rxe0 netdev lo addr 127.0.0.1\n");
@@ -1384,6 +1507,23 @@ fn batched_access_to_client_memory_is_never_stale() {
     lead.send("ready");
     assert_eq!(follow.finish(), "OK");
     assert_eq!(lead.finish(), "OK");
+    assert_eq!(d.counter("client_writes_lost"), 0);
+    d.wait_idle();
+}
+
+/// Writes kept behind stay in order with writes made at once: a flag WRITE into a mapped region
+/// never arrives before the data WRITE into a process_vm region that was posted before it; and
+/// memory that cannot be written is not registered for writing.
+#[test]
+fn kept_writes_stay_in_order_and_need_writable_memory() {
+    let dir = Daemon::dir("ordered", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18975, None);
+    let mut a = Client::spawn(&d, "ordered", false);
+    let mut b = Client::spawn(&d, "ordered", false);
+    pair(&mut a, &mut b);
+    assert_eq!(a.finish(), "OK");
+    assert_eq!(b.finish(), "OK");
+    assert_eq!(Client::spawn(&d, "readonly", false).finish(), "OK");
     assert_eq!(d.counter("client_writes_lost"), 0);
     d.wait_idle();
 }

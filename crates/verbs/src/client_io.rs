@@ -15,13 +15,17 @@
 //!   between; every write this device makes to a client's memory drops the copies it overlaps;
 //!   and only gathers (local keys) use it, while a READ response reads the memory itself.
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
-//!   READ response's data, an atomic's result) is kept and written, in order, before anything
-//!   could tell anyone it was written: before the device sends a packet (an ACK, a response, or a
-//!   request a peer could act on) and before the pass hands completions to the clients. Reads
-//!   in between see it (`overlay`). A client polling its memory for a WRITE (as `ib_write_lat`
-//!   does) sees the data up to one pass later, as it would after a NIC's DMA. A write the client
-//!   made impossible (it unmapped a registered buffer) is lost and counted, as the data of a NIC
-//!   writing to the pinned pages of an unmapped buffer would be.
+//!   READ response's data) is kept and written, in order, before anything could tell anyone it was
+//!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
+//!   could act on), before the pass hands completions to the clients, and before any other access
+//!   to memory (`MrTable`): a read, an atomic, a write to memory the daemon maps (a "data, then
+//!   flag" pair of WRITEs into two regions stays in that order) — all but further writes kept
+//!   behind and reads served from what was read ahead. A client polling its memory for a WRITE
+//!   (as `ib_write_lat` does) sees the data up to one pass later, as it would after a NIC's DMA.
+//!   Registration checks that the range is mapped and, for a region that may be written,
+//!   writable; a write the client made impossible afterwards (it unmapped or write-protected a
+//!   registered buffer) is lost and counted, as the data of a NIC writing to the pinned pages of
+//!   such a buffer would be out of the program's sight.
 
 /// Most bytes read ahead per pass: larger payloads are read when their packets are built; the
 /// most bytes written behind before they are written at once.
@@ -54,16 +58,15 @@ impl ReadAhead {
         self.ranges.clear();
     }
 
-    /// Queue `len` bytes at `addr` of process `pid` for [`ReadAhead::read_all`]; false (nothing
-    /// queued) once the pass's budget is spent.
-    pub fn add(&mut self, pid: u32, addr: u64, len: usize) -> bool {
+    /// Queue `len` bytes at `addr` of process `pid` for [`ReadAhead::read_all`], unless that
+    /// would pass the pass's budget (or there is nothing to read): those are read when used.
+    pub fn add(&mut self, pid: u32, addr: u64, len: usize) {
         if len == 0 || self.bytes.len() + len > BUDGET {
-            return false;
+            return;
         }
         let at = self.bytes.len();
         self.bytes.resize(at + len, 0);
         self.ranges.push(Range { pid, addr, len, at });
-        true
     }
 
     /// Read every queued range: one `process_vm_readv` per process (per [`MAX_IOV`] ranges). A
@@ -136,7 +139,7 @@ fn transfer(ranges: &[Range], base: *mut u8, write: bool) -> usize {
     usize::try_from(n).unwrap_or(0)
 }
 
-/// Most writes kept behind at once: a read looks through all of them.
+/// Most writes kept behind at once (each an iovec of the call that makes them).
 const MAX_WRITES: usize = 256;
 
 /// Writes to clients' memory kept to be written together, in order.
@@ -164,20 +167,6 @@ impl WriteBehind {
         self.bytes.extend_from_slice(data);
         self.ranges.push(Range { pid, addr, len: data.len(), at });
         true
-    }
-
-    /// `out` holds the memory at `addr` of process `pid`: lay over it what waits to be written
-    /// there, in the order it was written.
-    pub fn overlay(&self, pid: u32, addr: u64, out: &mut [u8]) {
-        let end = addr.saturating_add(out.len() as u64);
-        for r in &self.ranges {
-            let (from, to) = (r.addr.max(addr), (r.addr + r.len as u64).min(end));
-            if r.pid == pid && from < to {
-                let src = r.at + (from - r.addr) as usize;
-                out[(from - addr) as usize..(to - addr) as usize]
-                    .copy_from_slice(&self.bytes[src..src + (to - from) as usize]);
-            }
-        }
     }
 
     /// Write everything that waits, one `process_vm_writev` per run of writes to one process (in
@@ -231,8 +220,8 @@ mod tests {
         let mut a: Vec<u8> = (0..200u8).collect();
         let b = [9u8; 64];
         let mut p = ReadAhead::default();
-        assert!(p.add(me(), a.as_ptr() as u64 + 10, 100));
-        assert!(p.add(me(), b.as_ptr() as u64, 64));
+        p.add(me(), a.as_ptr() as u64 + 10, 100);
+        p.add(me(), b.as_ptr() as u64, 64);
         p.read_all();
         a[20] = 0xee;
         let mut out = [0u8; 30];
@@ -256,7 +245,7 @@ mod tests {
         let base = a.as_ptr() as u64;
         let mut p = ReadAhead::default();
         for k in 0..3 {
-            assert!(p.add(me(), base + 100 * k, 100));
+            p.add(me(), base + 100 * k, 100);
         }
         p.read_all();
         p.forget_overlapping(me(), base + 199, 2);
@@ -274,9 +263,9 @@ mod tests {
     fn an_unreadable_range_drops_itself_and_what_follows_it() {
         let a = [5u8; 64];
         let mut p = ReadAhead::default();
-        assert!(p.add(me(), a.as_ptr() as u64, 32));
-        assert!(p.add(me(), 8, 32), "page 0 is never mapped");
-        assert!(p.add(me(), a.as_ptr() as u64 + 32, 32));
+        p.add(me(), a.as_ptr() as u64, 32);
+        p.add(me(), 8, 32);
+        p.add(me(), a.as_ptr() as u64 + 32, 32);
         p.read_all();
         let mut out = [0u8; 32];
         assert!(p.get(me(), a.as_ptr() as u64, &mut out));
@@ -285,28 +274,24 @@ mod tests {
         assert!(!p.get(me(), a.as_ptr() as u64 + 32, &mut out));
     }
 
-    /// Writes kept behind are seen by reads before they are made, in the order they were made
-    /// (the later wins where two overlap), and are made in that order: to this process's memory
-    /// here.
+    /// Writes kept behind are made when asked, in the order they were kept (the later wins where
+    /// two overlap): to this process's memory here.
     #[test]
-    fn writes_kept_behind_are_seen_and_then_made_in_order() {
-        let target = vec![0u8; 64];
+    fn writes_kept_behind_are_made_in_order() {
+        let target = Box::new([0u8; 64]);
         let base = target.as_ptr() as u64;
         let mut w = WriteBehind::default();
         assert!(w.is_empty());
         assert!(w.defer(me(), base + 8, &[1; 16]));
         assert!(w.defer(me(), base + 16, &[2; 16]));
         assert!(w.defer(NO_PROCESS, base, &[3; 64]), "another process");
-        let mut out = [9u8; 32];
-        w.overlay(me(), base, &mut out);
-        let mut want = [9u8; 32];
-        want[8..16].fill(1);
-        want[16..32].fill(2);
-        assert_eq!(out, want);
-        assert_eq!(target, vec![0u8; 64], "not made yet");
+        assert!(!w.is_empty());
+        // SAFETY: a plain read of `target`'s buffer, which only the kernel writes (process_vm).
+        let before = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };
+        assert_eq!(before, [0u8; 64], "not made yet");
         w.write_all();
         assert!(w.is_empty());
-        // SAFETY: a plain read of `target`'s buffer, which the kernel wrote through process_vm.
+        // SAFETY: as above.
         let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };
         let mut want = [0u8; 64];
         want[8..16].fill(1);
@@ -336,13 +321,22 @@ mod tests {
         assert!(!w.defer(me(), target.as_ptr() as u64, &vec![0; BUDGET + 1]), "over the budget");
     }
 
-    /// The budget bounds what one pass reads ahead.
+    /// The budget bounds what one pass reads ahead; a range that does not fit (or is empty) is
+    /// left out, and smaller ones after it are still read ahead.
     #[test]
     fn the_budget_bounds_a_pass() {
+        let buf = Box::new([4u8; 64]);
         let mut p = ReadAhead::default();
-        assert!(p.add(me(), 4096, BUDGET - 10));
-        assert!(!p.add(me(), 4096, 11));
-        assert!(p.add(me(), 4096, 10));
-        assert!(!p.add(me(), 4096, 0), "nothing to read");
+        p.add(me(), buf.as_ptr() as u64, 0);
+        p.add(me(), 4096, BUDGET + 1);
+        p.add(me(), buf.as_ptr() as u64, 64);
+        p.read_all();
+        let mut out = [0u8; 64];
+        assert!(p.get(me(), buf.as_ptr() as u64, &mut out));
+        assert_eq!(out, [4u8; 64]);
+        p.clear();
+        p.add(me(), buf.as_ptr() as u64, 32);
+        p.add(me(), 4096, BUDGET - 31);
+        assert_eq!(p.bytes.len(), 32, "what does not fit is left out");
     }
 }

@@ -174,8 +174,10 @@ pub(crate) struct MrTable {
     process_regions: usize,
     /// Their bytes read ahead for the work requests of one pass of softrdmad's device loop.
     read_ahead: ReadAhead,
-    /// Writes to them not yet made (see client_io.rs).
-    write_behind: WriteBehind,
+    /// Writes to them not yet made (see client_io.rs); made before any other access (a read, for
+    /// instance, must see them, whether through the same address or another mapping of the same
+    /// memory), hence a cell: reads take `&self`.
+    write_behind: std::cell::RefCell<WriteBehind>,
 }
 
 // SAFETY: the raw pointers refer to buffers owned by live MemoryRegions (see the module docs); the
@@ -252,8 +254,8 @@ impl MrTable {
             let Home::Process(pid) = e.home else { continue };
             let start = e.ptr as u64;
             let in_bounds = s.addr >= start && s.addr.saturating_add(u64::from(s.length)) <= start + e.len as u64;
-            if in_bounds && !self.read_ahead.add(pid, s.addr, s.length as usize) {
-                break;
+            if in_bounds {
+                self.read_ahead.add(pid, s.addr, s.length as usize);
             }
         }
         self.read_ahead.read_all();
@@ -266,17 +268,20 @@ impl MrTable {
 
     /// Make the writes to regions reached through process_vm that were kept behind (see
     /// client_io.rs): before anything can tell anyone they were made (a packet sent, completions
-    /// handed out).
-    pub(crate) fn write_pending(&mut self) {
-        if !self.write_behind.is_empty() {
-            self.write_behind.write_all();
+    /// handed out) and before any access to memory but another such write or a read served from
+    /// what was read ahead.
+    pub(crate) fn write_pending(&self) {
+        let mut w = self.write_behind.borrow_mut();
+        if !w.is_empty() {
+            w.write_all();
         }
     }
 
     /// Writes to a region reached through process_vm that its process refused after they were
-    /// kept behind (it unmapped the range): their data is lost.
+    /// kept behind (it unmapped or write-protected the range after registering it): their data is
+    /// lost.
     pub(crate) fn lost_writes(&self) -> u64 {
-        self.write_behind.lost
+        self.write_behind.borrow().lost
     }
 
     /// Regions registered.
@@ -391,6 +396,7 @@ impl MrTable {
     /// A deferred payload's pieces as pointers into this process's memory (a client's mapped
     /// memfd region included); `Ok(None)` when a piece is in a region reached through process_vm.
     pub(crate) fn local_pieces(&self, d: &DeferredPayload) -> core::result::Result<Option<InPlace>, MemError> {
+        self.write_pending();
         let mut ip =
             InPlace { at: d.at, len: d.len, n: d.n, ptrs: [(std::ptr::null(), 0); DeferredPayload::MAX_PIECES] };
         for (slot, s) in ip.ptrs.iter_mut().zip(d.pieces()) {
@@ -409,6 +415,8 @@ impl MrTable {
     /// region included; `None` for anything else, a region reached through process_vm (daemon
     /// mode, `reg_mr_raw`) included. Valid while the device lock is held.
     pub(crate) fn remote_write_ptr(&self, pd: PdId, rkey: u32, addr: u64, len: u64) -> Option<*mut u8> {
+        // The caller writes through the pointer: after the writes kept behind.
+        self.write_pending();
         match self.resolve(pd, rkey, addr, len, Access::REMOTE_WRITE) {
             Ok(Loc::Local(p)) => Some(p),
             _ => None,
@@ -449,11 +457,11 @@ impl MemoryAccess for MrTable {
             // A gather for the client's own work request may have been read ahead (client_io.rs).
             Loc::Remote(pid, a) if kind == KeyKind::Local && self.read_ahead.get(pid, a, out) => return Ok(()),
             Loc::Remote(pid, a) => {
-                process_vm(pid, a, out.as_mut_ptr(), out.len(), false)?;
-                self.write_behind.overlay(pid, a, out);
-                return Ok(());
+                self.write_pending();
+                return process_vm(pid, a, out.as_mut_ptr(), out.len(), false);
             }
         };
+        self.write_pending();
         // SAFETY: `resolve` checked the range lies in a live registered buffer; the device lock is
         // held, so nothing else touches it; `out` is a distinct Rust buffer.
         unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
@@ -472,15 +480,17 @@ impl MemoryAccess for MrTable {
             Loc::Local(p) => p,
             Loc::Remote(pid, a) => {
                 self.read_ahead.forget_overlapping(pid, a, data.len());
-                if !self.write_behind.defer(pid, a, data) {
-                    self.write_behind.write_all();
-                    if !self.write_behind.defer(pid, a, data) {
+                let w = self.write_behind.get_mut();
+                if !w.defer(pid, a, data) {
+                    w.write_all();
+                    if !w.defer(pid, a, data) {
                         return process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true);
                     }
                 }
                 return Ok(());
             }
         };
+        self.write_pending();
         // SAFETY: as in `read`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Ok(())
@@ -490,13 +500,14 @@ impl MemoryAccess for MrTable {
         if !addr.is_multiple_of(8) {
             return Err(MemError::Misaligned);
         }
-        let p = match self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)? {
+        let loc = self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)?;
+        self.write_pending();
+        let p = match loc {
             Loc::Local(p) => p as *mut u64,
             Loc::Remote(pid, a) => {
                 // Atomic with respect to every other RDMA access (all run under the device lock),
                 // as IBV_ATOMIC_HCA promises; not with respect to the client's own CPU accesses.
                 self.read_ahead.forget_overlapping(pid, a, 8);
-                self.write_pending();
                 let mut w = [0u8; 8];
                 process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
                 let orig = u64::from_ne_bytes(w);

@@ -678,8 +678,9 @@ impl Qp {
         };
         if let (Some(back), Payload::Sgl(sgl)) = (back, &wr.payload) {
             ctx.stats.rcvd_pkts += 1;
-            // Checked by direct_request; memory another process lends (softrdmad's process_vm
-            // regions) may still refuse it, as it would the response's: the completer's error.
+            // Checked by direct_request; memory another process lends may still refuse it (a
+            // softrdmad process_vm region, for a write too large to be kept behind and made
+            // later), as it would the response's: the completer's error.
             if memory::scatter(ctx.mem, self.init.pd, sgl, 0, back).is_err() {
                 let wc = self.wc(wr.wr_id, WcStatus::LocProtErr, send_wc_opcode(&wr.op), 0);
                 ctx.push_send_wc(self.init.send_cq, wc);

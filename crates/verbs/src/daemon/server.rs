@@ -1240,6 +1240,43 @@ fn probe(pid: u32, addr: u64, len: u64) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Whether `len` bytes at `addr` in `pid` are mapped throughout, readable and, if `writable`,
+/// writable (`/proc/<pid>/maps`), as the kernel's `ibv_reg_mr` requires of the pages it pins: the
+/// device's writes into such a region are made after the fact (verbs client_io.rs), when a refusal
+/// could no longer fail the request.
+fn mapped(pid: u32, addr: u64, len: u64, writable: bool) -> Result<(), Refusal> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(|e| Refusal::PermissionDenied(format!("softrdmad cannot read the mappings of pid {pid}: {e}")))?;
+    let (mut at, end) = (addr, addr.saturating_add(len));
+    for line in maps.lines() {
+        if at >= end {
+            break;
+        }
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else { continue };
+        let Some((lo, hi)) = range.split_once('-') else { continue };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else { continue };
+        if hi <= at {
+            continue;
+        }
+        if lo > at {
+            break;
+        }
+        let p = perms.as_bytes();
+        if p.first() != Some(&b'r') || (writable && p.get(1) != Some(&b'w')) {
+            let what = if writable { "readable and writable" } else { "readable" };
+            return Err(Refusal::InvalidArgument(format!(
+                "address {at:#x} is not {what} in the registering process ({perms})"
+            )));
+        }
+        at = hi;
+    }
+    if at < end {
+        return Err(Refusal::InvalidArgument(format!("address {at:#x} is not mapped in the registering process")));
+    }
+    Ok(())
+}
+
 impl Session {
     fn dev(&self) -> Result<&Arc<SvcDevice>, Refusal> {
         self.dev.as_ref().ok_or_else(|| Refusal::InvalidArgument("no device opened on this connection".into()))
@@ -1365,6 +1402,9 @@ impl Session {
             Request::RegMr { pd, addr, len, access } => {
                 let access = region_rights(owns_pd(svc, pd), addr, len, access, attr.max_mr_size)?;
                 probe(self.cred.pid, addr, len)?;
+                let writes = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_ATOMIC);
+                let writable = access.bits() & writes.bits() != 0;
+                mapped(self.cred.pid, addr, len, writable)?;
                 let key = dev.dev.lock().mem.insert_remote(PdId(pd), self.cred.pid, addr, len as usize, access);
                 svc.mrs.insert(key, me);
                 count(svc, 1);
