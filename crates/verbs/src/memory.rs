@@ -396,7 +396,6 @@ impl MrTable {
     /// A deferred payload's pieces as pointers into this process's memory (a client's mapped
     /// memfd region included); `Ok(None)` when a piece is in a region reached through process_vm.
     pub(crate) fn local_pieces(&self, d: &DeferredPayload) -> core::result::Result<Option<InPlace>, MemError> {
-        self.write_pending();
         let mut ip =
             InPlace { at: d.at, len: d.len, n: d.n, ptrs: [(std::ptr::null(), 0); DeferredPayload::MAX_PIECES] };
         for (slot, s) in ip.ptrs.iter_mut().zip(d.pieces()) {
@@ -405,6 +404,8 @@ impl MrTable {
                 Loc::Remote(..) => return Ok(None),
             }
         }
+        // The pieces are read through the pointers: after the writes kept behind.
+        self.write_pending();
         Ok(Some(ip))
     }
 }
@@ -415,10 +416,12 @@ impl MrTable {
     /// region included; `None` for anything else, a region reached through process_vm (daemon
     /// mode, `reg_mr_raw`) included. Valid while the device lock is held.
     pub(crate) fn remote_write_ptr(&self, pd: PdId, rkey: u32, addr: u64, len: u64) -> Option<*mut u8> {
-        // The caller writes through the pointer: after the writes kept behind.
-        self.write_pending();
         match self.resolve(pd, rkey, addr, len, Access::REMOTE_WRITE) {
-            Ok(Loc::Local(p)) => Some(p),
+            Ok(Loc::Local(p)) => {
+                // The caller writes through the pointer: after the writes kept behind.
+                self.write_pending();
+                Some(p)
+            }
             _ => None,
         }
     }
