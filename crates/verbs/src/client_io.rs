@@ -175,8 +175,9 @@ impl WriteBehind {
     pub fn write_all(&mut self) {
         let ranges = std::mem::take(&mut self.ranges);
         let base = self.bytes.as_mut_ptr();
-        // Runs of one process keep the order of the writes to that process (the only order that
-        // can be seen: different processes' memories are apart).
+        // Consecutive writes to one process go in one call, and the calls follow one another in
+        // the order of the writes: every write is made after those kept before it (two processes
+        // may share memory).
         for run in ranges.chunk_by(|a, b| a.pid == b.pid) {
             let mut rest = run;
             while !rest.is_empty() {
