@@ -61,7 +61,24 @@ impl ReadAhead {
     /// Queue `len` bytes at `addr` of process `pid` for [`ReadAhead::read_all`], unless that
     /// would pass the pass's budget (or there is nothing to read): those are read when used.
     pub fn add(&mut self, pid: u32, addr: u64, len: usize) {
-        if len == 0 || self.bytes.len() + len > BUDGET {
+        if len == 0 {
+            return;
+        }
+        // Requests usually name one buffer, or its consecutive slots, one after the other: each
+        // range that starts inside the last one or right after it extends it (one iovec, one
+        // page pinned once, instead of many). The last range's bytes are the buffer's last.
+        if let Some(last) = self.ranges.last_mut() {
+            let last_end = last.addr + last.len as u64;
+            if last.pid == pid && last.addr <= addr && addr <= last_end {
+                let grow = (addr + len as u64).saturating_sub(last_end) as usize;
+                if self.bytes.len() + grow <= BUDGET {
+                    self.bytes.resize(self.bytes.len() + grow, 0);
+                    last.len += grow;
+                }
+                return;
+            }
+        }
+        if self.bytes.len() + len > BUDGET {
             return;
         }
         let at = self.bytes.len();
@@ -160,7 +177,24 @@ impl WriteBehind {
     /// Keep `data` to be written at `addr` of process `pid`; false (nothing kept) when it does not
     /// fit: write what waits ([`WriteBehind::write_all`]) and then this one at once.
     pub fn defer(&mut self, pid: u32, addr: u64, data: &[u8]) -> bool {
-        if self.ranges.len() == MAX_WRITES || self.bytes.len() + data.len() > BUDGET {
+        if self.bytes.len() + data.len() > BUDGET {
+            return false;
+        }
+        // The same bytes written again right after the last write replace its data (only the
+        // later can ever be seen); the bytes right after it extend it (written in one piece, in
+        // the same order). The last write's bytes are the buffer's last.
+        if let Some(last) = self.ranges.last_mut().filter(|r| r.pid == pid) {
+            if last.addr == addr && last.len == data.len() {
+                self.bytes[last.at..].copy_from_slice(data);
+                return true;
+            }
+            if last.addr + last.len as u64 == addr {
+                self.bytes.extend_from_slice(data);
+                last.len += data.len();
+                return true;
+            }
+        }
+        if self.ranges.len() == MAX_WRITES {
             return false;
         }
         let at = self.bytes.len();
@@ -239,21 +273,26 @@ mod tests {
         assert!(!p.get(me(), b.as_ptr() as u64, &mut out));
     }
 
-    /// A write drops exactly the ranges it overlaps.
+    /// Ranges that continue one another are read as one; a write drops exactly the ranges it
+    /// overlaps.
     #[test]
     fn a_write_drops_the_ranges_it_overlaps() {
-        let a = vec![1u8; 300];
+        let a = vec![1u8; 400];
         let base = a.as_ptr() as u64;
         let mut p = ReadAhead::default();
-        for k in 0..3 {
-            p.add(me(), base + 100 * k, 100);
-        }
+        p.add(me(), base, 100);
+        p.add(me(), base + 50, 100);
+        p.add(me(), base + 150, 50);
+        p.add(me(), base + 250, 100);
+        p.add(me(), base + 360, 40);
+        assert_eq!(p.ranges.len(), 3, "[0, 200) in one, then two apart");
         p.read_all();
-        p.forget_overlapping(me(), base + 199, 2);
         let mut out = [0u8; 100];
+        assert!(p.get(me(), base + 90, &mut out), "across what were three ranges");
+        p.forget_overlapping(me(), base + 349, 2);
         assert!(p.get(me(), base, &mut out));
-        assert!(!p.get(me(), base + 100, &mut out));
-        assert!(!p.get(me(), base + 200, &mut out));
+        assert!(!p.get(me(), base + 250, &mut out));
+        assert!(p.get(me(), base + 360, &mut out[..40]));
         p.forget_overlapping(NO_PROCESS, base, 100);
         assert!(p.get(me(), base, &mut out), "another process's write");
     }
@@ -285,6 +324,10 @@ mod tests {
         assert!(w.is_empty());
         assert!(w.defer(me(), base + 8, &[1; 16]));
         assert!(w.defer(me(), base + 16, &[2; 16]));
+        assert!(w.defer(me(), base + 32, &[4; 8]));
+        assert!(w.defer(me(), base + 32, &[5; 8]), "the same bytes again");
+        assert!(w.defer(me(), base + 40, &[6; 8]), "right after");
+        assert_eq!(w.ranges.len(), 3);
         assert!(w.defer(NO_PROCESS, base, &[3; 64]), "another process");
         assert!(!w.is_empty());
         // SAFETY: a plain read of `target`'s buffer, which only the kernel writes (process_vm).
@@ -297,6 +340,8 @@ mod tests {
         let mut want = [0u8; 64];
         want[8..16].fill(1);
         want[16..32].fill(2);
+        want[32..40].fill(5);
+        want[40..48].fill(6);
         assert_eq!(now, want);
         assert_eq!(w.lost, 1, "the other process's write: there is no such process");
     }
@@ -314,10 +359,11 @@ mod tests {
         // SAFETY: as above.
         let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 8]) };
         assert_eq!(now, [7; 8]);
-        for _ in 0..MAX_WRITES {
-            assert!(w.defer(me(), target.as_ptr() as u64, &[1]));
+        let apart = vec![0u8; 2 * MAX_WRITES + 2];
+        for k in 0..MAX_WRITES {
+            assert!(w.defer(me(), apart.as_ptr() as u64 + 2 * k as u64, &[1]));
         }
-        assert!(!w.defer(me(), target.as_ptr() as u64, &[1]), "MAX_WRITES");
+        assert!(!w.defer(me(), apart.as_ptr() as u64 + 2 * MAX_WRITES as u64, &[1]), "MAX_WRITES");
         w.write_all();
         assert!(!w.defer(me(), target.as_ptr() as u64, &vec![0; BUDGET + 1]), "over the budget");
     }
