@@ -668,7 +668,10 @@ fn shared_role(ctx: &Context) {
 ///    answers, and only then does the next round start;
 /// 3. ROUNDS times, in one list, the WRITE of a new pattern, the READ of it back into a buffer
 ///    and a fenced SEND of that buffer: the SEND was read ahead with the buffer's old contents,
-///    which the READ's data must replace; the peer checks what arrives and answers.
+///    which the READ's data must replace; the peer checks what arrives and answers;
+/// 4. ROUNDS times the peer writes a new pattern into its own buffer and then sends; on arrival
+///    the leader READs that buffer (its target read ahead as the READ is taken) and must get the
+///    pattern.
 fn batched_role(ctx: &Context) {
     const ROUNDS: usize = 150;
     const LEN: usize = 64;
@@ -729,6 +732,20 @@ fn batched_role(ctx: &Context) {
             assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
             qp.post_recv(recv(i)).unwrap();
         }
+        for i in 0..ROUNDS {
+            let wcs = wait_wcs(&cq, 1, 30);
+            ok(&wcs);
+            assert_eq!((wcs[0].opcode, wcs[0].imm), (WcOpcode::Recv, i as u32));
+            qp.post_recv(recv(i)).unwrap();
+            let read = SendOp::Read { remote_addr: paddr + DST as u64, rkey: prkey };
+            qp.post_send(send(4, read, &mr, BACK, LEN)).unwrap();
+            ok(&wait_wcs(&cq, 1, 30));
+            let got = mr.to_vec(BACK, LEN).unwrap();
+            assert_eq!(got, pattern(i as u32, b'r', LEN), "round {i}: READ of what the peer wrote");
+            // The peer writes the next pattern only after this answer.
+            qp.post_send(send(5, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
+            ok(&wait_wcs(&cq, 1, 30));
+        }
     } else {
         let wcs = wait_wcs(&cq, ROUNDS, 30);
         ok(&wcs);
@@ -760,6 +777,17 @@ fn batched_role(ctx: &Context) {
             qp.post_recv(recv(wcs[0].wr_id as usize)).unwrap();
             qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
             ok(&wait_wcs(&cq, 1, 30));
+        }
+        for i in 0..ROUNDS {
+            mr.write(DST, &pattern(i as u32, b'r', LEN)).unwrap();
+            qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
+            // Our SEND's completion and the leader's answer, in either order.
+            let wcs = wait_wcs(&cq, 2, 30);
+            ok(&wcs);
+            assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
+            for w in wcs.iter().filter(|w| w.opcode == WcOpcode::Recv) {
+                qp.post_recv(recv(w.wr_id as usize)).unwrap();
+            }
         }
     }
     drop((mr, qp, cq, pd));

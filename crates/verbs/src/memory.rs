@@ -174,6 +174,9 @@ pub(crate) struct MrTable {
     process_regions: usize,
     /// Their bytes read ahead for the work requests of one pass of softrdmad's device loop.
     read_ahead: ReadAhead,
+    /// Reads with remote keys are served from `read_ahead` too: only while the pass takes the
+    /// requests it read ahead for, whose READs executed directly read their targets then.
+    serve_remote: bool,
     /// Writes to them not yet made (see client_io.rs); made before any other access (a read, for
     /// instance, must see them, whether through the same address or another mapping of the same
     /// memory), hence a cell: reads take `&self`.
@@ -243,9 +246,10 @@ impl MrTable {
     }
 
     /// Read ahead, one system call per client, what the SGEs of work requests taken from the send
-    /// rings (`sges`) name in regions reached through process_vm, replacing what was read ahead
-    /// before; their gathers in this pass then copy from there (see client_io.rs). SGEs with an
-    /// unknown key or out of their region's bounds are left to the gather, which fails them.
+    /// rings (`sges`: their payloads, and the targets of their READs, an rkey in place of the lkey)
+    /// name in regions reached through process_vm, replacing what was read ahead before; their
+    /// gathers in this pass then copy from there (see client_io.rs). SGEs with an unknown key or
+    /// out of their region's bounds are left to the access, which fails them.
     pub(crate) fn prefetch<'a>(&mut self, sges: impl IntoIterator<Item = &'a Sge>) {
         self.write_pending();
         self.read_ahead.clear();
@@ -259,6 +263,14 @@ impl MrTable {
             }
         }
         self.read_ahead.read_all();
+    }
+
+    /// While the pass takes the requests read ahead for (`on`), a read with a remote key, which
+    /// then can only be a READ among them executed directly, is served from the read-ahead too; a
+    /// READ that arrives as a packet later reads the memory itself, so it never sees bytes older
+    /// than its arrival.
+    pub(crate) fn serve_remote_reads(&mut self, on: bool) {
+        self.serve_remote = on;
     }
 
     /// Forget what [`MrTable::prefetch`] read (the pass it was read for is over).
@@ -463,7 +475,11 @@ impl MemoryAccess for MrTable {
         let p = match self.resolve(pd, key, addr, out.len() as u64, read_right(kind))? {
             Loc::Local(p) => p,
             // A gather for the client's own work request may have been read ahead (client_io.rs).
-            Loc::Remote(pid, a) if kind == KeyKind::Local && self.read_ahead.get(pid, a, out) => return Ok(()),
+            Loc::Remote(pid, a)
+                if (kind == KeyKind::Local || self.serve_remote) && self.read_ahead.get(pid, a, out) =>
+            {
+                return Ok(())
+            }
             Loc::Remote(pid, a) => {
                 self.write_pending();
                 return process_vm(pid, a, out.as_mut_ptr(), out.len(), false);

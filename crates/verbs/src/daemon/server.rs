@@ -37,8 +37,8 @@ use softrdma_abi::sock::{Conn, Listener, PeerCred};
 use softrdma_device::registry::{Registry, RegistryError};
 use softrdma_device::{netdev, DeviceConfig, DeviceInfo};
 use softrdma_transport::{
-    wr::Payload, Access, AsyncEvent, CqId, ModifyQp, PdId, QpCap, QpInit, QpState, Sge, SrqId, VerbsError, WcOpcode,
-    WcStatus, WorkCompletion,
+    wr::Payload, Access, AsyncEvent, CqId, ModifyQp, PdId, QpCap, QpInit, QpState, SendOp, SendWr, Sge, SrqId,
+    VerbsError, WcOpcode, WcStatus, WorkCompletion,
 };
 use softrdma_wire::Qpn;
 
@@ -850,14 +850,24 @@ impl SvcDevice {
                     if !matches!(q.sq.peek_at(k, &mut sc.buf), Ok(true)) {
                         break;
                     }
-                    if let Ok(wr) = slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
-                        if let (false, Payload::Sgl(sgl)) = (wr.op.is_read_or_atomic(), &wr.payload) {
-                            sc.sges.extend_from_slice(sgl);
+                    match slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
+                        // A READ executed directly reads its target while it is taken.
+                        Ok(SendWr { op: SendOp::Read { remote_addr, rkey }, payload: Payload::Sgl(sgl), .. }) => {
+                            let length = sgl.iter().map(|s| s.length).sum();
+                            sc.sges.push(Sge { addr: remote_addr, length, lkey: rkey });
                         }
+                        Ok(wr) if !wr.op.is_read_or_atomic() => {
+                            if let Payload::Sgl(sgl) = &wr.payload {
+                                sc.sges.extend_from_slice(sgl);
+                            }
+                        }
+                        _ => {}
                     }
                 }
             }
             st.mem.prefetch(&sc.sges);
+            // Until the requests are taken, a READ's target is read from there too.
+            st.mem.serve_remote_reads(true);
         }
         for (qpn, q) in svc.qps.iter_mut() {
             if q.broken {
@@ -924,6 +934,7 @@ impl SvcDevice {
                 work = true;
             }
         }
+        st.mem.serve_remote_reads(false);
         // Network and timers.
         let before = (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
         self.dev.progress(st);
