@@ -13,7 +13,9 @@
 //!   lives for one pass; the pass takes no request posted after the read; the pass's completions
 //!   reach the clients only when it is over, so no client can have reused one of those buffers in
 //!   between; every write this device makes to a client's memory drops the copies it overlaps;
-//!   and only gathers (local keys) use it, while a READ response reads the memory itself.
+//!   and it serves the gathers of those requests, and the READs among them executed directly
+//!   while the pass takes them (their targets are read ahead too). A READ that arrives as a packet
+//!   reads the memory itself: it must not see bytes older than its arrival.
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
 //!   READ response's data) is kept and written, in order, before anything could tell anyone it was
 //!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
