@@ -474,7 +474,8 @@ impl MemoryAccess for MrTable {
     fn read(&self, pd: PdId, key: u32, kind: KeyKind, addr: u64, out: &mut [u8]) -> core::result::Result<(), MemError> {
         let p = match self.resolve(pd, key, addr, out.len() as u64, read_right(kind))? {
             Loc::Local(p) => p,
-            // A gather for the client's own work request may have been read ahead (client_io.rs).
+            // A gather for a work request of this pass, or a READ among them executed directly
+            // while the pass takes them, may have been read ahead (client_io.rs).
             Loc::Remote(pid, a)
                 if (kind == KeyKind::Local || self.serve_remote) && self.read_ahead.get(pid, a, out) =>
             {
