@@ -344,26 +344,20 @@ impl Consumer {
     /// Copy the oldest entry into `out` (up to `slot_size` bytes) without consuming it; false if
     /// the ring is empty.
     pub fn peek(&self, out: &mut [u8]) -> Result<bool, RingCorrupt> {
-        if self.pending()? == 0 {
-            return Ok(false);
-        }
-        let n = out.len().min(self.ring.slot_size as usize);
-        // SAFETY: the source is a slot inside the mapping, `n` ≤ slot_size; the acquire load in
-        // `pending` ordered the producer's writes of this slot before our read. We copy before we
-        // decode, so a producer rewriting the slot meanwhile can only garble its own request.
-        unsafe { ptr::copy_nonoverlapping(self.ring.slot_ptr(self.next), out.as_mut_ptr(), n) };
-        Ok(true)
+        self.peek_at(0, out)
     }
 
-    /// Copy entry `k` (0: the oldest) into `out` like [`Consumer::peek`], without consuming
+    /// Copy entry `k` (0: the oldest) into `out` (up to `slot_size` bytes) without consuming
     /// anything; false if fewer than `k + 1` entries wait.
     pub fn peek_at(&self, k: u32, out: &mut [u8]) -> Result<bool, RingCorrupt> {
         if self.pending()? <= k {
             return Ok(false);
         }
         let n = out.len().min(self.ring.slot_size as usize);
-        // SAFETY: as in `peek`: the slot lies inside the mapping (`slot_ptr` masks the index) and
-        // was published before the acquire load in `pending`.
+        // SAFETY: the source is a slot inside the mapping (`slot_ptr` masks the index), `n` ≤
+        // slot_size; the acquire load in `pending` ordered the producer's writes of this slot
+        // before our read. We copy before we decode, so a producer rewriting the slot meanwhile can
+        // only garble its own request.
         unsafe { ptr::copy_nonoverlapping(self.ring.slot_ptr(self.next.wrapping_add(k)), out.as_mut_ptr(), n) };
         Ok(true)
     }

@@ -106,6 +106,14 @@ struct Entry {
     home: Home,
 }
 
+impl Entry {
+    /// Whether `[addr, addr + len)` lies in the region.
+    fn covers(&self, addr: u64, len: u64) -> bool {
+        let start = self.ptr as u64;
+        addr >= start && addr.checked_add(len).is_some_and(|end| end <= start + self.len as u64)
+    }
+}
+
 /// Where a resolved access goes.
 enum Loc {
     Local(*mut u8),
@@ -256,9 +264,7 @@ impl MrTable {
         for s in sges {
             let Some(e) = self.entries.get(&s.lkey) else { continue };
             let Home::Process(pid) = e.home else { continue };
-            let start = e.ptr as u64;
-            let in_bounds = s.addr >= start && s.addr.saturating_add(u64::from(s.length)) <= start + e.len as u64;
-            if in_bounds {
+            if e.covers(s.addr, u64::from(s.length)) {
                 self.read_ahead.add(pid, s.addr, s.length as usize);
             }
         }
@@ -314,9 +320,7 @@ impl MrTable {
         if !e.access.contains(need) {
             return Err(MemError::AccessDenied);
         }
-        let start = e.ptr as u64;
-        let end = addr.checked_add(len).ok_or(MemError::OutOfBounds)?;
-        if addr < start || end > start + e.len as u64 {
+        if !e.covers(addr, len) {
             return Err(MemError::OutOfBounds);
         }
         let base = match &e.home {
@@ -324,9 +328,10 @@ impl MrTable {
             Home::Process(pid) => return Ok(Loc::Remote(*pid, addr)),
             Home::Mapped(m) => m.as_ptr(),
         };
-        // SAFETY: addr - start < e.len, so the offset stays inside the allocation (for a mapped
-        // region, inside the mapping, which is at least e.len bytes: see `insert_mapped`).
-        Ok(Loc::Local(unsafe { base.add((addr - start) as usize) }))
+        // SAFETY: `covers` checked addr - e.ptr < e.len, so the offset stays inside the allocation
+        // (for a mapped region, inside the mapping, which is at least e.len bytes: see
+        // `insert_mapped`).
+        Ok(Loc::Local(unsafe { base.add((addr - e.ptr as u64) as usize) }))
     }
 }
 
