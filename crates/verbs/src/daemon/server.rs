@@ -853,7 +853,8 @@ impl SvcDevice {
                     match slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
                         // A READ executed directly reads its target while it is taken.
                         Ok(SendWr { op: SendOp::Read { remote_addr, rkey }, payload: Payload::Sgl(sgl), .. }) => {
-                            let length = sgl.iter().map(|s| s.length).sum();
+                            // The client's lengths: their sum may not fit (the READ then fails).
+                            let length = sgl.iter().fold(0u32, |n, s| n.saturating_add(s.length));
                             sc.sges.push(Sge { addr: remote_addr, length, lkey: rkey });
                         }
                         Ok(wr) if !wr.op.is_read_or_atomic() => {
