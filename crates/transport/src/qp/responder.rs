@@ -138,7 +138,7 @@ impl Responder {
     /// Nothing of an earlier request is pending: no message in progress, no response queued, no
     /// NAK outstanding (see [`Qp::take_direct`]).
     pub(super) fn idle(&self) -> bool {
-        self.cur.is_none() && self.out.is_empty() && !self.nak_sent && !self.uc_drop
+        self.cur.is_none() && self.nothing_owed() && !self.nak_sent && !self.uc_drop
     }
 
     /// UC: forget the message in progress; a SEND's receive WQE is kept for the next message.
