@@ -671,7 +671,8 @@ fn shared_role(ctx: &Context) {
 ///    which the READ's data must replace; the peer checks what arrives and answers;
 /// 4. ROUNDS times the peer writes a new pattern into its own buffer and then sends; on arrival
 ///    the leader READs that buffer (its target read ahead as the READ is taken) and must get the
-///    pattern.
+///    pattern; then the same with READs of several packets, whose responses are built from what
+///    each flush reads ahead for them.
 fn batched_role(ctx: &Context) {
     const ROUNDS: usize = 150;
     const LEN: usize = 64;
@@ -679,12 +680,17 @@ fn batched_role(ctx: &Context) {
     const DST: usize = 4096;
     const BACK: usize = 8192;
     const RECV: usize = 12288;
+    // Multi-packet READs: their responses are built from what is read ahead at each flush.
+    const BIG: usize = 3 * 4096 + 100;
+    const BIG_DST: usize = 24576;
+    const BIG_BACK: usize = BIG_DST + 16384;
+    const SIZE: usize = BIG_BACK + 16384;
     let (pd, cq, qp) = rc_qp(ctx);
     let me = qp.qpn().value();
-    let mut heap = vec![0u8; RECV + ROUNDS * LEN + 8];
+    let mut heap = vec![0u8; SIZE + 8];
     // SAFETY: `heap` outlives the region (dropped after it, at the end of this function); this
     // process touches it only through the region, between completions.
-    let mr = unsafe { pd.reg_mr_raw(heap.as_mut_ptr().add(8), RECV + ROUNDS * LEN, RW) }.unwrap();
+    let mr = unsafe { pd.reg_mr_raw(heap.as_mut_ptr().add(8), SIZE, RW) }.unwrap();
     qp.init(RW).unwrap();
     let recv = |i: usize| RecvWr { wr_id: i as u64, sgl: vec![mr.sge(RECV + i * LEN, LEN).unwrap()].into() };
     for i in 0..ROUNDS {
@@ -732,19 +738,21 @@ fn batched_role(ctx: &Context) {
             assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
             qp.post_recv(recv(i)).unwrap();
         }
-        for i in 0..ROUNDS {
-            let wcs = wait_wcs(&cq, 1, 30);
-            ok(&wcs);
-            assert_eq!((wcs[0].opcode, wcs[0].imm), (WcOpcode::Recv, i as u32));
-            qp.post_recv(recv(i)).unwrap();
-            let read = SendOp::Read { remote_addr: paddr + DST as u64, rkey: prkey };
-            qp.post_send(send(4, read, &mr, BACK, LEN)).unwrap();
-            ok(&wait_wcs(&cq, 1, 30));
-            let got = mr.to_vec(BACK, LEN).unwrap();
-            assert_eq!(got, pattern(i as u32, b'r', LEN), "round {i}: READ of what the peer wrote");
-            // The peer writes the next pattern only after this answer.
-            qp.post_send(send(5, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
-            ok(&wait_wcs(&cq, 1, 30));
+        for (len, dst, back) in [(LEN, DST, BACK), (BIG, BIG_DST, BIG_BACK)] {
+            for i in 0..ROUNDS {
+                let wcs = wait_wcs(&cq, 1, 30);
+                ok(&wcs);
+                assert_eq!((wcs[0].opcode, wcs[0].imm), (WcOpcode::Recv, i as u32));
+                qp.post_recv(recv(i)).unwrap();
+                let read = SendOp::Read { remote_addr: paddr + dst as u64, rkey: prkey };
+                qp.post_send(send(4, read, &mr, back, len)).unwrap();
+                ok(&wait_wcs(&cq, 1, 30));
+                let got = mr.to_vec(back, len).unwrap();
+                assert!(got == pattern(i as u32, b'r', len), "round {i}: READ of {len} bytes the peer wrote");
+                // The peer writes the next pattern only after this answer.
+                qp.post_send(send(5, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
+                ok(&wait_wcs(&cq, 1, 30));
+            }
         }
     } else {
         let wcs = wait_wcs(&cq, ROUNDS, 30);
@@ -778,15 +786,17 @@ fn batched_role(ctx: &Context) {
             qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
             ok(&wait_wcs(&cq, 1, 30));
         }
-        for i in 0..ROUNDS {
-            mr.write(DST, &pattern(i as u32, b'r', LEN)).unwrap();
-            qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
-            // Our SEND's completion and the leader's answer, in either order.
-            let wcs = wait_wcs(&cq, 2, 30);
-            ok(&wcs);
-            assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
-            for w in wcs.iter().filter(|w| w.opcode == WcOpcode::Recv) {
-                qp.post_recv(recv(w.wr_id as usize)).unwrap();
+        for (len, dst) in [(LEN, DST), (BIG, BIG_DST)] {
+            for i in 0..ROUNDS {
+                mr.write(dst, &pattern(i as u32, b'r', len)).unwrap();
+                qp.post_send(send(i as u64, SendOp::SendWithImm(i as u32), &mr, SRC, 0)).unwrap();
+                // Our SEND's completion and the leader's answer, in either order.
+                let wcs = wait_wcs(&cq, 2, 30);
+                ok(&wcs);
+                assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32), "{wcs:?}");
+                for w in wcs.iter().filter(|w| w.opcode == WcOpcode::Recv) {
+                    qp.post_recv(recv(w.wr_id as usize)).unwrap();
+                }
             }
         }
     }

@@ -839,6 +839,15 @@ impl Hca {
         !self.ready.is_empty()
     }
 
+    /// What the READ responses queued by QPs that may send now still have to read from memory:
+    /// `(rkey, address, bytes left)` per response, in the order each QP sends them. A driver whose
+    /// memory is slow to reach per access reads it ahead in one go before [`Hca::poll_transmit`]
+    /// builds the packets (the READs have arrived, so any moment from now on is theirs to read).
+    pub fn owed_reads(&self) -> impl Iterator<Item = (u32, u64, u32)> + '_ {
+        let queued = self.ready.order.iter().chain(self.held.order.iter());
+        queued.filter_map(|q| self.qps.get(q)).flat_map(|qp| qp.resp.owed_reads())
+    }
+
     /// Write the next packet to send into `buf` (at least MTU + 64 bytes long).
     pub fn poll_transmit(&mut self, now: Instant, mem: &mut dyn MemoryAccess, buf: &mut [u8]) -> Option<Transmit> {
         let burst = self.config.burst;

@@ -51,6 +51,8 @@ struct Range {
 pub(crate) struct ReadAhead {
     bytes: Vec<u8>,
     ranges: Vec<Range>,
+    /// `ranges[..read]` were read by [`ReadAhead::read_all`]: none of them grows any more.
+    read: usize,
 }
 
 impl ReadAhead {
@@ -58,6 +60,12 @@ impl ReadAhead {
     pub fn clear(&mut self) {
         self.bytes.clear();
         self.ranges.clear();
+        self.read = 0;
+    }
+
+    /// Whether [`ReadAhead::add`] of `len` more bytes would fit in the budget.
+    pub fn has_room(&self, len: usize) -> bool {
+        self.bytes.len() + len <= BUDGET
     }
 
     /// Queue `len` bytes at `addr` of process `pid` for [`ReadAhead::read_all`], unless that
@@ -69,7 +77,8 @@ impl ReadAhead {
         // Requests usually name one buffer, or its consecutive slots, one after the other: each
         // range that starts inside the last one or right after it extends it (one iovec, one
         // page pinned once, instead of many). The last range's bytes are the buffer's last.
-        if let Some(last) = self.ranges.last_mut() {
+        let growable = self.ranges.len() > self.read;
+        if let Some(last) = self.ranges.last_mut().filter(|_| growable) {
             let last_end = last.addr + last.len as u64;
             if last.pid == pid && last.addr <= addr && addr <= last_end {
                 let grow = (addr + len as u64).saturating_sub(last_end) as usize;
@@ -88,11 +97,12 @@ impl ReadAhead {
         self.ranges.push(Range { pid, addr, len, at });
     }
 
-    /// Read every queued range: one `process_vm_readv` per process (per [`MAX_IOV`] ranges). A
-    /// call stops at the first range it cannot read whole (the client unmapped it): that range and
-    /// the ones after it in the call are dropped, and read by system call when (if) they are used.
+    /// Read every range queued since the last call: one `process_vm_readv` per process (per
+    /// [`MAX_IOV`] ranges). A call stops at the first range it cannot read whole (the client
+    /// unmapped it): that range and the ones after it in the call are dropped, and read by system
+    /// call when (if) they are used.
     pub fn read_all(&mut self) {
-        let mut ranges = std::mem::take(&mut self.ranges);
+        let mut ranges = self.ranges.split_off(self.read);
         ranges.sort_by_key(|r| r.pid);
         let mut kept = Vec::with_capacity(ranges.len());
         for call in ranges.chunk_by(|a, b| a.pid == b.pid).flat_map(|same| same.chunks(MAX_IOV)) {
@@ -105,17 +115,24 @@ impl ReadAhead {
                 kept.push(*r);
             }
         }
-        self.ranges = kept;
+        self.ranges.append(&mut kept);
+        self.read = self.ranges.len();
+    }
+
+    /// Whether `len` bytes at `addr` of process `pid` were read ahead, all in one range.
+    pub fn covers(&self, pid: u32, addr: u64, len: usize) -> bool {
+        self.find(pid, addr, len).is_some()
+    }
+
+    fn find(&self, pid: u32, addr: u64, len: usize) -> Option<&Range> {
+        let end = addr.saturating_add(len as u64);
+        self.ranges.iter().find(|r| r.pid == pid && r.addr <= addr && end <= r.addr + r.len as u64)
     }
 
     /// Copy `out.len()` bytes at `addr` of process `pid` from what was read ahead; false if they
     /// were not (all) read ahead.
     pub fn get(&self, pid: u32, addr: u64, out: &mut [u8]) -> bool {
-        let end = addr.saturating_add(out.len() as u64);
-        let Some(r) = self.ranges.iter().find(|r| r.pid == pid && r.addr <= addr && end <= r.addr + r.len as u64)
-        else {
-            return false;
-        };
+        let Some(r) = self.find(pid, addr, out.len()) else { return false };
         let from = r.at + (addr - r.addr) as usize;
         out.copy_from_slice(&self.bytes[from..from + out.len()]);
         true
@@ -127,7 +144,10 @@ impl ReadAhead {
             return;
         }
         let end = addr.saturating_add(len as u64);
-        self.ranges.retain(|r| r.pid != pid || r.addr + r.len as u64 <= addr || end <= r.addr);
+        let apart = |r: &Range| r.pid != pid || r.addr + r.len as u64 <= addr || end <= r.addr;
+        // Ranges read and ranges waiting to be read keep their places.
+        self.read = self.ranges[..self.read].iter().filter(|r| apart(r)).count();
+        self.ranges.retain(apart);
     }
 }
 
@@ -314,6 +334,33 @@ mod tests {
         assert_eq!(out, [5u8; 32]);
         assert!(!p.get(me(), 8, &mut out));
         assert!(!p.get(me(), a.as_ptr() as u64 + 32, &mut out));
+    }
+
+    /// A second read reads only the ranges added since the first: those read before keep their
+    /// bytes and do not grow; a write that drops a range read before leaves the ranges added
+    /// since it still to be read.
+    #[test]
+    fn ranges_read_before_are_kept_and_not_read_again() {
+        let mut a = vec![3u8; 256];
+        let base = a.as_mut_ptr() as u64;
+        let mut p = ReadAhead::default();
+        p.add(me(), base, 64);
+        p.read_all();
+        a[10] = 4;
+        p.add(me(), base + 64, 64);
+        assert_eq!(p.ranges.len(), 2, "a range read before does not grow");
+        p.add(me(), base + 200, 8);
+        p.forget_overlapping(me(), base, 1);
+        a[70] = 5;
+        assert!(p.covers(me(), base + 64, 64), "added, not read yet");
+        p.read_all();
+        let mut out = [0u8; 64];
+        assert!(p.get(me(), base + 64, &mut out));
+        assert_eq!(out[6], 5, "read by the second call");
+        assert!(!p.covers(me(), base, 1), "dropped by the write");
+        assert!(p.covers(me(), base + 200, 8));
+        assert!(!p.covers(me(), base + 120, 16), "across two ranges");
+        assert!(p.has_room(BUDGET - 136) && !p.has_room(BUDGET - 135), "bytes of dropped ranges count");
     }
 
     /// Writes kept behind are made when asked, in the order they were kept (the later wins where

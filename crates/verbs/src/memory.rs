@@ -171,6 +171,14 @@ impl std::hash::Hasher for KeyHasher {
     }
 }
 
+/// Most bytes of READ responses' data read ahead at the start of a batch of packets
+/// ([`MrTable::prefetch_owed_reads`]): twice what a batch sends at most (32 packets of the
+/// largest MTU).
+const OWED_READ_WINDOW: usize = 256 << 10;
+
+/// The largest payload a packet carries (the largest path MTU).
+const MAX_PACKET_PAYLOAD: usize = 4096;
+
 type KeyMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<KeyHasher>>;
 
 /// The device's region table: keys to buffers, with PD, bounds and rights.
@@ -185,6 +193,12 @@ pub(crate) struct MrTable {
     /// Reads with remote keys are served from `read_ahead` too: only while the pass takes the
     /// requests it read ahead for, whose READs executed directly read their targets then.
     serve_remote: bool,
+    /// Their bytes that READ responses owed during one flush still have to send, read ahead
+    /// ([`MrTable::prefetch_owed_reads`]).
+    owed_reads: ReadAhead,
+    /// The READ responses' ranges looked at by the last [`MrTable::prefetch_owed_reads`]: (pid,
+    /// address, length, whether their next packet was read ahead already).
+    owed_scratch: Vec<(u32, u64, usize, bool)>,
     /// Writes to them not yet made (see client_io.rs); made before any other access (a read, for
     /// instance, must see them, whether through the same address or another mapping of the same
     /// memory), hence a cell: reads take `&self`.
@@ -223,6 +237,7 @@ impl MrTable {
     fn insert_entry(&mut self, entry: Entry) -> u32 {
         self.write_pending();
         self.read_ahead.clear();
+        self.owed_reads.clear();
         if let Home::Process(_) = entry.home {
             self.process_regions += 1;
         }
@@ -242,6 +257,7 @@ impl MrTable {
     pub(crate) fn remove(&mut self, key: u32) {
         self.write_pending();
         self.read_ahead.clear();
+        self.owed_reads.clear();
         if let Some(Entry { home: Home::Process(_), .. }) = self.entries.remove(&key) {
             self.process_regions -= 1;
         }
@@ -282,6 +298,59 @@ impl MrTable {
     /// Forget what [`MrTable::prefetch`] read (the pass it was read for is over).
     pub(crate) fn forget_prefetched(&mut self) {
         self.read_ahead.clear();
+    }
+
+    /// Read ahead, one system call per client, what the READ responses the engine owes now still
+    /// have to send from regions reached through process_vm (`owed`: rkey, address and bytes left
+    /// of each, from `Hca::owed_reads`, in the order they go), up to [`OWED_READ_WINDOW`] bytes
+    /// of them, skipping a response whose next packet's bytes were read ahead already; the packets
+    /// of those responses then copy from there. The READs have arrived, so these bytes are as new
+    /// as the READs may see; a request that arrives later in the same flush (from a QP of this
+    /// device, posted before the flush began) may be served from them too. The copy is dropped at
+    /// the end of the flush ([`MrTable::forget_owed_reads`]), before anything new can arrive, and
+    /// where this device writes.
+    pub(crate) fn prefetch_owed_reads(&mut self, owed: impl Iterator<Item = (u32, u64, u32)>) {
+        self.write_pending();
+        let mut look = std::mem::take(&mut self.owed_scratch);
+        look.clear();
+        let (mut window, mut fresh) = (OWED_READ_WINDOW, 0);
+        for (rkey, va, left) in owed {
+            if window == 0 {
+                break;
+            }
+            let Some(e) = self.entries.get(&rkey) else { continue };
+            let Home::Process(pid) = e.home else { continue };
+            let len = (left as usize).min(window);
+            if len == 0 || !e.covers(va, len as u64) {
+                continue;
+            }
+            window -= len;
+            let done = self.owed_reads.covers(pid, va, len.min(MAX_PACKET_PAYLOAD));
+            if !done {
+                fresh += len;
+            }
+            look.push((pid, va, len, done));
+        }
+        if fresh > 0 {
+            // The bytes of packets sent since they were read make room; what is still to be sent
+            // is read again.
+            let all = !self.owed_reads.has_room(fresh);
+            if all {
+                self.owed_reads.clear();
+            }
+            for &(pid, va, len, done) in &look {
+                if all || !done {
+                    self.owed_reads.add(pid, va, len);
+                }
+            }
+            self.owed_reads.read_all();
+        }
+        self.owed_scratch = look;
+    }
+
+    /// Forget what [`MrTable::prefetch_owed_reads`] read (the flush it was read for is over).
+    pub(crate) fn forget_owed_reads(&mut self) {
+        self.owed_reads.clear();
     }
 
     /// Make the writes to regions reached through process_vm that were kept behind (see
@@ -486,6 +555,8 @@ impl MemoryAccess for MrTable {
             {
                 return Ok(())
             }
+            // A READ response's data, read ahead for the flush building it.
+            Loc::Remote(pid, a) if kind == KeyKind::Remote && self.owed_reads.get(pid, a, out) => return Ok(()),
             Loc::Remote(pid, a) => {
                 self.write_pending();
                 return process_vm(pid, a, out.as_mut_ptr(), out.len(), false);
@@ -510,6 +581,7 @@ impl MemoryAccess for MrTable {
             Loc::Local(p) => p,
             Loc::Remote(pid, a) => {
                 self.read_ahead.forget_overlapping(pid, a, data.len());
+                self.owed_reads.forget_overlapping(pid, a, data.len());
                 let w = self.write_behind.get_mut();
                 if !w.defer(pid, a, data) {
                     w.write_all();
@@ -538,6 +610,7 @@ impl MemoryAccess for MrTable {
                 // Atomic with respect to every other RDMA access (all run under the device lock),
                 // as IBV_ATOMIC_HCA promises; not with respect to the client's own CPU accesses.
                 self.read_ahead.forget_overlapping(pid, a, 8);
+                self.owed_reads.forget_overlapping(pid, a, 8);
                 let mut w = [0u8; 8];
                 process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
                 let orig = u64::from_ne_bytes(w);
@@ -943,5 +1016,46 @@ mod tests {
         t.remove(key);
         assert_eq!(t.read(pd, key, KeyKind::Remote, at, &mut back), Err(MemError::InvalidKey));
         assert_eq!(t.len(), 0);
+    }
+
+    /// What READ responses still owe from a process_vm region (this process's heap here) is read
+    /// ahead for one flush: it serves reads with a remote key only, as the memory was when it was
+    /// read; a response whose next bytes were read is not read again; a write through the table
+    /// drops what it overlaps; after the flush every read goes to memory.
+    #[test]
+    fn owed_reads_are_read_ahead_for_one_flush() {
+        let mut heap = vec![1u8; 3 * 4096];
+        let at = heap.as_mut_ptr() as u64;
+        let mut t = MrTable::default();
+        let pd = PdId(2);
+        let rw = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ);
+        let key = t.insert_remote(pd, std::process::id(), at, heap.len(), rw);
+        // Two responses; an unknown key and one out of bounds are left alone.
+        t.prefetch_owed_reads(
+            [(key, at, 4096), (key, at + 8192, 4096), (key + 1, at, 8), (key, at, 20000)].into_iter(),
+        );
+        heap[10] = 2;
+        heap[8200] = 2;
+        let read = |t: &MrTable, kind, addr| {
+            let mut b = [0u8; 1];
+            t.read(pd, key, kind, addr, &mut b).unwrap();
+            b[0]
+        };
+        assert_eq!(read(&t, KeyKind::Remote, at + 10), 1, "served from what was read ahead");
+        assert_eq!(read(&t, KeyKind::Local, at + 10), 2, "a gather reads the memory");
+        // The first response's next bytes were read: not read again (the old byte still served).
+        t.prefetch_owed_reads([(key, at + 8, 4088), (key, at + 4096, 16)].into_iter());
+        assert_eq!(read(&t, KeyKind::Remote, at + 10), 1);
+        heap[4100] = 3;
+        assert_eq!(read(&t, KeyKind::Remote, at + 4100), 1, "the third range was read");
+        t.write(pd, key, KeyKind::Remote, at + 8196, &[7; 2]).unwrap();
+        assert_eq!(read(&t, KeyKind::Remote, at + 8200), 2, "the write dropped the second range");
+        assert_eq!(read(&t, KeyKind::Remote, at + 8197), 7, "and was made before the read");
+        assert_eq!(read(&t, KeyKind::Remote, at + 10), 1, "the first range is not touched by it");
+        t.forget_owed_reads();
+        assert_eq!(read(&t, KeyKind::Remote, at + 10), 2, "after the flush");
+        assert_eq!(read(&t, KeyKind::Remote, at + 4100), 3);
+        t.remove(key);
+        drop(heap);
     }
 }

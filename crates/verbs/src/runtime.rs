@@ -435,8 +435,13 @@ impl Device {
         let mut congested = link.flush_pending();
         let mut loop_batches = 0;
         while hca.has_transmit() && !congested {
-            // What the last batch's packets to this device itself wrote, before this batch leaves.
+            // What the last batch's packets to this device itself wrote, before this batch leaves;
+            // then what the READ responses owed now read from daemon clients' memory, read ahead
+            // (client_io.rs).
             mem.write_pending();
+            if mem.has_process_regions() {
+                mem.prefetch_owed_reads(hca.owed_reads());
+            }
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
             // Per UDP packet (entry j of `tx_meta`): where its deferred payload is, if it stayed in
@@ -571,6 +576,8 @@ impl Device {
                 break;
             }
         }
+        // Nothing is read ahead for what arrives after this flush.
+        mem.forget_owed_reads();
         link.ring_doorbells();
         self.dispatch(st);
     }

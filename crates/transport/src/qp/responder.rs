@@ -130,6 +130,15 @@ impl Responder {
         self.out.iter().filter(new).count()
     }
 
+    /// The data still to be sent of each READ response queued, in the order they go: `(rkey,
+    /// address, bytes left)`.
+    pub(crate) fn owed_reads(&self) -> impl Iterator<Item = (u32, u64, u32)> + '_ {
+        self.out.iter().filter_map(|r| match *r {
+            Response::Read { rkey, va, remaining, .. } => Some((rkey, va, remaining)),
+            _ => None,
+        })
+    }
+
     /// No response (ACK, NAK, READ response, atomic ACK) waits to be sent.
     pub(super) fn nothing_owed(&self) -> bool {
         self.out.is_empty()
