@@ -839,12 +839,13 @@ impl Hca {
         !self.ready.is_empty()
     }
 
-    /// What the READ responses queued by QPs that may send now still have to read from memory:
-    /// `(rkey, address, bytes left)` per response, in the order each QP sends them. A driver whose
-    /// memory is slow to reach per access reads it ahead in one go before [`Hca::poll_transmit`]
-    /// builds the packets (the READs have arrived, so any moment from now on is theirs to read).
-    pub fn owed_reads(&self) -> impl Iterator<Item = (u32, u64, u32)> + '_ {
-        let queued = self.ready.order.iter().chain(self.held.order.iter());
+    /// What the READ responses queued by the first `qps` QPs that may send now (in turn order)
+    /// still have to read from memory: `(rkey, address, bytes left)` per response, in the order
+    /// each QP sends them. A driver whose memory is slow to reach per access reads it ahead in one
+    /// go before [`Hca::poll_transmit`] builds the packets (the READs have arrived, so any moment
+    /// from now on is theirs to read).
+    pub fn owed_reads(&self, qps: usize) -> impl Iterator<Item = (u32, u64, u32)> + '_ {
+        let queued = self.ready.order.iter().chain(self.held.order.iter()).take(qps);
         queued.filter_map(|q| self.qps.get(q)).flat_map(|qp| qp.resp.owed_reads())
     }
 

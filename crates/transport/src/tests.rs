@@ -637,17 +637,18 @@ fn a_qp_leaves_the_transmit_list_with_its_last_packet() {
 #[test]
 fn owed_reads_follow_the_read_responses_as_they_go() {
     let mut r = Rig::new();
-    assert_eq!(r.hca.owed_reads().count(), 0);
+    assert_eq!(r.hca.owed_reads(8).count(), 0);
     // Two READs (MTU 256): 600 bytes from 0x2000, then 100 from 0x3000.
     let a = request(&r, base::READ_REQUEST, EPSN, true, Some((0x2000, 600)), 0, 0);
     r.hca.handle_packet(r.now, &a, &RxInfo { grh: [0; 40] }, &mut r.mem);
     let b = request(&r, base::READ_REQUEST, EPSN + 3, true, Some((0x3000, 100)), 0, 0);
     r.hca.handle_packet(r.now, &b, &RxInfo { grh: [0; 40] }, &mut r.mem);
-    assert_eq!(r.hca.owed_reads().collect::<Vec<_>>(), [(1, 0x2000, 600), (1, 0x3000, 100)]);
+    assert_eq!(r.hca.owed_reads(8).collect::<Vec<_>>(), [(1, 0x2000, 600), (1, 0x3000, 100)]);
+    assert_eq!(r.hca.owed_reads(0).count(), 0, "only the first QPs in turn are asked");
     let mut buf = vec![0u8; 4096 + 64];
     assert!(r.hca.poll_transmit(r.now, &mut r.mem, &mut buf).is_some());
-    assert_eq!(r.hca.owed_reads().collect::<Vec<_>>(), [(1, 0x2100, 344), (1, 0x3000, 100)]);
+    assert_eq!(r.hca.owed_reads(8).collect::<Vec<_>>(), [(1, 0x2100, 344), (1, 0x3000, 100)]);
     let sent = r.recv();
     assert_eq!(sent.len(), 3, "the rest of the first response and the second: {sent:?}");
-    assert_eq!(r.hca.owed_reads().count(), 0);
+    assert_eq!(r.hca.owed_reads(8).count(), 0);
 }

@@ -15,7 +15,16 @@
 //!   between; every write this device makes to a client's memory drops the copies it overlaps;
 //!   and it serves the gathers of those requests, and the READs among them executed directly
 //!   while the pass takes them (their targets are read ahead too). A READ that arrives as a packet
-//!   reads the memory itself: it must not see bytes older than its arrival.
+//!   must not see bytes older than its arrival, so what those copies hold never serves it.
+//! * The data of READ responses: at the start of each batch of packets a flush builds, what the
+//!   READ responses the engine owes still have to send is read ahead (up to one batch's worth),
+//!   and their packets copy from there. Those READs have arrived. A READ that arrives during the
+//!   same flush comes from a QP of this device (loopback), posted before the pass took it, so
+//!   before the flush began: bytes read since are as new as it may see. The copy is dropped at the
+//!   end of the flush, before anything else can arrive.
+//! * Every copy stops serving where this device writes to its bytes, and a copy serving READs
+//!   stops serving altogether after any write through a pointer into this process's memory (a
+//!   mapped region may alias pages registered for process_vm too).
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
 //!   READ response's data) is kept and written, in order, before anything could tell anyone it was
 //!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
@@ -124,9 +133,11 @@ impl ReadAhead {
         self.find(pid, addr, len).is_some()
     }
 
+    /// The range read that holds `len` bytes at `addr` of process `pid` (ranges added and not
+    /// read yet hold nothing).
     fn find(&self, pid: u32, addr: u64, len: usize) -> Option<&Range> {
         let end = addr.saturating_add(len as u64);
-        self.ranges.iter().find(|r| r.pid == pid && r.addr <= addr && end <= r.addr + r.len as u64)
+        self.ranges[..self.read].iter().find(|r| r.pid == pid && r.addr <= addr && end <= r.addr + r.len as u64)
     }
 
     /// Copy `out.len()` bytes at `addr` of process `pid` from what was read ahead; false if they
@@ -336,9 +347,9 @@ mod tests {
         assert!(!p.get(me(), a.as_ptr() as u64 + 32, &mut out));
     }
 
-    /// A second read reads only the ranges added since the first: those read before keep their
-    /// bytes and do not grow; a write that drops a range read before leaves the ranges added
-    /// since it still to be read.
+    /// A second read reads only the ranges added since the first: those read before keep the
+    /// bytes they were read with and do not grow; ranges added are served only once read; a write
+    /// that drops a range read before leaves the ranges added since it still to be read.
     #[test]
     fn ranges_read_before_are_kept_and_not_read_again() {
         let mut a = vec![3u8; 256];
@@ -349,16 +360,21 @@ mod tests {
         a[10] = 4;
         p.add(me(), base + 64, 64);
         assert_eq!(p.ranges.len(), 2, "a range read before does not grow");
-        p.add(me(), base + 200, 8);
-        p.forget_overlapping(me(), base, 1);
+        assert!(!p.covers(me(), base + 64, 64), "added, not read yet");
         a[70] = 5;
-        assert!(p.covers(me(), base + 64, 64), "added, not read yet");
         p.read_all();
         let mut out = [0u8; 64];
+        assert!(p.get(me(), base, &mut out));
+        assert_eq!(out[10], 3, "not read again");
         assert!(p.get(me(), base + 64, &mut out));
         assert_eq!(out[6], 5, "read by the second call");
+        p.add(me(), base + 200, 8);
+        p.forget_overlapping(me(), base, 1);
+        a[200] = 9;
+        p.read_all();
         assert!(!p.covers(me(), base, 1), "dropped by the write");
-        assert!(p.covers(me(), base + 200, 8));
+        assert!(p.get(me(), base + 200, &mut out[..8]));
+        assert_eq!(out[0], 9, "still read after a range read before it was dropped");
         assert!(!p.covers(me(), base + 120, 16), "across two ranges");
         assert!(p.has_room(BUDGET - 136) && !p.has_room(BUDGET - 135), "bytes of dropped ranges count");
     }

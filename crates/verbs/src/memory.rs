@@ -172,9 +172,9 @@ impl std::hash::Hasher for KeyHasher {
 }
 
 /// Most bytes of READ responses' data read ahead at the start of a batch of packets
-/// ([`MrTable::prefetch_owed_reads`]): twice what a batch sends at most (32 packets of the
-/// largest MTU).
-const OWED_READ_WINDOW: usize = 256 << 10;
+/// ([`MrTable::prefetch_owed_reads`]): what a batch sends at most (32 packets of the largest
+/// MTU). A batch that sends less (a smaller MTU, a full same-host ring) reads some again next time.
+const OWED_READ_WINDOW: usize = crate::io::BATCH * MAX_PACKET_PAYLOAD;
 
 /// The largest payload a packet carries (the largest path MTU).
 const MAX_PACKET_PAYLOAD: usize = 4096;
@@ -196,6 +196,13 @@ pub(crate) struct MrTable {
     /// Their bytes that READ responses owed during one flush still have to send, read ahead
     /// ([`MrTable::prefetch_owed_reads`]).
     owed_reads: ReadAhead,
+    /// Writes made through pointers into this process's memory (buffers here and mapped client
+    /// regions), counted: one of them may alias bytes read ahead (the same pages registered both
+    /// mapped and for process_vm), so a copy serves reads with remote keys only while this count
+    /// is what it was when the copy was read (`ahead_writes`, `owed_writes`).
+    local_writes: std::cell::Cell<u64>,
+    ahead_writes: u64,
+    owed_writes: u64,
     /// The READ responses' ranges looked at by the last [`MrTable::prefetch_owed_reads`]: (pid,
     /// address, length, whether their next packet was read ahead already).
     owed_scratch: Vec<(u32, u64, usize, bool)>,
@@ -277,6 +284,7 @@ impl MrTable {
     pub(crate) fn prefetch<'a>(&mut self, sges: impl IntoIterator<Item = &'a Sge>) {
         self.write_pending();
         self.read_ahead.clear();
+        self.ahead_writes = self.local_writes.get();
         for s in sges {
             let Some(e) = self.entries.get(&s.lkey) else { continue };
             let Home::Process(pid) = e.home else { continue };
@@ -307,10 +315,16 @@ impl MrTable {
     /// of those responses then copy from there. The READs have arrived, so these bytes are as new
     /// as the READs may see; a request that arrives later in the same flush (from a QP of this
     /// device, posted before the flush began) may be served from them too. The copy is dropped at
-    /// the end of the flush ([`MrTable::forget_owed_reads`]), before anything new can arrive, and
-    /// where this device writes.
+    /// the end of the flush ([`MrTable::forget_owed_reads`]), before anything new can arrive;
+    /// where this device writes to those bytes, and wholly when it writes through a pointer (which
+    /// may alias them).
     pub(crate) fn prefetch_owed_reads(&mut self, owed: impl Iterator<Item = (u32, u64, u32)>) {
         self.write_pending();
+        if self.owed_writes != self.local_writes.get() {
+            // Written through another mapping since: nothing read may be served.
+            self.owed_reads.clear();
+            self.owed_writes = self.local_writes.get();
+        }
         let mut look = std::mem::take(&mut self.owed_scratch);
         look.clear();
         let (mut window, mut fresh) = (OWED_READ_WINDOW, 0);
@@ -511,6 +525,7 @@ impl MrTable {
             Ok(Loc::Local(p)) => {
                 // The caller writes through the pointer: after the writes kept behind.
                 self.write_pending();
+                self.local_writes.set(self.local_writes.get() + 1);
                 Some(p)
             }
             _ => None,
@@ -551,12 +566,19 @@ impl MemoryAccess for MrTable {
             // A gather for a work request of this pass, or a READ among them executed directly
             // while the pass takes them, may have been read ahead (client_io.rs).
             Loc::Remote(pid, a)
-                if (kind == KeyKind::Local || self.serve_remote) && self.read_ahead.get(pid, a, out) =>
+                if (kind == KeyKind::Local || self.serve_remote && self.ahead_writes == self.local_writes.get())
+                    && self.read_ahead.get(pid, a, out) =>
             {
                 return Ok(())
             }
             // A READ response's data, read ahead for the flush building it.
-            Loc::Remote(pid, a) if kind == KeyKind::Remote && self.owed_reads.get(pid, a, out) => return Ok(()),
+            Loc::Remote(pid, a)
+                if kind == KeyKind::Remote
+                    && self.owed_writes == self.local_writes.get()
+                    && self.owed_reads.get(pid, a, out) =>
+            {
+                return Ok(())
+            }
             Loc::Remote(pid, a) => {
                 self.write_pending();
                 return process_vm(pid, a, out.as_mut_ptr(), out.len(), false);
@@ -593,6 +615,7 @@ impl MemoryAccess for MrTable {
             }
         };
         self.write_pending();
+        self.local_writes.set(self.local_writes.get() + 1);
         // SAFETY: as in `read`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Ok(())
@@ -605,7 +628,10 @@ impl MemoryAccess for MrTable {
         let loc = self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)?;
         self.write_pending();
         let p = match loc {
-            Loc::Local(p) => p as *mut u64,
+            Loc::Local(p) => {
+                self.local_writes.set(self.local_writes.get() + 1);
+                p as *mut u64
+            }
             Loc::Remote(pid, a) => {
                 // Atomic with respect to every other RDMA access (all run under the device lock),
                 // as IBV_ATOMIC_HCA promises; not with respect to the client's own CPU accesses.
@@ -1055,7 +1081,20 @@ mod tests {
         t.forget_owed_reads();
         assert_eq!(read(&t, KeyKind::Remote, at + 10), 2, "after the flush");
         assert_eq!(read(&t, KeyKind::Remote, at + 4100), 3);
+        // A write through a pointer (here: a region of this process) may alias what was read:
+        // nothing read ahead before it is served after it.
+        let mut other = vec![0u8; 64];
+        let here = t.insert(pd, other.as_mut_ptr(), other.len(), rw);
+        t.prefetch_owed_reads([(key, at, 4096)].into_iter());
+        heap[10] = 4;
+        assert_eq!(read(&t, KeyKind::Remote, at + 10), 2);
+        t.write(pd, here, KeyKind::Remote, other.as_ptr() as u64, &[1]).unwrap();
+        assert_eq!(read(&t, KeyKind::Remote, at + 10), 4, "after a write through a pointer");
+        t.prefetch_owed_reads([(key, at, 4096)].into_iter());
+        heap[10] = 5;
+        assert_eq!(read(&t, KeyKind::Remote, at + 10), 4, "read again after that write");
+        t.remove(here);
         t.remove(key);
-        drop(heap);
+        drop((heap, other));
     }
 }

@@ -440,7 +440,8 @@ impl Device {
             // (client_io.rs).
             mem.write_pending();
             if mem.has_process_regions() {
-                mem.prefetch_owed_reads(hca.owed_reads());
+                // Only the first QPs in turn can send in one batch.
+                mem.prefetch_owed_reads(hca.owed_reads(udp::BATCH));
             }
             // (length, destination, source, transmit slot) of the packets for UDP.
             tx_meta.clear();
