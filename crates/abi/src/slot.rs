@@ -82,6 +82,39 @@ fn sges(b: &[u8], at: usize, n: usize) -> SgeList {
 
 /// Encode a send WR into `slot` (its size from [`send_slot_size`]); fails if it does not fit.
 pub fn encode_send(wr: &SendWr, slot: &mut [u8]) -> Result<(), BadSlot> {
+    encode_send_header(wr, slot)?;
+    match &wr.payload {
+        Payload::Sgl(sgl) => {
+            if SEND_HEADER + sgl.len() * SGE_LEN > slot.len() {
+                return Err(BadSlot("too many SGEs for the slot"));
+            }
+            put(slot, 28, (sgl.len() as u32).to_le_bytes());
+            put_sges(slot, SEND_HEADER, sgl);
+            Ok(())
+        }
+        Payload::Inline(data) => put_inline(slot, data),
+    }
+}
+
+/// Encode a send WR into `slot` with `data` as its inline payload in place of its own: the bytes
+/// its SGEs name, which the poster copied at post time.
+pub fn encode_send_copied(wr: &SendWr, data: &[u8], slot: &mut [u8]) -> Result<(), BadSlot> {
+    encode_send_header(wr, slot)?;
+    put_inline(slot, data)
+}
+
+fn put_inline(slot: &mut [u8], data: &[u8]) -> Result<(), BadSlot> {
+    if SEND_HEADER + data.len() > slot.len() {
+        return Err(BadSlot("inline data too long for the slot"));
+    }
+    slot[11] = 1;
+    put(slot, 28, (data.len() as u32).to_le_bytes());
+    slot[SEND_HEADER..SEND_HEADER + data.len()].copy_from_slice(data);
+    Ok(())
+}
+
+/// Everything of a send slot but its payload.
+fn encode_send_header(wr: &SendWr, slot: &mut [u8]) -> Result<(), BadSlot> {
     if slot.len() < SEND_HEADER {
         return Err(BadSlot("slot too small"));
     }
@@ -124,23 +157,6 @@ pub fn encode_send(wr: &SendWr, slot: &mut [u8]) -> Result<(), BadSlot> {
         put(slot, 72, ud.av.dlid.to_le_bytes());
         put(slot, 76, ud.remote_qpn.value().to_le_bytes());
         put(slot, 80, ud.remote_qkey.to_le_bytes());
-    }
-    match &wr.payload {
-        Payload::Sgl(sgl) => {
-            if SEND_HEADER + sgl.len() * SGE_LEN > slot.len() {
-                return Err(BadSlot("too many SGEs for the slot"));
-            }
-            put(slot, 28, (sgl.len() as u32).to_le_bytes());
-            put_sges(slot, SEND_HEADER, sgl);
-        }
-        Payload::Inline(data) => {
-            if SEND_HEADER + data.len() > slot.len() {
-                return Err(BadSlot("inline data too long for the slot"));
-            }
-            slot[11] = 1;
-            put(slot, 28, (data.len() as u32).to_le_bytes());
-            slot[SEND_HEADER..SEND_HEADER + data.len()].copy_from_slice(data);
-        }
     }
     Ok(())
 }
@@ -337,6 +353,10 @@ mod tests {
                     let mut slot = vec![0x5a; size];
                     encode_send(&wr, &mut slot).unwrap();
                     assert_eq!(decode_send(&slot, 4, 64).unwrap(), wr);
+                    // The same request with bytes copied at post time in place of its payload.
+                    encode_send_copied(&wr, &[0xcd; 40], &mut slot).unwrap();
+                    let copied = SendWr { payload: Payload::Inline(vec![0xcd; 40]), ..wr.clone() };
+                    assert_eq!(decode_send(&slot, 4, 64).unwrap(), copied);
                 }
             }
         }

@@ -15,7 +15,7 @@ use softrdma_verbs::daemon::admin::Admin;
 use softrdma_verbs::{
     open_device, Access, AhAttr, AsyncEvent, CmConnParam, CmEventChannel, CmEventKind, CompletionQueue, ConnectParams,
     Context, Gid, MemoryRegion, Mtu, Payload, PortSpace, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, QueuePair,
-    RecvWr, SendFlags, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 // ---- the daemon ---------------------------------------------------------------------------------
@@ -685,7 +685,13 @@ fn batched_role(ctx: &Context) {
     const BIG_DST: usize = 24576;
     const BIG_BACK: usize = BIG_DST + 16384;
     const SIZE: usize = BIG_BACK + 16384;
-    let (pd, cq, qp) = rc_qp(ctx);
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(1024, None).unwrap();
+    // No inline data: the payloads are not copied at post time but read ahead by the daemon.
+    let cap = QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 0 };
+    let qp = pd
+        .create_qp(&QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false })
+        .unwrap();
     let me = qp.qpn().value();
     let mut heap = vec![0u8; SIZE + 8];
     // SAFETY: `heap` outlives the region (dropped after it, at the end of this function); this
@@ -801,6 +807,82 @@ fn batched_role(ctx: &Context) {
         }
     }
     drop((mr, qp, cq, pd));
+    drop(heap);
+    out("OK");
+}
+
+/// Small payloads in regions reached by process_vm are copied into the send ring's slot when
+/// posted (verbs daemon/client.rs `copy_payload`): a buffer rewritten before every post arrives as
+/// it was at that post, across two SGEs, for SENDs and WRITEs; SGEs the daemon refuses still fail
+/// with LOC_PROT_ERR: an unknown key, bytes past the region, a region of another PD, a region
+/// deregistered.
+fn copied_role(ctx: &Context) {
+    const ROUNDS: usize = 100;
+    const LEN: usize = 48;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(1024, None).unwrap();
+    let gid = ctx.query_gid(1, 1).unwrap();
+    let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 2, max_recv_sge: 1, max_inline_data: 64 };
+    let attr = QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false };
+    let pair = || {
+        let (a, b) = (pd.create_qp(&attr).unwrap(), pd.create_qp(&attr).unwrap());
+        a.init(RW).unwrap();
+        b.init(RW).unwrap();
+        a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
+        b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
+        (a, b)
+    };
+    let mut heap = vec![0u8; 8192 + 16];
+    // SAFETY: `heap` outlives the regions (dropped after them); this process touches it only
+    // through them, between posts and completions.
+    let (src, dst) = unsafe {
+        (
+            pd.reg_mr_raw(heap.as_mut_ptr().add(8), 4096, RW).unwrap(),
+            pd.reg_mr_raw(heap.as_mut_ptr().add(4104), 4096, RW).unwrap(),
+        )
+    };
+    let (a, b) = pair();
+    for i in 0..ROUNDS {
+        let data = pattern(i as u32, b'c', 3 * LEN);
+        src.write(0, &data).unwrap();
+        b.post_recv(RecvWr { wr_id: i as u64, sgl: vec![dst.sge(0, LEN).unwrap()].into() }).unwrap();
+        let mut two = send(1, SendOp::SendWithImm(i as u32), &src, 0, 20);
+        two.payload = Payload::Sgl(vec![src.sge(0, 20).unwrap(), src.sge(2 * LEN, LEN - 20).unwrap()].into());
+        a.post_send_list([
+            two,
+            send(2, SendOp::Write { remote_addr: dst.addr() + 1024, rkey: dst.rkey() }, &src, LEN, LEN),
+        ])
+        .unwrap();
+        let wcs = wait_wcs(&cq, 3, 30);
+        assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+        assert!(wcs.iter().any(|w| w.opcode == WcOpcode::Recv && w.imm == i as u32 && w.byte_len as usize == LEN));
+        let mut want = data[..20].to_vec();
+        want.extend_from_slice(&data[2 * LEN..3 * LEN - 20]);
+        assert_eq!(dst.to_vec(0, LEN).unwrap(), want, "round {i}: SEND of two SGEs");
+        assert_eq!(dst.to_vec(1024, LEN).unwrap(), data[LEN..2 * LEN], "round {i}: WRITE");
+    }
+    let pd2 = ctx.alloc_pd();
+    // SAFETY: as above.
+    let foreign = unsafe { pd2.reg_mr_raw(heap.as_mut_ptr().add(8), 64, RW) }.unwrap();
+    // SAFETY: as above.
+    let gone = unsafe { pd.reg_mr_raw(heap.as_mut_ptr().add(8), 64, RW) }.unwrap().lkey();
+    let bad = [
+        ("an unknown key", Sge { addr: src.addr(), length: 8, lkey: 0 }),
+        ("bytes past the region", Sge { addr: src.addr() + 4090, length: 8, lkey: src.lkey() }),
+        ("a region of another PD", Sge { addr: src.addr(), length: 8, lkey: foreign.lkey() }),
+        ("a region deregistered", Sge { addr: src.addr(), length: 8, lkey: gone }),
+    ];
+    for (what, sge) in bad {
+        let (a, b) = pair();
+        // Were the request carried out, it would complete (not wait for a receive).
+        b.post_recv(RecvWr { wr_id: 9, sgl: vec![dst.sge(0, 64).unwrap()].into() }).unwrap();
+        let mut wr = send(3, SendOp::Send, &src, 0, 8);
+        wr.payload = Payload::Sgl(vec![sge].into());
+        a.post_send(wr).unwrap();
+        let wcs = wait_wcs(&cq, 1, 30);
+        assert_eq!(wcs[0].status, WcStatus::LocProtErr, "{what}: {wcs:?}");
+    }
+    drop((foreign, src, dst, a, b, cq, pd2, pd));
     drop(heap);
     out("OK");
 }
@@ -1051,6 +1133,7 @@ fn child() {
         "selftest" => selftest_role(&ctx),
         "shared" => shared_role(&ctx),
         "batched" => batched_role(&ctx),
+        "copied" => copied_role(&ctx),
         "ordered" => ordered_role(&ctx),
         "readonly" => readonly_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
@@ -1545,6 +1628,17 @@ fn batched_access_to_client_memory_is_never_stale() {
     lead.send("ready");
     assert_eq!(follow.finish(), "OK");
     assert_eq!(lead.finish(), "OK");
+    assert_eq!(d.counter("client_writes_lost"), 0);
+    d.wait_idle();
+}
+
+/// Small payloads of regions reached by process_vm travel in the send ring, copied at post time,
+/// and arrive as they were then; SGEs the daemon would refuse still fail.
+#[test]
+fn small_payloads_of_process_memory_are_copied_at_post() {
+    let dir = Daemon::dir("copied", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18976, None);
+    assert_eq!(Client::spawn(&d, "copied", false).finish(), "OK");
     assert_eq!(d.counter("client_writes_lost"), 0);
     d.wait_idle();
 }

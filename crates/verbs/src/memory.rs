@@ -724,7 +724,9 @@ impl MemoryRegion {
                     len: len as u64,
                     access: access.bits(),
                 };
-                s.call_id(&req)
+                let key = s.call_id(&req)?;
+                s.note_process_region(key, pd.0, ptr as u64, len);
+                Ok(key)
             }
         }
     }
@@ -975,7 +977,10 @@ impl Drop for MemoryRegion {
     fn drop(&mut self) {
         match &self.dev {
             Dev::Embedded(h) => h.dev.lock().mem.remove(self.key),
-            Dev::Daemon(s) => s.call_quiet(&softrdma_abi::msg::Request::DeregMr { key: self.key }),
+            Dev::Daemon(s) => {
+                s.forget_process_region(self.key);
+                s.call_quiet(&softrdma_abi::msg::Request::DeregMr { key: self.key })
+            }
         }
         unpin(self.ptr, self.len);
         if let Backing::Moved = self._owned {

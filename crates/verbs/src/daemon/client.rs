@@ -2,11 +2,12 @@
 //! holds there. Control verbs are messages; posting and polling touch only shared rings.
 
 use std::borrow::Borrow;
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use softrdma_abi::msg::{decode_event, DeviceEntry, Request, Response};
@@ -18,7 +19,7 @@ use softrdma_device::DeviceInfo;
 use softrdma_transport::hca::QueuePairInfo;
 use softrdma_transport::wr::Payload;
 use softrdma_transport::{
-    AsyncEvent, ModifyQp, QpCap, QpState, QpType, RecvWr, SendOp, SendWr, VerbsError, WorkCompletion,
+    AsyncEvent, ModifyQp, QpCap, QpState, QpType, RecvWr, SendOp, SendWr, Sge, VerbsError, WorkCompletion,
 };
 use softrdma_wire::Qpn;
 
@@ -135,7 +136,13 @@ pub(crate) struct Session {
     /// refusal (an older daemon, or a kernel without `F_SEAL_FUTURE_WRITE`), after which regions
     /// are registered for `process_vm` access (`RegMr`) without asking again.
     pub shared_regions: std::sync::atomic::AtomicBool,
+    /// The regions of this process the daemon reaches by process_vm, by key: (PD, address,
+    /// length). See [`Session::copy_payload`].
+    process_regions: RwLock<HashMap<u32, (u32, u64, usize)>>,
 }
+
+/// Most payload bytes a post copies into its slot (see [`Session::copy_payload`]).
+const COPY_MAX: usize = 512;
 
 impl Session {
     /// Open device `name` at the daemon; `Ok(None)` if no daemon runs or it lacks the device.
@@ -165,6 +172,7 @@ impl Session {
             doorbell,
             events,
             shared_regions: std::sync::atomic::AtomicBool::new(true),
+            process_regions: RwLock::new(HashMap::new()),
         })))
     }
 
@@ -184,6 +192,45 @@ impl Session {
     /// A control request answered by `Ok`; errors are dropped (destructors).
     pub fn call_quiet(&self, req: &Request) {
         let _ = self.call(req, &[]);
+    }
+
+    /// Region `key` of PD `pd`, `len` bytes of this process at `addr`, is reached by the daemon
+    /// through process_vm.
+    pub fn note_process_region(&self, key: u32, pd: u32, addr: u64, len: usize) {
+        self.process_regions.write().expect("regions lock").insert(key, (pd, addr, len));
+    }
+
+    /// Region `key` is going away.
+    pub fn forget_process_region(&self, key: u32) {
+        self.process_regions.write().expect("regions lock").remove(&key);
+    }
+
+    /// Copy into `out` the bytes the SGEs `sgl` of a post to a QP of PD `pd` name, when they all
+    /// lie in regions of that PD the daemon reaches by process_vm and fit in `out`; the number of
+    /// bytes, or `None` (the daemon then gathers them itself, and fails a bad SGE). The daemon
+    /// would read such a small payload with a system call of its own (`process_vm_readv`, a
+    /// microsecond or more on a ping-pong's path); here it is a copy within this process. Reading
+    /// the payload at post time is what an inline send does, and the daemon's checks of the keys
+    /// are made here with the same outcome: every key known, in the QP's PD, every SGE (an empty
+    /// one too) in bounds; a local gather needs no access right.
+    fn copy_payload(&self, pd: u32, sgl: &[Sge], out: &mut [u8]) -> Option<usize> {
+        let regions = self.process_regions.read().expect("regions lock");
+        let mut n = 0;
+        for s in sgl {
+            let &(rpd, addr, len) = regions.get(&s.lkey)?;
+            let (start, end) = (s.addr, s.addr.checked_add(u64::from(s.length))?);
+            if rpd != pd || start < addr || end > addr + len as u64 || n + s.length as usize > out.len() {
+                return None;
+            }
+            let piece = &mut out[n..n + s.length as usize];
+            // SAFETY: the bytes lie in a region this process registered and has not deregistered:
+            // memory it owns, which registration found mapped and readable and pinned, as a NIC
+            // would read it (a program that unmapped a registered buffer and still posts from it
+            // faults here, as an inline send of it would).
+            unsafe { std::ptr::copy_nonoverlapping(start as *const u8, piece.as_mut_ptr(), piece.len()) };
+            n += piece.len();
+        }
+        Some(n)
     }
 
     /// Wake the daemon's device loop (one 8-byte write to the eventfd).
@@ -432,6 +479,7 @@ impl Drop for Srq {
 pub(crate) struct Qp {
     pub s: Arc<Session>,
     pub qpn: Qpn,
+    pd: u32,
     qp_type: QpType,
     cap: QpCap,
     has_srq: bool,
@@ -475,6 +523,7 @@ impl Qp {
         Ok(Qp {
             s: Arc::clone(s),
             qpn: Qpn::new(qpn),
+            pd,
             qp_type,
             cap,
             has_srq: srq.is_some(),
@@ -570,10 +619,23 @@ impl Qp {
         let mut r = self.sq.lock().expect("SQ lock");
         let r = &mut *r;
         let mut staged = 0;
+        let mut copied = [0u8; COPY_MAX];
+        // Small payloads in process_vm regions go in the slot, as inline data.
+        let room = copied.len().min(self.cap.max_inline_data as usize);
         let result = wrs.try_for_each(|wr| {
             let wr = wr.borrow();
             self.check_send_wr(wr)?;
-            slot::encode_send(wr, &mut r.buf).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            let n = match &wr.payload {
+                Payload::Sgl(sgl) if !wr.op.is_read_or_atomic() => {
+                    self.s.copy_payload(self.pd, sgl, &mut copied[..room])
+                }
+                _ => None,
+            };
+            match n {
+                Some(n) => slot::encode_send_copied(wr, &copied[..n], &mut r.buf),
+                None => slot::encode_send(wr, &mut r.buf),
+            }
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
             r.stage()?;
             staged += 1;
             Ok(())
