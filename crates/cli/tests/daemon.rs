@@ -1443,6 +1443,11 @@ fn hostile_rings_are_contained() {
         let (Response::Qp { qpn, sq_slot, .. }, mut fds) = call(req) else { panic!() };
         qps.push((qpn, sq_slot, std::fs::File::from(fds.pop().unwrap())));
     }
+    // A region of this process's memory (reached by process_vm): the device loop now reads ahead
+    // for the send rings, decoding their entries before it takes them.
+    let mem = vec![0u8; 4096];
+    let reg = Request::RegMr { pd, addr: mem.as_ptr() as u64, len: mem.len() as u64, access: 0 };
+    assert!(matches!(call(reg).0, Response::Id(_)));
     // QP 1: a slot of garbage (opcode 0xee), published properly.
     let (qpn1, slot, f) = &qps[0];
     let garbage = vec![0xeeu8; *slot as usize];
@@ -1464,7 +1469,8 @@ fn hostile_rings_are_contained() {
     assert!(Client::spawn(&d, "selftest", false).finish().starts_with("OK"));
     drop(conn);
     d.wait_idle();
-    assert!(d.log().contains("gone: freed 2 QPs, 1 CQs"), "{}", d.log());
+    assert!(d.log().contains("gone: freed 2 QPs, 1 CQs, 0 SRQs, 1 MRs"), "{}", d.log());
+    drop(mem);
 }
 
 /// link add/show/rename/roce-mode/delete round trips survive a daemon restart.

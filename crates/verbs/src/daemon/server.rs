@@ -15,7 +15,7 @@
 //! every work ring for a doorbell and sleeps in `ppoll` on the UDP sockets, the doorbells and a
 //! wake-up socket until a packet, a doorbell or the next timer.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -480,6 +480,10 @@ struct QpEntry {
     rq_blocked: bool,
     /// Entries of the send ring whose payloads this pass read ahead: the pass takes no more.
     sq_read_ahead: u32,
+    /// Those entries decoded, the ring's first first, for the pass to take without decoding
+    /// them again (the ring's entries stay in place until taken, and this loop is their only
+    /// consumer).
+    sq_decoded: VecDeque<Result<SendWr, slot::BadSlot>>,
     _shm: Shm,
 }
 
@@ -845,17 +849,19 @@ impl SvcDevice {
             for q in svc.qps.values_mut() {
                 // A broken ring is found broken by the loop below.
                 q.sq_read_ahead = q.sq.pending().unwrap_or(1);
+                q.sq_decoded.clear();
                 sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
                 for k in 0..q.sq_read_ahead {
                     if !matches!(q.sq.peek_at(k, &mut sc.buf), Ok(true)) {
                         break;
                     }
-                    match slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
+                    let wr = slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data);
+                    match &wr {
                         // A READ executed directly reads its target while it is taken.
                         Ok(SendWr { op: SendOp::Read { remote_addr, rkey }, payload: Payload::Sgl(sgl), .. }) => {
                             // The client's lengths: their sum may not fit (the READ then fails).
                             let length = sgl.iter().fold(0u32, |n, s| n.saturating_add(s.length));
-                            sc.sges.push(Sge { addr: remote_addr, length, lkey: rkey });
+                            sc.sges.push(Sge { addr: *remote_addr, length, lkey: *rkey });
                         }
                         Ok(wr) if !wr.op.is_read_or_atomic() => {
                             if let Payload::Sgl(sgl) = &wr.payload {
@@ -864,6 +870,7 @@ impl SvcDevice {
                         }
                         _ => {}
                     }
+                    q.sq_decoded.push_back(wr);
                 }
             }
             st.mem.prefetch(&sc.sges);
@@ -882,17 +889,24 @@ impl SvcDevice {
                     break;
                 }
                 left -= 1;
-                sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
-                match q.sq.peek(&mut sc.buf) {
-                    Ok(false) => break,
-                    Err(e) => {
-                        log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
-                        q.broken = true;
-                        break;
+                // The ring's next entry, decoded by the read-ahead or now.
+                let decoded = match q.sq_decoded.pop_front() {
+                    Some(d) => d,
+                    None => {
+                        sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
+                        match q.sq.peek(&mut sc.buf) {
+                            Ok(false) => break,
+                            Err(e) => {
+                                log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
+                                q.broken = true;
+                                break;
+                            }
+                            Ok(true) => {}
+                        }
+                        slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data)
                     }
-                    Ok(true) => {}
-                }
-                let wr = match slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data) {
+                };
+                let wr = match decoded {
                     Ok(wr) => wr,
                     Err(e) => {
                         q.sq.advance();
@@ -934,6 +948,8 @@ impl SvcDevice {
                 q.sq.advance();
                 work = true;
             }
+            // What was not taken (the engine's queue is full) is decoded again next time.
+            q.sq_decoded.clear();
         }
         st.mem.serve_remote_reads(false);
         // Network and timers.
@@ -1627,6 +1643,7 @@ impl Session {
                         broken: false,
                         sq_blocked: false,
                         sq_read_ahead: 0,
+                        sq_decoded: VecDeque::new(),
                         rq_blocked: false,
                         _shm: shm,
                     },
