@@ -673,7 +673,7 @@ fn shared_role(ctx: &Context) {
 ///    the leader READs that buffer (its target read ahead as the READ is taken) and must get the
 ///    pattern; then the same with READs of several packets, whose responses are built from what
 ///    each flush reads ahead for them.
-fn batched_role(ctx: &Context) {
+fn batched_role(ctx: &Context, max_inline_data: u32) {
     const ROUNDS: usize = 150;
     const LEN: usize = 64;
     const SRC: usize = 0;
@@ -687,8 +687,9 @@ fn batched_role(ctx: &Context) {
     const SIZE: usize = BIG_BACK + 16384;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1024, None).unwrap();
-    // No inline data: the payloads are not copied at post time but read ahead by the daemon.
-    let cap = QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 0 };
+    // With no inline data the payloads are read ahead by the daemon; with room for 64 bytes the
+    // client copies them into the ring at post time (except a fenced SEND's).
+    let cap = QpCap { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 2, max_recv_sge: 2, max_inline_data };
     let qp = pd
         .create_qp(&QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false })
         .unwrap();
@@ -812,8 +813,10 @@ fn batched_role(ctx: &Context) {
 }
 
 /// Small payloads in regions reached by process_vm are copied into the send ring's slot when
-/// posted (verbs daemon/client.rs `copy_payload`): a buffer rewritten before every post arrives as
-/// it was at that post, across two SGEs, for SENDs and WRITEs; SGEs the daemon refuses still fail
+/// posted (verbs daemon/client.rs `copy_payload`): SENDs of two SGEs and WRITEs of a buffer
+/// rewritten before every post arrive byte for byte, and the daemon reads none of them (the test
+/// counts its system calls between "ROUNDS" and "go"); a fenced SEND of a buffer that a READ just
+/// filled is not copied at post and carries the READ's data; SGEs the daemon refuses still fail
 /// with LOC_PROT_ERR: an unknown key, bytes past the region, a region of another PD, a region
 /// deregistered.
 fn copied_role(ctx: &Context) {
@@ -842,6 +845,8 @@ fn copied_role(ctx: &Context) {
         )
     };
     let (a, b) = pair();
+    out("READY");
+    assert_eq!(input(), "go");
     for i in 0..ROUNDS {
         let data = pattern(i as u32, b'c', 3 * LEN);
         src.write(0, &data).unwrap();
@@ -861,6 +866,23 @@ fn copied_role(ctx: &Context) {
         assert_eq!(dst.to_vec(0, LEN).unwrap(), want, "round {i}: SEND of two SGEs");
         assert_eq!(dst.to_vec(1024, LEN).unwrap(), data[LEN..2 * LEN], "round {i}: WRITE");
     }
+    out("ROUNDS");
+    assert_eq!(input(), "go");
+    // READ the peer's bytes into the buffer, then a fenced SEND of it: the READ's data goes.
+    let fresh = pattern(7, b'F', LEN);
+    dst.write(2048, &fresh).unwrap();
+    src.write(0, &[0; LEN]).unwrap();
+    b.post_recv(RecvWr { wr_id: 77, sgl: vec![dst.sge(0, LEN).unwrap()].into() }).unwrap();
+    let mut fenced = send(5, SendOp::Send, &src, 0, LEN);
+    fenced.flags = SendFlags::SIGNALED.with(SendFlags::FENCE);
+    a.post_send_list([
+        send(4, SendOp::Read { remote_addr: dst.addr() + 2048, rkey: dst.rkey() }, &src, 0, LEN),
+        fenced,
+    ])
+    .unwrap();
+    let wcs = wait_wcs(&cq, 3, 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    assert_eq!(dst.to_vec(0, LEN).unwrap(), fresh, "fenced SEND of READ data");
     let pd2 = ctx.alloc_pd();
     // SAFETY: as above.
     let foreign = unsafe { pd2.reg_mr_raw(heap.as_mut_ptr().add(8), 64, RW) }.unwrap();
@@ -1132,7 +1154,8 @@ fn child() {
         "stream" => stream_role(&ctx),
         "selftest" => selftest_role(&ctx),
         "shared" => shared_role(&ctx),
-        "batched" => batched_role(&ctx),
+        "batched" => batched_role(&ctx, 0),
+        "batched-inline" => batched_role(&ctx, 64),
         "copied" => copied_role(&ctx),
         "ordered" => ordered_role(&ctx),
         "readonly" => readonly_role(&ctx),
@@ -1624,16 +1647,19 @@ fn shared_regions_between_two_processes() {
 fn batched_access_to_client_memory_is_never_stale() {
     let dir = Daemon::dir("batched", "rxe0 netdev lo addr 127.0.0.1\n");
     let d = Daemon::start(&dir, 18971, None);
-    let mut a = Client::spawn(&d, "batched", false);
-    let mut b = Client::spawn(&d, "batched", false);
-    let (ia, ib) = pair(&mut a, &mut b);
-    let qpn = |info: &str| info.split(' ').next().unwrap().parse::<u32>().unwrap();
-    let (mut lead, mut follow) = if qpn(&ia) < qpn(&ib) { (a, b) } else { (b, a) };
-    // The follower has checked every message of phase 1 and posted its receives again.
-    assert_eq!(follow.line(), "READY");
-    lead.send("ready");
-    assert_eq!(follow.finish(), "OK");
-    assert_eq!(lead.finish(), "OK");
+    // Payloads read ahead by the daemon, then small ones copied at post by the clients.
+    for role in ["batched", "batched-inline"] {
+        let mut a = Client::spawn(&d, role, false);
+        let mut b = Client::spawn(&d, role, false);
+        let (ia, ib) = pair(&mut a, &mut b);
+        let qpn = |info: &str| info.split(' ').next().unwrap().parse::<u32>().unwrap();
+        let (mut lead, mut follow) = if qpn(&ia) < qpn(&ib) { (a, b) } else { (b, a) };
+        // The follower has checked every message of phase 1 and posted its receives again.
+        assert_eq!(follow.line(), "READY");
+        lead.send("ready");
+        assert_eq!(follow.finish(), "OK", "{role}");
+        assert_eq!(lead.finish(), "OK", "{role}");
+    }
     assert_eq!(d.counter("client_writes_lost"), 0);
     d.wait_idle();
 }
@@ -1644,7 +1670,15 @@ fn batched_access_to_client_memory_is_never_stale() {
 fn small_payloads_of_process_memory_are_copied_at_post() {
     let dir = Daemon::dir("copied", "rxe0 netdev lo addr 127.0.0.1\n");
     let d = Daemon::start(&dir, 18976, None);
-    assert_eq!(Client::spawn(&d, "copied", false).finish(), "OK");
+    let mut c = Client::spawn(&d, "copied", false);
+    assert_eq!(c.line(), "READY");
+    let (reads, writes) = (d.counter("client_read_calls"), d.counter("client_write_calls"));
+    c.send("go");
+    assert_eq!(c.line(), "ROUNDS");
+    assert_eq!(d.counter("client_read_calls"), reads, "the daemon read a payload copied at post");
+    assert!(d.counter("client_write_calls") > writes, "the data was placed by process_vm");
+    c.send("go");
+    assert_eq!(c.finish(), "OK");
     assert_eq!(d.counter("client_writes_lost"), 0);
     d.wait_idle();
 }

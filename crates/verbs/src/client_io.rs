@@ -62,6 +62,8 @@ pub(crate) struct ReadAhead {
     ranges: Vec<Range>,
     /// `ranges[..read]` were read by [`ReadAhead::read_all`]: none of them grows any more.
     read: usize,
+    /// System calls made, ever.
+    pub calls: u64,
 }
 
 impl ReadAhead {
@@ -115,6 +117,7 @@ impl ReadAhead {
         ranges.sort_by_key(|r| r.pid);
         let mut kept = Vec::with_capacity(ranges.len());
         for call in ranges.chunk_by(|a, b| a.pid == b.pid).flat_map(|same| same.chunks(MAX_IOV)) {
+            self.calls += 1;
             let mut done = transfer(call, self.bytes.as_mut_ptr(), false);
             for r in call {
                 if r.len > done {
@@ -199,6 +202,8 @@ pub(crate) struct WriteBehind {
     ranges: Vec<Range>,
     /// Writes the client's memory refused (it unmapped the range).
     pub lost: u64,
+    /// System calls made, ever.
+    pub calls: u64,
 }
 
 impl WriteBehind {
@@ -249,6 +254,7 @@ impl WriteBehind {
             let mut rest = run;
             while !rest.is_empty() {
                 let call = &rest[..rest.len().min(MAX_IOV)];
+                self.calls += 1;
                 let mut done = transfer(call, base, true);
                 let mut whole = 0;
                 while whole < call.len() && call[whole].len <= done {

@@ -201,6 +201,9 @@ pub(crate) struct MrTable {
     /// mapped and for process_vm), so a copy serves reads with remote keys only while this count
     /// is what it was when the copy was read (`ahead_writes`, `owed_writes`).
     local_writes: std::cell::Cell<u64>,
+    /// process_vm system calls made one access at a time (reads, writes); those of the
+    /// read-ahead and the writes kept behind are counted there.
+    single_calls: std::cell::Cell<(u64, u64)>,
     ahead_writes: u64,
     owed_writes: u64,
     /// The READ responses' ranges looked at by the last [`MrTable::prefetch_owed_reads`]: (pid,
@@ -388,6 +391,27 @@ impl MrTable {
     /// lost.
     pub(crate) fn lost_writes(&self) -> u64 {
         self.write_behind.borrow().lost
+    }
+
+    /// System calls that read and that wrote clients' memory reached through process_vm (`reg_mr_raw`
+    /// regions of daemon clients): what batching them saves shows here.
+    pub(crate) fn client_calls(&self) -> (u64, u64) {
+        let (r, w) = self.single_calls.get();
+        (r + self.read_ahead.calls + self.owed_reads.calls, w + self.write_behind.borrow().calls)
+    }
+
+    /// One process_vm system call, counted.
+    fn process_vm(
+        &self,
+        pid: u32,
+        addr: u64,
+        local: *mut u8,
+        len: usize,
+        write: bool,
+    ) -> core::result::Result<(), MemError> {
+        let (r, w) = self.single_calls.get();
+        self.single_calls.set(if write { (r, w + 1) } else { (r + 1, w) });
+        process_vm(pid, addr, local, len, write)
     }
 
     /// Regions registered.
@@ -581,7 +605,7 @@ impl MemoryAccess for MrTable {
             }
             Loc::Remote(pid, a) => {
                 self.write_pending();
-                return process_vm(pid, a, out.as_mut_ptr(), out.len(), false);
+                return self.process_vm(pid, a, out.as_mut_ptr(), out.len(), false);
             }
         };
         self.write_pending();
@@ -608,7 +632,7 @@ impl MemoryAccess for MrTable {
                 if !w.defer(pid, a, data) {
                     w.write_all();
                     if !w.defer(pid, a, data) {
-                        return process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true);
+                        return self.process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true);
                     }
                 }
                 return Ok(());
@@ -638,10 +662,10 @@ impl MemoryAccess for MrTable {
                 self.read_ahead.forget_overlapping(pid, a, 8);
                 self.owed_reads.forget_overlapping(pid, a, 8);
                 let mut w = [0u8; 8];
-                process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
+                self.process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
                 let orig = u64::from_ne_bytes(w);
                 let new = op.apply(orig).to_ne_bytes();
-                process_vm(pid, a, new.as_ptr() as *mut u8, 8, true)?;
+                self.process_vm(pid, a, new.as_ptr() as *mut u8, 8, true)?;
                 return Ok(orig);
             }
         };

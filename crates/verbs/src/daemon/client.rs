@@ -19,7 +19,7 @@ use softrdma_device::DeviceInfo;
 use softrdma_transport::hca::QueuePairInfo;
 use softrdma_transport::wr::Payload;
 use softrdma_transport::{
-    AsyncEvent, ModifyQp, QpCap, QpState, QpType, RecvWr, SendOp, SendWr, Sge, VerbsError, WorkCompletion,
+    AsyncEvent, ModifyQp, QpCap, QpState, QpType, RecvWr, SendFlags, SendOp, SendWr, Sge, VerbsError, WorkCompletion,
 };
 use softrdma_wire::Qpn;
 
@@ -209,10 +209,16 @@ impl Session {
     /// lie in regions of that PD the daemon reaches by process_vm and fit in `out`; the number of
     /// bytes, or `None` (the daemon then gathers them itself, and fails a bad SGE). The daemon
     /// would read such a small payload with a system call of its own (`process_vm_readv`, a
-    /// microsecond or more on a ping-pong's path); here it is a copy within this process. Reading
-    /// the payload at post time is what an inline send does, and the daemon's checks of the keys
-    /// are made here with the same outcome: every key known, in the QP's PD, every SGE (an empty
-    /// one too) in bounds; a local gather needs no access right.
+    /// microsecond or more on a ping-pong's path); here it is a copy within this process.
+    ///
+    /// The payload may be read at any moment between the post and the request's start, which is
+    /// the post itself for a request not fenced (the caller copies no fenced request: those wait
+    /// for earlier READs and atomics, which may write these bytes). The daemon's checks of the keys
+    /// are made here as they stand at the post: every key known, in the QP's PD, every SGE (an
+    /// empty one too) in bounds; a local gather needs no access right. A region deregistered
+    /// between the post and the start is not noticed (the daemon would fail the request), and a
+    /// buffer the program unmapped after registering it faults the program here, where the daemon
+    /// would fail the request: both break the verbs' rules on registered memory.
     fn copy_payload(&self, pd: u32, sgl: &[Sge], out: &mut [u8]) -> Option<usize> {
         let regions = self.process_regions.read().expect("regions lock");
         let mut n = 0;
@@ -626,7 +632,7 @@ impl Qp {
             let wr = wr.borrow();
             self.check_send_wr(wr)?;
             let n = match &wr.payload {
-                Payload::Sgl(sgl) if !wr.op.is_read_or_atomic() => {
+                Payload::Sgl(sgl) if room > 0 && !wr.op.is_read_or_atomic() && !wr.flags.contains(SendFlags::FENCE) => {
                     self.s.copy_payload(self.pd, sgl, &mut copied[..room])
                 }
                 _ => None,

@@ -1067,6 +1067,8 @@ impl SvcDevice {
             ("device_thread_cpu_us", device_cpu.as_micros() as u64),
             ("tx_errors", st.tx_errors),
             ("client_writes_lost", st.mem.lost_writes()),
+            ("client_read_calls", st.mem.client_calls().0),
+            ("client_write_calls", st.mem.client_calls().1),
             ("bad_wqes", svc.bad_wqes),
             ("late_wakeups", svc.late_wakeups),
             ("port_active", u64::from(self.port_up.load(Ordering::Relaxed))),
