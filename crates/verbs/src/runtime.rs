@@ -451,7 +451,9 @@ impl Device {
             let mut in_place: Option<[Option<InPlace>; udp::BATCH]> = None;
             let mut n = 0;
             for (i, slot) in tx_buf.chunks_exact_mut(TX_SLOT).enumerate() {
-                if congested {
+                // A QP leaves the engine's transmit list with its last packet: once the list is
+                // empty there is nothing to ask for.
+                if congested || !hca.has_transmit() {
                     break;
                 }
                 // Daemon mode attributes engine counters and packets to QPs (packets when built:
