@@ -836,7 +836,8 @@ impl Hca {
     /// Whether [`Hca::poll_transmit`] may have a packet: false means it would return `None` (a
     /// driver polling in a tight loop skips setting up its transmit batch).
     pub fn has_transmit(&self) -> bool {
-        !self.ready.is_empty()
+        // QPs held back by the device budget take their turn once it has room.
+        !self.ready.is_empty() || (!self.held.is_empty() && self.inflight < self.config.device_inflight_packets)
     }
 
     /// What the READ responses queued by the first `qps` QPs that may send now (in turn order)
