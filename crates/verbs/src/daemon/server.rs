@@ -846,8 +846,9 @@ impl SvcDevice {
         let read_ahead = st.mem.has_process_regions();
         if read_ahead {
             sc.sges.clear();
-            for q in svc.qps.values_mut() {
-                // A broken ring is found broken by the loop below.
+            // A ring found broken is ignored (the loop below skips it).
+            for q in svc.qps.values_mut().filter(|q| !q.broken) {
+                // A ring broken now is found broken by the loop below.
                 q.sq_read_ahead = q.sq.pending().unwrap_or(1);
                 q.sq_decoded.clear();
                 sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
