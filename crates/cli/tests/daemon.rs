@@ -909,6 +909,100 @@ fn copied_role(ctx: &Context) {
     out("OK");
 }
 
+/// Atomics executed directly between two QPs of one device on a word in this process's heap
+/// (process_vm): their targets are read ahead with the pass and updated in the copy, so a list of
+/// 32 fetch-and-adds costs the daemon a read or two (the test counts them between "READY" and
+/// "ADDS"), and each still returns the word as every earlier atomic left it; compare-and-swaps
+/// chain, one with a wrong compare value swaps nothing; a value this process stores before posting
+/// is what the next atomic finds.
+fn atomics_role(ctx: &Context) {
+    const ADDS: usize = 32;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(1024, None).unwrap();
+    let gid = ctx.query_gid(1, 1).unwrap();
+    let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let attr = QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false };
+    let (a, b) = (pd.create_qp(&attr).unwrap(), pd.create_qp(&attr).unwrap());
+    let all = RW.with(Access::REMOTE_ATOMIC);
+    a.init(all).unwrap();
+    b.init(all).unwrap();
+    a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
+    b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
+    let mut heap = vec![0u8; 4096 + 16];
+    // SAFETY: `heap` outlives the regions (dropped after them); this process touches it only
+    // through them, between posts and completions.
+    let (word, results) = unsafe {
+        (
+            pd.reg_mr_raw(heap.as_mut_ptr().add(8), 64, all).unwrap(),
+            pd.reg_mr_raw(heap.as_mut_ptr().add(1024), 2048, RW).unwrap(),
+        )
+    };
+    let get = |mr: &MemoryRegion, off: usize| u64::from_ne_bytes(mr.to_vec(off, 8).unwrap().try_into().unwrap());
+    let target =
+        |op: fn(u64, u32) -> SendOp, k: usize| send(k as u64, op(word.addr() + 8, word.rkey()), &results, 8 * k, 8);
+    word.write(8, &1000u64.to_ne_bytes()).unwrap();
+    out("READY");
+    assert_eq!(input(), "go");
+    let adds: Vec<SendWr> = (0..ADDS)
+        .map(|k| {
+            send(
+                k as u64,
+                SendOp::FetchAdd { remote_addr: word.addr() + 8, rkey: word.rkey(), add: k as u64 + 1 },
+                &results,
+                8 * k,
+                8,
+            )
+        })
+        .collect();
+    a.post_send_list(adds).unwrap();
+    let wcs = wait_wcs(&cq, ADDS, 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::FetchAdd), "{wcs:?}");
+    let mut want = 1000u64;
+    for k in 0..ADDS {
+        assert_eq!(get(&results, 8 * k), want, "fetch-and-add {k}");
+        want += k as u64 + 1;
+    }
+    assert_eq!(get(&word, 8), want, "the word after the adds");
+    out("ADDS");
+    assert_eq!(input(), "go");
+    // Compare-and-swaps in one list: each finds what the one before left; the last compares wrong.
+    let mut cas: Vec<SendWr> = (0..8)
+        .map(|k| {
+            let v = want + 3 * k as u64;
+            send(
+                k as u64,
+                SendOp::CompareSwap { remote_addr: word.addr() + 8, rkey: word.rkey(), compare: v, swap: v + 3 },
+                &results,
+                8 * k,
+                8,
+            )
+        })
+        .collect();
+    cas.push(send(
+        8,
+        SendOp::CompareSwap { remote_addr: word.addr() + 8, rkey: word.rkey(), compare: 1, swap: 2 },
+        &results,
+        64,
+        8,
+    ));
+    a.post_send_list(cas).unwrap();
+    let wcs = wait_wcs(&cq, 9, 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    for k in 0..8 {
+        assert_eq!(get(&results, 8 * k), want + 3 * k as u64, "compare-and-swap {k}");
+    }
+    assert_eq!(get(&results, 64), want + 24, "the failed compare returns the word");
+    assert_eq!(get(&word, 8), want + 24, "and swaps nothing");
+    // A store of this process before the post is what the next atomic finds.
+    word.write(8, &77u64.to_ne_bytes()).unwrap();
+    a.post_send(target(|addr, rkey| SendOp::FetchAdd { remote_addr: addr, rkey, add: 1 }, 0)).unwrap();
+    assert_eq!(wait_wcs(&cq, 1, 30)[0].status, WcStatus::Success);
+    assert_eq!((get(&results, 0), get(&word, 8)), (77, 78));
+    drop((word, results, a, b, cq, pd));
+    drop(heap);
+    out("OK");
+}
+
 /// A WRITE of data into the peer's heap buffer (process_vm: written behind) and then a WRITE of
 /// a flag into its `reg_mr` region (mapped: written at once), on one QP: the peer spins on the flag
 /// and must find the data in place whenever the flag has arrived ("data, then flag").
@@ -1157,6 +1251,7 @@ fn child() {
         "batched" => batched_role(&ctx, 0),
         "batched-inline" => batched_role(&ctx, 64),
         "copied" => copied_role(&ctx),
+        "atomics" => atomics_role(&ctx),
         "ordered" => ordered_role(&ctx),
         "readonly" => readonly_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
@@ -1677,6 +1772,25 @@ fn small_payloads_of_process_memory_are_copied_at_post() {
     assert_eq!(c.line(), "ROUNDS");
     assert_eq!(d.counter("client_read_calls"), reads, "the daemon read a payload copied at post");
     assert!(d.counter("client_write_calls") > writes, "the data was placed by process_vm");
+    c.send("go");
+    assert_eq!(c.finish(), "OK");
+    assert_eq!(d.counter("client_writes_lost"), 0);
+    d.wait_idle();
+}
+
+/// Atomics on a word of a client's own memory, executed directly, are served from the pass's
+/// read-ahead (a read or two for a list of 32) and each finds what the one before left.
+#[test]
+fn atomics_on_process_memory_are_read_ahead_and_chain() {
+    let dir = Daemon::dir("atomics", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18978, None);
+    let mut c = Client::spawn(&d, "atomics", false);
+    assert_eq!(c.line(), "READY");
+    let reads = d.counter("client_read_calls");
+    c.send("go");
+    assert_eq!(c.line(), "ADDS");
+    let used = d.counter("client_read_calls") - reads;
+    assert!(used <= 4, "{used} reads for 32 atomics");
     c.send("go");
     assert_eq!(c.finish(), "OK");
     assert_eq!(d.counter("client_writes_lost"), 0);

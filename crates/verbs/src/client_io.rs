@@ -13,16 +13,19 @@
 //!   lives for one pass; the pass takes no request posted after the read; the pass's completions
 //!   reach the clients only when it is over, so no client can have reused one of those buffers in
 //!   between; every write this device makes to a client's memory drops the copies it overlaps;
-//!   and it serves the gathers of those requests, and the READs among them executed directly
-//!   while the pass takes them (their targets are read ahead too). A READ that arrives as a packet
-//!   must not see bytes older than its arrival, so what those copies hold never serves it.
+//!   and it serves the gathers of those requests, and the READs and atomics among them executed
+//!   directly while the pass takes them (their targets are read ahead too; an atomic's new value
+//!   goes into the copy as well as behind, so a list of atomics on one word costs one read). A
+//!   READ or atomic that arrives as a packet must not see bytes older than its arrival, so what
+//!   those copies hold never serves it.
 //! * The data of READ responses: at the start of each batch of packets a flush builds, what the
 //!   READ responses the engine owes still have to send is read ahead (up to one batch's worth),
 //!   and their packets copy from there. Those READs have arrived. A READ that arrives during the
 //!   same flush comes from a QP of this device (loopback), posted before the pass took it, so
 //!   before the flush began: bytes read since are as new as it may see. The copy is dropped at the
 //!   end of the flush, before anything else can arrive.
-//! * Every copy stops serving where this device writes to its bytes, and a copy serving READs
+//! * Every copy stops serving where this device writes to its bytes (but for an atomic's word,
+//!   which it holds updated), and a copy serving READs
 //!   stops serving altogether after any write through a pointer into this process's memory (a
 //!   mapped region may alias pages registered for process_vm too).
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
@@ -150,6 +153,30 @@ impl ReadAhead {
         let from = r.at + (addr - r.addr) as usize;
         out.copy_from_slice(&self.bytes[from..from + out.len()]);
         true
+    }
+
+    /// `data` is being written at `addr` of process `pid`: a range read that holds all of it takes
+    /// it too (it stays what the memory will hold), any other range it overlaps is dropped.
+    pub fn write_through(&mut self, pid: u32, addr: u64, data: &[u8]) {
+        let end = addr.saturating_add(data.len() as u64);
+        let mut i = 0;
+        while i < self.ranges.len() {
+            let r = self.ranges[i];
+            let r_end = r.addr + r.len as u64;
+            if r.pid != pid || r_end <= addr || end <= r.addr {
+                i += 1;
+            } else if i < self.read && r.addr <= addr && end <= r_end {
+                let from = r.at + (addr - r.addr) as usize;
+                self.bytes[from..from + data.len()].copy_from_slice(data);
+                i += 1;
+            } else {
+                // Ranges read and ranges waiting to be read keep their places.
+                if i < self.read {
+                    self.read -= 1;
+                }
+                self.ranges.remove(i);
+            }
+        }
     }
 
     /// `len` bytes at `addr` of process `pid` are being written: drop what was read ahead of them.
@@ -383,6 +410,31 @@ mod tests {
         assert_eq!(out[0], 9, "still read after a range read before it was dropped");
         assert!(!p.covers(me(), base + 120, 16), "across two ranges");
         assert!(p.has_room(BUDGET - 136) && !p.has_room(BUDGET - 135), "bytes of dropped ranges count");
+    }
+
+    /// A write through a range read takes its bytes into the copy where the range holds all of
+    /// it; a range it only overlaps, and a range not read yet, are dropped.
+    #[test]
+    fn a_write_through_updates_the_range_that_holds_it() {
+        let a = vec![3u8; 256];
+        let base = a.as_ptr() as u64;
+        let mut p = ReadAhead::default();
+        p.add(me(), base, 64);
+        p.add(me(), base + 100, 20);
+        p.read_all();
+        p.add(me(), base + 200, 8);
+        p.write_through(me(), base + 8, &[7; 8]);
+        let mut out = [0u8; 24];
+        assert!(p.get(me(), base, &mut out));
+        assert_eq!(out, [[3u8; 8], [7; 8], [3; 8]].concat()[..], "updated where written");
+        p.write_through(me(), base + 110, &[9; 20]);
+        assert!(!p.covers(me(), base + 100, 1), "overlapped, not held: dropped");
+        p.write_through(me(), base + 200, &[1]);
+        p.read_all();
+        assert!(!p.covers(me(), base + 200, 8), "not read yet: dropped");
+        assert!(p.covers(me(), base, 64));
+        p.write_through(NO_PROCESS, base, &[5; 8]);
+        assert!(p.get(me(), base, &mut out) && out[0] == 3, "another process's write");
     }
 
     /// Writes kept behind are made when asked, in the order they were kept (the later wins where

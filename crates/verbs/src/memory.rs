@@ -400,6 +400,19 @@ impl MrTable {
         (r + self.read_ahead.calls + self.owed_reads.calls, w + self.write_behind.borrow().calls)
     }
 
+    /// Keep `data` to be written at `addr` of process `pid` (client_io.rs), or write it now when
+    /// the writes kept behind are full even once made.
+    fn keep_write(&mut self, pid: u32, addr: u64, data: &[u8]) -> core::result::Result<(), MemError> {
+        let w = self.write_behind.get_mut();
+        if !w.defer(pid, addr, data) {
+            w.write_all();
+            if !w.defer(pid, addr, data) {
+                return self.process_vm(pid, addr, data.as_ptr() as *mut u8, data.len(), true);
+            }
+        }
+        Ok(())
+    }
+
     /// One process_vm system call, counted.
     fn process_vm(
         &self,
@@ -628,14 +641,7 @@ impl MemoryAccess for MrTable {
             Loc::Remote(pid, a) => {
                 self.read_ahead.forget_overlapping(pid, a, data.len());
                 self.owed_reads.forget_overlapping(pid, a, data.len());
-                let w = self.write_behind.get_mut();
-                if !w.defer(pid, a, data) {
-                    w.write_all();
-                    if !w.defer(pid, a, data) {
-                        return self.process_vm(pid, a, data.as_ptr() as *mut u8, data.len(), true);
-                    }
-                }
-                return Ok(());
+                return self.keep_write(pid, a, data);
             }
         };
         self.write_pending();
@@ -649,19 +655,33 @@ impl MemoryAccess for MrTable {
         if !addr.is_multiple_of(8) {
             return Err(MemError::Misaligned);
         }
-        let loc = self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)?;
-        self.write_pending();
-        let p = match loc {
+        let p = match self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)? {
             Loc::Local(p) => {
+                self.write_pending();
                 self.local_writes.set(self.local_writes.get() + 1);
                 p as *mut u64
             }
+            // Atomic with respect to every other RDMA access (all run under the device lock), as
+            // IBV_ATOMIC_HCA promises; not with respect to the client's own CPU accesses.
             Loc::Remote(pid, a) => {
-                // Atomic with respect to every other RDMA access (all run under the device lock),
-                // as IBV_ATOMIC_HCA promises; not with respect to the client's own CPU accesses.
+                let mut w = [0u8; 8];
+                // An atomic executed directly while the pass takes it: its target was read ahead,
+                // and the copy is what the memory holds once the writes kept behind are made
+                // (every write this device makes updates or drops it).
+                if self.serve_remote
+                    && self.ahead_writes == self.local_writes.get()
+                    && self.read_ahead.get(pid, a, &mut w)
+                {
+                    let orig = u64::from_ne_bytes(w);
+                    let new = op.apply(orig).to_ne_bytes();
+                    self.read_ahead.write_through(pid, a, &new);
+                    self.owed_reads.forget_overlapping(pid, a, 8);
+                    self.keep_write(pid, a, &new)?;
+                    return Ok(orig);
+                }
+                self.write_pending();
                 self.read_ahead.forget_overlapping(pid, a, 8);
                 self.owed_reads.forget_overlapping(pid, a, 8);
-                let mut w = [0u8; 8];
                 self.process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
                 let orig = u64::from_ne_bytes(w);
                 let new = op.apply(orig).to_ne_bytes();

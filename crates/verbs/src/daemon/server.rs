@@ -864,6 +864,12 @@ impl SvcDevice {
                             let length = sgl.iter().fold(0u32, |n, s| n.saturating_add(s.length));
                             sc.sges.push(Sge { addr: *remote_addr, length, lkey: *rkey });
                         }
+                        // So does an atomic, its target's eight bytes.
+                        Ok(SendWr {
+                            op:
+                                SendOp::CompareSwap { remote_addr, rkey, .. } | SendOp::FetchAdd { remote_addr, rkey, .. },
+                            ..
+                        }) => sc.sges.push(Sge { addr: *remote_addr, length: 8, lkey: *rkey }),
                         Ok(wr) if !wr.op.is_read_or_atomic() => {
                             if let Payload::Sgl(sgl) = &wr.payload {
                                 sc.sges.extend_from_slice(sgl);
