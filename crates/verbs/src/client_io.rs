@@ -29,7 +29,7 @@
 //!   stops serving altogether after any write through a pointer into this process's memory (a
 //!   mapped region may alias pages registered for process_vm too).
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
-//!   READ response's data) is kept and written, in order, before anything could tell anyone it was
+//!   READ response's data) is kept and written, each process's in order, before anything could tell anyone it was
 //!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
 //!   could act on), before the pass hands completions to the clients, and before any other access
 //!   to memory (`MrTable`): a read, an atomic, a write to memory the daemon maps (a "data, then
@@ -268,15 +268,18 @@ impl WriteBehind {
         true
     }
 
-    /// Write everything that waits, one `process_vm_writev` per run of writes to one process (in
-    /// the order they were made); a write the process refuses is counted in `lost` and the ones
-    /// after it are still written.
+    /// Write everything that waits, one `process_vm_writev` per process (per [`MAX_IOV`] writes),
+    /// each process's writes in the order they were made; a write the process refuses is counted
+    /// in `lost` and the ones after it are still written.
     pub fn write_all(&mut self) {
-        let ranges = std::mem::take(&mut self.ranges);
+        let mut ranges = std::mem::take(&mut self.ranges);
         let base = self.bytes.as_mut_ptr();
-        // Consecutive writes to one process go in one call, and the calls follow one another in
-        // the order of the writes: every write is made after those kept before it (two processes
-        // may share memory).
+        // A process's memory is written through its own QPs only (its regions are in its PDs), and
+        // the verbs order the writes of one QP, not those of two: writes to two processes may be
+        // made in either order, and each process's in theirs (a stable sort). Two clients
+        // alternating (a fetch-and-add's word at one, its result at the other) then cost a call
+        // each, not one per write.
+        ranges.sort_by_key(|r| r.pid);
         for run in ranges.chunk_by(|a, b| a.pid == b.pid) {
             let mut rest = run;
             while !rest.is_empty() {
@@ -467,6 +470,27 @@ mod tests {
         want[40..48].fill(6);
         assert_eq!(now, want);
         assert_eq!(w.lost, 1, "the other process's write: there is no such process");
+    }
+
+    /// Writes to two processes that alternate are made with one call per process (and not one per
+    /// run of writes to one process), each process's in the order they were kept (the later of
+    /// two overlapping writes wins).
+    #[test]
+    fn writes_to_two_processes_take_a_call_each() {
+        let target = Box::new([0u8; 16]);
+        let base = target.as_ptr() as u64;
+        let mut w = WriteBehind::default();
+        for k in 0..4u8 {
+            assert!(w.defer(me(), base + 4 * u64::from(k % 2), &[k + 1; 8]));
+            assert!(w.defer(NO_PROCESS, base + 64 * u64::from(k), &[9; 8]));
+        }
+        w.write_all();
+        // This process's four writes in one call; the missing process refuses each of its own, and
+        // each refusal ends its call (a call per write there).
+        assert_eq!((w.calls, w.lost), (1 + 4, 4));
+        // SAFETY: as above.
+        let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 16]) };
+        assert_eq!(now[..12], [[3u8; 4].as_slice(), &[4; 8]].concat()[..], "in the order kept");
     }
 
     /// A write the process refuses (its page is not mapped) is counted and the ones after it are
