@@ -12,7 +12,8 @@
 //!   NIC reads it whenever it gets to it), as long as the copy serves only those requests: it
 //!   lives for one pass; the pass takes no request posted after the read; the pass's completions
 //!   reach the clients only when it is over, so no client can have reused one of those buffers in
-//!   between; every write this device makes to a client's memory drops the copies it overlaps;
+//!   between; every write this device makes to a client's memory drops the copies it overlaps (an
+//!   atomic's updates the copy that holds its word);
 //!   and it serves the gathers of those requests, and the READs and atomics among them executed
 //!   directly while the pass takes them (their targets are read ahead too; an atomic's new value
 //!   goes into the copy as well as behind, so a list of atomics on one word costs one read). A
@@ -25,14 +26,18 @@
 //!   before the flush began: bytes read since are as new as it may see. The copy is dropped at the
 //!   end of the flush, before anything else can arrive.
 //! * Every copy stops serving where this device writes to its bytes (but for an atomic's word,
-//!   which it holds updated), and a copy serving READs
+//!   which it holds updated), and a copy serving READs or atomics
 //!   stops serving altogether after any write through a pointer into this process's memory (a
-//!   mapped region may alias pages registered for process_vm too).
+//!   mapped region may alias pages registered for process_vm too). Copies and kept writes are
+//!   keyed by process and address: while any region reached by process_vm lies in a shared
+//!   mapping (which another process, or another mapping, may reach at another address), no atomic
+//!   is served from a copy and kept writes are made in the order kept (not one call per process:
+//!   [`WriteBehind::write_all`]).
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
 //!   READ response's data) is kept and written, each process's in order, before anything could tell anyone it was
 //!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
 //!   could act on), before the pass hands completions to the clients, and before any other access
-//!   to memory (`MrTable`): a read, an atomic, a write to memory the daemon maps (a "data, then
+//!   to memory (`MrTable`): a read, an atomic not served from a copy, a write to memory the daemon maps (a "data, then
 //!   flag" pair of WRITEs into two regions stays in that order) — all but further writes kept
 //!   behind and reads served from what was read ahead. A client polling its memory for a WRITE
 //!   (as `ib_write_lat` does) sees the data up to one pass later, as it would after a NIC's DMA.
@@ -222,7 +227,8 @@ fn transfer(ranges: &[Range], base: *mut u8, write: bool) -> usize {
 /// Most writes kept behind at once (each an iovec of the call that makes them).
 const MAX_WRITES: usize = 256;
 
-/// Writes to clients' memory kept to be written together, in order.
+/// Writes to clients' memory kept to be written together, each process's in order (see
+/// [`WriteBehind::write_all`]).
 #[derive(Debug, Default)]
 pub(crate) struct WriteBehind {
     bytes: Vec<u8>,
@@ -268,18 +274,24 @@ impl WriteBehind {
         true
     }
 
-    /// Write everything that waits, one `process_vm_writev` per process (per [`MAX_IOV`] writes),
-    /// each process's writes in the order they were made; a write the process refuses is counted
+    /// Write everything that waits, in the order the writes were kept, one `process_vm_writev` per
+    /// run of writes to one process (per [`MAX_IOV`] writes); or, `by_process`, one per process,
+    /// each process's writes in the order they were kept. A write the process refuses is counted
     /// in `lost` and the ones after it are still written.
-    pub fn write_all(&mut self) {
+    ///
+    /// `by_process` is for writes to memory no two processes share (the caller knows: no region
+    /// lies in a shared mapping). Then no one can tell the order of two writes to two processes:
+    /// nothing that could (a completion, a packet) leaves before both are made. Two clients
+    /// alternating (a fetch-and-add's word at one, its result at the other) then cost a call each,
+    /// not one per write. With shared memory one QP's ordered requests could land in two processes
+    /// and in the same bytes (a fenced WRITE after a READ), so the order is kept.
+    pub fn write_all(&mut self, by_process: bool) {
         let mut ranges = std::mem::take(&mut self.ranges);
         let base = self.bytes.as_mut_ptr();
-        // A process's memory is written through its own QPs only (its regions are in its PDs), and
-        // the verbs order the writes of one QP, not those of two: writes to two processes may be
-        // made in either order, and each process's in theirs (a stable sort). Two clients
-        // alternating (a fetch-and-add's word at one, its result at the other) then cost a call
-        // each, not one per write.
-        ranges.sort_by_key(|r| r.pid);
+        if by_process {
+            // Stable: each process's writes stay in their order.
+            ranges.sort_by_key(|r| r.pid);
+        }
         for run in ranges.chunk_by(|a, b| a.pid == b.pid) {
             let mut rest = run;
             while !rest.is_empty() {
@@ -459,7 +471,7 @@ mod tests {
         // SAFETY: a plain read of `target`'s buffer, which only the kernel writes (process_vm).
         let before = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };
         assert_eq!(before, [0u8; 64], "not made yet");
-        w.write_all();
+        w.write_all(true);
         assert!(w.is_empty());
         // SAFETY: as above.
         let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };
@@ -474,7 +486,7 @@ mod tests {
 
     /// Writes to two processes that alternate are made with one call per process (and not one per
     /// run of writes to one process), each process's in the order they were kept (the later of
-    /// two overlapping writes wins).
+    /// two overlapping writes wins); not by process, with a call per run.
     #[test]
     fn writes_to_two_processes_take_a_call_each() {
         let target = Box::new([0u8; 16]);
@@ -484,13 +496,23 @@ mod tests {
             assert!(w.defer(me(), base + 4 * u64::from(k % 2), &[k + 1; 8]));
             assert!(w.defer(NO_PROCESS, base + 64 * u64::from(k), &[9; 8]));
         }
-        w.write_all();
+        w.write_all(true);
         // This process's four writes in one call; the missing process refuses each of its own, and
         // each refusal ends its call (a call per write there).
         assert_eq!((w.calls, w.lost), (1 + 4, 4));
         // SAFETY: as above.
         let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 16]) };
         assert_eq!(now[..12], [[3u8; 4].as_slice(), &[4; 8]].concat()[..], "in the order kept");
+        // Not by process (shared memory): a call per run, all in the order kept.
+        for k in 0..4u8 {
+            assert!(w.defer(me(), base + 4 * u64::from(k % 2), &[k + 5; 8]));
+            assert!(w.defer(NO_PROCESS, base + 64 * u64::from(k), &[9; 8]));
+        }
+        w.write_all(false);
+        assert_eq!(w.calls, 5 + 8);
+        // SAFETY: as above.
+        let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 16]) };
+        assert_eq!(now[..12], [[7u8; 4].as_slice(), &[8; 8]].concat()[..]);
     }
 
     /// A write the process refuses (its page is not mapped) is counted and the ones after it are
@@ -501,7 +523,7 @@ mod tests {
         let mut w = WriteBehind::default();
         assert!(w.defer(me(), 8, &[1; 4]), "page 0 is never mapped");
         assert!(w.defer(me(), target.as_ptr() as u64, &[7; 8]));
-        w.write_all();
+        w.write_all(true);
         assert_eq!(w.lost, 1);
         // SAFETY: as above.
         let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 8]) };
@@ -511,7 +533,7 @@ mod tests {
             assert!(w.defer(me(), apart.as_ptr() as u64 + 2 * k as u64, &[1]));
         }
         assert!(!w.defer(me(), apart.as_ptr() as u64 + 2 * MAX_WRITES as u64, &[1]), "MAX_WRITES");
-        w.write_all();
+        w.write_all(true);
         assert!(!w.defer(me(), target.as_ptr() as u64, &vec![0; BUDGET + 1]), "over the budget");
     }
 

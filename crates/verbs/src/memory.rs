@@ -88,9 +88,10 @@ fn unpin(ptr: *mut u8, len: usize) {
 enum Home {
     /// In this process, at the entry's `ptr`.
     Here,
-    /// In another process (a daemon client): `ptr` is an address there, reached only through
-    /// `process_vm_readv`/`process_vm_writev`, never dereferenced.
-    Process(u32),
+    /// In another process (a daemon client, its pid): `ptr` is an address there, reached only
+    /// through `process_vm_readv`/`process_vm_writev`, never dereferenced; whether (some of) it is
+    /// a shared mapping, which other registrations may alias.
+    Process(u32, bool),
     /// In a client's memfd that this entry maps (and unmaps when it is dropped): `ptr` is the
     /// client's address of the first byte (what SGEs and RETHs name), the map's first byte is ours.
     Mapped(RegionMap),
@@ -188,10 +189,17 @@ pub(crate) struct MrTable {
     next_index: u32,
     /// Entries reached through process_vm (daemon clients' own memory).
     process_regions: usize,
+    /// Those of them lying (partly) in shared mappings. Copies and kept writes are keyed by process
+    /// and address, so while one exists, memory reached at two addresses (two processes mapping
+    /// one memfd or shm segment, or one process mapping it twice) could be seen stale or written
+    /// out of order: then no atomic is served from a copy, and kept writes are made in the order
+    /// they were kept, not one call per process (client_io.rs).
+    shared_process_regions: usize,
     /// Their bytes read ahead for the work requests of one pass of softrdmad's device loop.
     read_ahead: ReadAhead,
     /// Reads with remote keys are served from `read_ahead` too: only while the pass takes the
-    /// requests it read ahead for, whose READs executed directly read their targets then.
+    /// requests it read ahead for, whose READs and atomics executed directly read their targets
+    /// then.
     serve_remote: bool,
     /// Their bytes that READ responses owed during one flush still have to send, read ahead
     /// ([`MrTable::prefetch_owed_reads`]).
@@ -221,8 +229,17 @@ unsafe impl Send for MrTable {}
 
 impl MrTable {
     /// Register `len` bytes at `addr` in process `pid` (the daemon registering a client's region).
-    pub(crate) fn insert_remote(&mut self, pd: PdId, pid: u32, addr: u64, len: usize, access: Access) -> u32 {
-        self.insert_entry(Entry { pd, ptr: addr as *mut u8, len, access, home: Home::Process(pid) })
+    /// `shared`: some of it is a shared mapping (see [`MrTable::shared_process_regions`]).
+    pub(crate) fn insert_remote(
+        &mut self,
+        pd: PdId,
+        pid: u32,
+        addr: u64,
+        len: usize,
+        access: Access,
+        shared: bool,
+    ) -> u32 {
+        self.insert_entry(Entry { pd, ptr: addr as *mut u8, len, access, home: Home::Process(pid, shared) })
     }
 
     /// Register `len` bytes of a client's memfd region, mapped here as `map`, that the client
@@ -248,8 +265,9 @@ impl MrTable {
         self.write_pending();
         self.read_ahead.clear();
         self.owed_reads.clear();
-        if let Home::Process(_) = entry.home {
+        if let Home::Process(_, shared) = entry.home {
             self.process_regions += 1;
+            self.shared_process_regions += usize::from(shared);
         }
         // rxe-style keys: an index in the upper 24 bits and a rolling key byte in the lower 8.
         loop {
@@ -268,8 +286,9 @@ impl MrTable {
         self.write_pending();
         self.read_ahead.clear();
         self.owed_reads.clear();
-        if let Some(Entry { home: Home::Process(_), .. }) = self.entries.remove(&key) {
+        if let Some(Entry { home: Home::Process(_, shared), .. }) = self.entries.remove(&key) {
             self.process_regions -= 1;
+            self.shared_process_regions -= usize::from(shared);
         }
     }
 
@@ -290,7 +309,7 @@ impl MrTable {
         self.ahead_writes = self.local_writes.get();
         for s in sges {
             let Some(e) = self.entries.get(&s.lkey) else { continue };
-            let Home::Process(pid) = e.home else { continue };
+            let Home::Process(pid, _) = e.home else { continue };
             if e.covers(s.addr, u64::from(s.length)) {
                 self.read_ahead.add(pid, s.addr, s.length as usize);
             }
@@ -299,9 +318,9 @@ impl MrTable {
     }
 
     /// While the pass takes the requests read ahead for (`on`), a read with a remote key, which
-    /// then can only be a READ among them executed directly, is served from the read-ahead too; a
-    /// READ that arrives as a packet later reads the memory itself, so it never sees bytes older
-    /// than its arrival.
+    /// then can only be a READ or an atomic among them executed directly, is served from the
+    /// read-ahead too; a READ or atomic that arrives as a packet later never is, so it never sees
+    /// bytes older than its arrival.
     pub(crate) fn serve_remote_reads(&mut self, on: bool) {
         self.serve_remote = on;
     }
@@ -336,7 +355,7 @@ impl MrTable {
                 break;
             }
             let Some(e) = self.entries.get(&rkey) else { continue };
-            let Home::Process(pid) = e.home else { continue };
+            let Home::Process(pid, _) = e.home else { continue };
             let len = (left as usize).min(window);
             if len == 0 || !e.covers(va, len as u64) {
                 continue;
@@ -372,8 +391,8 @@ impl MrTable {
 
     /// Make the writes to regions reached through process_vm that were kept behind (see
     /// client_io.rs): before anything can tell anyone they were made (a packet sent, completions
-    /// handed out) and before any access to memory but another such write or a read served from
-    /// what was read ahead.
+    /// handed out) and before any access to memory but another such write, a read served from what
+    /// was read ahead, or an atomic on a word read ahead.
     pub(crate) fn write_pending(&self) {
         // Only a region reached through process_vm has writes kept (and `remove` makes them
         // before its region goes): an embedded device pays this comparison.
@@ -382,7 +401,7 @@ impl MrTable {
         }
         let mut w = self.write_behind.borrow_mut();
         if !w.is_empty() {
-            w.write_all();
+            w.write_all(self.shared_process_regions == 0);
         }
     }
 
@@ -403,9 +422,10 @@ impl MrTable {
     /// Keep `data` to be written at `addr` of process `pid` (client_io.rs), or write it now when
     /// the writes kept behind are full even once made.
     fn keep_write(&mut self, pid: u32, addr: u64, data: &[u8]) -> core::result::Result<(), MemError> {
+        let by_process = self.shared_process_regions == 0;
         let w = self.write_behind.get_mut();
         if !w.defer(pid, addr, data) {
-            w.write_all();
+            w.write_all(by_process);
             if !w.defer(pid, addr, data) {
                 return self.process_vm(pid, addr, data.as_ptr() as *mut u8, data.len(), true);
             }
@@ -445,7 +465,7 @@ impl MrTable {
         }
         let base = match &e.home {
             Home::Here => e.ptr,
-            Home::Process(pid) => return Ok(Loc::Remote(*pid, addr)),
+            Home::Process(pid, _) => return Ok(Loc::Remote(*pid, addr)),
             Home::Mapped(m) => m.as_ptr(),
         };
         // SAFETY: `covers` checked addr - e.ptr < e.len, so the offset stays inside the allocation
@@ -669,23 +689,29 @@ impl MemoryAccess for MrTable {
                 // and the copy is what the memory holds once the writes kept behind are made
                 // (every write this device makes updates or drops it).
                 if self.serve_remote
+                    && self.shared_process_regions == 0
                     && self.ahead_writes == self.local_writes.get()
                     && self.read_ahead.get(pid, a, &mut w)
                 {
                     let orig = u64::from_ne_bytes(w);
-                    let new = op.apply(orig).to_ne_bytes();
-                    self.read_ahead.write_through(pid, a, &new);
-                    self.owed_reads.forget_overlapping(pid, a, 8);
-                    self.keep_write(pid, a, &new)?;
+                    let new = op.apply(orig);
+                    // A compare that fails (or an add of 0) writes nothing, as an HCA would not.
+                    if new != orig {
+                        self.read_ahead.write_through(pid, a, &new.to_ne_bytes());
+                        self.owed_reads.forget_overlapping(pid, a, 8);
+                        self.keep_write(pid, a, &new.to_ne_bytes())?;
+                    }
                     return Ok(orig);
                 }
                 self.write_pending();
-                self.read_ahead.forget_overlapping(pid, a, 8);
-                self.owed_reads.forget_overlapping(pid, a, 8);
                 self.process_vm(pid, a, w.as_mut_ptr(), 8, false)?;
                 let orig = u64::from_ne_bytes(w);
-                let new = op.apply(orig).to_ne_bytes();
-                self.process_vm(pid, a, new.as_ptr() as *mut u8, 8, true)?;
+                let new = op.apply(orig);
+                if new != orig {
+                    self.read_ahead.forget_overlapping(pid, a, 8);
+                    self.owed_reads.forget_overlapping(pid, a, 8);
+                    self.process_vm(pid, a, new.to_ne_bytes().as_ptr() as *mut u8, 8, true)?;
+                }
                 return Ok(orig);
             }
         };
@@ -695,7 +721,10 @@ impl MemoryAccess for MrTable {
         // read-modify-write is atomic with respect to RDMA accesses only (IBV_ATOMIC_HCA).
         unsafe {
             let orig = p.read_volatile();
-            p.write_volatile(op.apply(orig));
+            let new = op.apply(orig);
+            if new != orig {
+                p.write_volatile(new);
+            }
             Ok(orig)
         }
     }
@@ -1104,7 +1133,7 @@ mod tests {
         let mut t = MrTable::default();
         let pd = PdId(2);
         let rw = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ);
-        let key = t.insert_remote(pd, std::process::id(), at, heap.len(), rw);
+        let key = t.insert_remote(pd, std::process::id(), at, heap.len(), rw, false);
         // Two responses; an unknown key and one out of bounds are left alone.
         t.prefetch_owed_reads(
             [(key, at, 4096), (key, at + 8192, 4096), (key + 1, at, 8), (key, at, 20000)].into_iter(),
@@ -1145,5 +1174,43 @@ mod tests {
         t.remove(here);
         t.remove(key);
         drop((heap, other));
+    }
+
+    /// An atomic executed while the pass takes its request takes its word from the read-ahead
+    /// and leaves its new value there and behind; a compare that fails writes nothing; with a
+    /// region in a shared mapping registered (memory two addresses may reach), atomics read the
+    /// memory itself.
+    #[test]
+    fn atomics_use_the_read_ahead_unless_memory_may_be_shared() {
+        let mut heap = vec![0u64; 8];
+        let at = heap.as_mut_ptr() as u64;
+        let mut t = MrTable::default();
+        let pd = PdId(2);
+        let all = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_ATOMIC);
+        let key = t.insert_remote(pd, std::process::id(), at, 64, all, false);
+        heap[1] = 10;
+        t.prefetch([Sge { addr: at + 8, length: 8, lkey: key }].iter());
+        t.serve_remote_reads(true);
+        heap[1] = 20;
+        let add = AtomicOp::FetchAdd { add: 1 };
+        assert_eq!(t.atomic(pd, key, at + 8, add), Ok(10), "from the copy");
+        assert_eq!(t.atomic(pd, key, at + 8, add), Ok(11), "the copy holds the new value");
+        t.write_pending();
+        assert_eq!(heap[1], 12, "both adds made");
+        // This process stores into the word; a compare that fails (on the copy's 12) must not
+        // write the 12 back over it.
+        heap[1] = 50;
+        assert_eq!(t.atomic(pd, key, at + 8, AtomicOp::CompareSwap { compare: 0, swap: 5 }), Ok(12));
+        t.write_pending();
+        assert_eq!(heap[1], 50, "the failed compare wrote nothing");
+        heap[1] = 30;
+        let shared = t.insert_remote(pd, std::process::id(), at + 32, 32, all, true);
+        t.prefetch([Sge { addr: at + 8, length: 8, lkey: key }].iter());
+        heap[1] = 40;
+        assert_eq!(t.atomic(pd, key, at + 8, add), Ok(40), "the memory, not the copy");
+        assert_eq!(heap[1], 41);
+        t.remove(shared);
+        t.remove(key);
+        drop(heap);
     }
 }

@@ -1280,11 +1280,13 @@ fn probe(pid: u32, addr: u64, len: u64) -> Result<(), Refusal> {
 /// Whether `len` bytes at `addr` in `pid` are mapped throughout, readable and, if `writable`,
 /// writable (`/proc/<pid>/maps`), as the kernel's `ibv_reg_mr` requires of the pages it pins: the
 /// device's writes into such a region are made after the fact (verbs client_io.rs), when a refusal
-/// could no longer fail the request.
-fn mapped(pid: u32, addr: u64, len: u64, writable: bool) -> Result<(), Refusal> {
+/// could no longer fail the request. `Ok(true)` if any of it is a shared mapping (memory another
+/// process, or another mapping of this one, may reach too).
+fn mapped(pid: u32, addr: u64, len: u64, writable: bool) -> Result<bool, Refusal> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .map_err(|e| Refusal::PermissionDenied(format!("softrdmad cannot read the mappings of pid {pid}: {e}")))?;
     let (mut at, end) = (addr, addr.saturating_add(len));
+    let mut shared = false;
     for line in maps.lines() {
         if at >= end {
             break;
@@ -1306,12 +1308,13 @@ fn mapped(pid: u32, addr: u64, len: u64, writable: bool) -> Result<(), Refusal> 
                 "address {at:#x} is not {what} in the registering process ({perms})"
             )));
         }
+        shared |= p.get(3) == Some(&b's');
         at = hi;
     }
     if at < end {
         return Err(Refusal::InvalidArgument(format!("address {at:#x} is not mapped in the registering process")));
     }
-    Ok(())
+    Ok(shared)
 }
 
 impl Session {
@@ -1441,8 +1444,8 @@ impl Session {
                 probe(self.cred.pid, addr, len)?;
                 let writes = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_ATOMIC);
                 let writable = access.bits() & writes.bits() != 0;
-                mapped(self.cred.pid, addr, len, writable)?;
-                let key = dev.dev.lock().mem.insert_remote(PdId(pd), self.cred.pid, addr, len as usize, access);
+                let shared = mapped(self.cred.pid, addr, len, writable)?;
+                let key = dev.dev.lock().mem.insert_remote(PdId(pd), self.cred.pid, addr, len as usize, access, shared);
                 svc.mrs.insert(key, me);
                 count(svc, 1);
                 ok(Response::Id(key))
@@ -1891,5 +1894,35 @@ fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: 
             ok(Response::Ok)
         }
         _ => Err(Refusal::InvalidArgument("request not valid here".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mapped;
+
+    /// A registration's range is checked against the process's mappings, and one lying in a
+    /// shared mapping is told apart from private memory.
+    #[test]
+    fn mappings_are_checked_and_shared_ones_told_apart() {
+        let me = std::process::id();
+        let heap = vec![0u8; 8192];
+        assert_eq!(mapped(me, heap.as_ptr() as u64, 8192, true), Ok(false));
+        // SAFETY: a fresh shared anonymous mapping of two pages, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        assert_eq!(mapped(me, p as u64 + 100, 4000, true), Ok(true));
+        // SAFETY: the mapping above, no longer used.
+        unsafe { libc::munmap(p, 8192) };
+        assert!(mapped(me, p as u64, 8192, false).is_err(), "unmapped");
     }
 }
