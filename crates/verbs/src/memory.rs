@@ -419,6 +419,13 @@ impl MrTable {
         (r + self.read_ahead.calls + self.owed_reads.calls, w + self.write_behind.borrow().calls)
     }
 
+    /// Whether copies read when `local_writes` was `then` may serve a READ's or an atomic's
+    /// target: no write through a pointer since (it may alias them), and no region in a shared
+    /// mapping (another address may reach the same bytes, and copies are kept by address).
+    fn copies_serve_remote(&self, then: u64) -> bool {
+        then == self.local_writes.get() && self.shared_process_regions == 0
+    }
+
     /// Keep `data` to be written at `addr` of process `pid` (client_io.rs), or write it now when
     /// the writes kept behind are full even once made.
     fn keep_write(&mut self, pid: u32, addr: u64, data: &[u8]) -> core::result::Result<(), MemError> {
@@ -623,7 +630,7 @@ impl MemoryAccess for MrTable {
             // A gather for a work request of this pass, or a READ among them executed directly
             // while the pass takes them, may have been read ahead (client_io.rs).
             Loc::Remote(pid, a)
-                if (kind == KeyKind::Local || self.serve_remote && self.ahead_writes == self.local_writes.get())
+                if (kind == KeyKind::Local || self.serve_remote && self.copies_serve_remote(self.ahead_writes))
                     && self.read_ahead.get(pid, a, out) =>
             {
                 return Ok(())
@@ -631,7 +638,7 @@ impl MemoryAccess for MrTable {
             // A READ response's data, read ahead for the flush building it.
             Loc::Remote(pid, a)
                 if kind == KeyKind::Remote
-                    && self.owed_writes == self.local_writes.get()
+                    && self.copies_serve_remote(self.owed_writes)
                     && self.owed_reads.get(pid, a, out) =>
             {
                 return Ok(())
@@ -689,8 +696,7 @@ impl MemoryAccess for MrTable {
                 // and the copy is what the memory holds once the writes kept behind are made
                 // (every write this device makes updates or drops it).
                 if self.serve_remote
-                    && self.shared_process_regions == 0
-                    && self.ahead_writes == self.local_writes.get()
+                    && self.copies_serve_remote(self.ahead_writes)
                     && self.read_ahead.get(pid, a, &mut w)
                 {
                     let orig = u64::from_ne_bytes(w);
@@ -1178,8 +1184,8 @@ mod tests {
 
     /// An atomic executed while the pass takes its request takes its word from the read-ahead
     /// and leaves its new value there and behind; a compare that fails writes nothing; with a
-    /// region in a shared mapping registered (memory two addresses may reach), atomics read the
-    /// memory itself.
+    /// region in a shared mapping registered (memory two addresses may reach), atomics and READs
+    /// read the memory itself.
     #[test]
     fn atomics_use_the_read_ahead_unless_memory_may_be_shared() {
         let mut heap = vec![0u64; 8];
@@ -1207,6 +1213,9 @@ mod tests {
         let shared = t.insert_remote(pd, std::process::id(), at + 32, 32, all, true);
         t.prefetch([Sge { addr: at + 8, length: 8, lkey: key }].iter());
         heap[1] = 40;
+        let mut b = [0u8; 8];
+        t.read(pd, key, KeyKind::Remote, at + 8, &mut b).unwrap();
+        assert_eq!(u64::from_ne_bytes(b), 40, "a READ too reads the memory");
         assert_eq!(t.atomic(pd, key, at + 8, add), Ok(40), "the memory, not the copy");
         assert_eq!(heap[1], 41);
         t.remove(shared);
