@@ -1192,7 +1192,7 @@ mod tests {
         let at = heap.as_mut_ptr() as u64;
         let mut t = MrTable::default();
         let pd = PdId(2);
-        let all = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_ATOMIC);
+        let all = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
         let key = t.insert_remote(pd, std::process::id(), at, 64, all, false);
         heap[1] = 10;
         t.prefetch([Sge { addr: at + 8, length: 8, lkey: key }].iter());
