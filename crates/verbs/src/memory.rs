@@ -341,6 +341,10 @@ impl MrTable {
     /// where this device writes to those bytes, and wholly when it writes through a pointer (which
     /// may alias them).
     pub(crate) fn prefetch_owed_reads(&mut self, owed: impl Iterator<Item = (u32, u64, u32)>) {
+        if self.shared_process_regions > 0 {
+            // Nothing read ahead would serve a READ (see `copies_serve_remote`).
+            return;
+        }
         self.write_pending();
         if self.owed_writes != self.local_writes.get() {
             // Written through another mapping since: nothing read may be served.
