@@ -816,7 +816,8 @@ fn batched_role(ctx: &Context, max_inline_data: u32) {
 /// posted (verbs daemon/client.rs `copy_payload`): SENDs of two SGEs and WRITEs of a buffer
 /// rewritten before every post arrive byte for byte, and the daemon reads none of them (the test
 /// counts its system calls between "ROUNDS" and "go"); a fenced SEND of a buffer that a READ just
-/// filled is not copied at post and carries the READ's data; SGEs the daemon refuses still fail
+/// filled is not copied at post and carries the READ's data, and so does a SEND posted behind a
+/// fenced one; SGEs the daemon refuses still fail
 /// with LOC_PROT_ERR: an unknown key, bytes past the region, a region of another PD, a region
 /// deregistered.
 fn copied_role(ctx: &Context) {
@@ -883,6 +884,23 @@ fn copied_role(ctx: &Context) {
     let wcs = wait_wcs(&cq, 3, 30);
     assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
     assert_eq!(dst.to_vec(0, LEN).unwrap(), fresh, "fenced SEND of READ data");
+    // A request behind a fenced one waits too: READ into the buffer, a fenced SEND of something
+    // else, then a plain SEND of the buffer, which must carry the READ's data.
+    let (a2, b2) = pair();
+    let fresh2 = pattern(8, b'G', LEN);
+    dst.write(2048, &fresh2).unwrap();
+    src.write(0, &[0; LEN]).unwrap();
+    for k in 0..2u64 {
+        b2.post_recv(RecvWr { wr_id: 80 + k, sgl: vec![dst.sge(512 * k as usize, LEN).unwrap()].into() }).unwrap();
+    }
+    let mut fenced = send(7, SendOp::Send, &src, 3 * LEN, 8);
+    fenced.flags = SendFlags::SIGNALED.with(SendFlags::FENCE);
+    let read = send(6, SendOp::Read { remote_addr: dst.addr() + 2048, rkey: dst.rkey() }, &src, 0, LEN);
+    a2.post_send_list([read, fenced, send(8, SendOp::Send, &src, 0, LEN)]).unwrap();
+    let wcs = wait_wcs(&cq, 5, 30);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    assert_eq!(dst.to_vec(512, LEN).unwrap(), fresh2, "a SEND behind a fenced one, of READ data");
+    drop((a2, b2));
     let pd2 = ctx.alloc_pd();
     // SAFETY: as above.
     let foreign = unsafe { pd2.reg_mr_raw(heap.as_mut_ptr().add(8), 64, RW) }.unwrap();

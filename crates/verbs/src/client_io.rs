@@ -26,13 +26,12 @@
 //!   before the flush began: bytes read since are as new as it may see. The copy is dropped at the
 //!   end of the flush, before anything else can arrive.
 //! * Every copy stops serving where this device writes to its bytes (but for an atomic's word,
-//!   which it holds updated), and a copy serving READs or atomics
-//!   stops serving altogether after any write through a pointer into this process's memory (a
-//!   mapped region may alias pages registered for process_vm too). Copies and kept writes are
-//!   keyed by process and address: while any region reached by process_vm lies in a shared
-//!   mapping (which another process, or another mapping, may reach at another address), no atomic
-//!   is served from a copy and kept writes are made in the order kept (not one call per process:
-//!   [`WriteBehind::write_all`]).
+//!   which it holds updated), and altogether after any write through a pointer into this
+//!   process's memory (a mapped region may alias pages registered for process_vm too). Copies and
+//!   kept writes are keyed by process and address: while any region reached by process_vm lies in
+//!   a shared mapping (which another process, or another mapping, may reach at another address),
+//!   nothing is served from a copy and kept writes are made in the order kept (not one call per
+//!   process: [`WriteBehind::write_all`]).
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
 //!   READ response's data) is kept and written, each process's in order, before anything could tell anyone it was
 //!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
@@ -280,8 +279,9 @@ impl WriteBehind {
     /// in `lost` and the ones after it are still written.
     ///
     /// `by_process` is for writes to memory no two processes share (the caller knows: no region
-    /// lies in a shared mapping). Then no one can tell the order of two writes to two processes:
-    /// nothing that could (a completion, a packet) leaves before both are made. Two clients
+    /// lies in a shared mapping). Then nothing the verbs define tells the order of two writes to
+    /// two processes: no completion and no packet leaves before both are made (a program reading
+    /// its buffers before their completions, and telling another by some other channel, could). Two clients
     /// alternating (a fetch-and-add's word at one, its result at the other) then cost a call each,
     /// not one per write. With shared memory one QP's ordered requests could land in two processes
     /// and in the same bytes (a fenced WRITE after a READ), so the order is kept.

@@ -192,8 +192,9 @@ pub(crate) struct MrTable {
     /// Those of them lying (partly) in shared mappings. Copies and kept writes are keyed by process
     /// and address, so while one exists, memory reached at two addresses (two processes mapping
     /// one memfd or shm segment, or one process mapping it twice) could be seen stale or written
-    /// out of order: then no atomic is served from a copy, and kept writes are made in the order
-    /// they were kept, not one call per process (client_io.rs).
+    /// out of order: then nothing is served from a copy (and READ responses' data is not read
+    /// ahead), and kept writes are made in the order they were kept, not one call per process
+    /// (client_io.rs).
     shared_process_regions: usize,
     /// Their bytes read ahead for the work requests of one pass of softrdmad's device loop.
     read_ahead: ReadAhead,
@@ -342,7 +343,7 @@ impl MrTable {
     /// may alias them).
     pub(crate) fn prefetch_owed_reads(&mut self, owed: impl Iterator<Item = (u32, u64, u32)>) {
         if self.shared_process_regions > 0 {
-            // Nothing read ahead would serve a READ (see `copies_serve_remote`).
+            // Nothing read ahead would serve a READ (see `copies_current`).
             return;
         }
         self.write_pending();
@@ -423,10 +424,11 @@ impl MrTable {
         (r + self.read_ahead.calls + self.owed_reads.calls, w + self.write_behind.borrow().calls)
     }
 
-    /// Whether copies read when `local_writes` was `then` may serve a READ's or an atomic's
-    /// target: no write through a pointer since (it may alias them), and no region in a shared
-    /// mapping (another address may reach the same bytes, and copies are kept by address).
-    fn copies_serve_remote(&self, then: u64) -> bool {
+    /// Whether copies read when `local_writes` was `then` may still serve: no write through a
+    /// pointer since (it may alias them: a fenced SEND must carry what a READ just placed through
+    /// a mapped alias), and no region in a shared mapping (another address may reach the same
+    /// bytes, and copies are kept by address).
+    fn copies_current(&self, then: u64) -> bool {
         then == self.local_writes.get() && self.shared_process_regions == 0
     }
 
@@ -634,7 +636,8 @@ impl MemoryAccess for MrTable {
             // A gather for a work request of this pass, or a READ among them executed directly
             // while the pass takes them, may have been read ahead (client_io.rs).
             Loc::Remote(pid, a)
-                if (kind == KeyKind::Local || self.serve_remote && self.copies_serve_remote(self.ahead_writes))
+                if (kind == KeyKind::Local || self.serve_remote)
+                    && self.copies_current(self.ahead_writes)
                     && self.read_ahead.get(pid, a, out) =>
             {
                 return Ok(())
@@ -642,7 +645,7 @@ impl MemoryAccess for MrTable {
             // A READ response's data, read ahead for the flush building it.
             Loc::Remote(pid, a)
                 if kind == KeyKind::Remote
-                    && self.copies_serve_remote(self.owed_writes)
+                    && self.copies_current(self.owed_writes)
                     && self.owed_reads.get(pid, a, out) =>
             {
                 return Ok(())
@@ -699,10 +702,7 @@ impl MemoryAccess for MrTable {
                 // An atomic executed directly while the pass takes it: its target was read ahead,
                 // and the copy is what the memory holds once the writes kept behind are made
                 // (every write this device makes updates or drops it).
-                if self.serve_remote
-                    && self.copies_serve_remote(self.ahead_writes)
-                    && self.read_ahead.get(pid, a, &mut w)
-                {
+                if self.serve_remote && self.copies_current(self.ahead_writes) && self.read_ahead.get(pid, a, &mut w) {
                     let orig = u64::from_ne_bytes(w);
                     let new = op.apply(orig);
                     // A compare that fails (or an add of 0) writes nothing, as an HCA would not.
@@ -1184,6 +1184,32 @@ mod tests {
         t.remove(here);
         t.remove(key);
         drop((heap, other));
+    }
+
+    /// A write through a pointer to memory that a process_vm region reaches too (here the same
+    /// buffer registered both ways) is seen by a gather from the other region: what was read
+    /// ahead before it does not serve any more (a fenced SEND carries what a READ just placed).
+    #[test]
+    fn a_write_through_an_alias_stales_the_gathers_copy() {
+        let mut buf = vec![1u8; 64];
+        let at = buf.as_mut_ptr() as u64;
+        let mut t = MrTable::default();
+        let pd = PdId(2);
+        let rw = Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ);
+        let far = t.insert_remote(pd, std::process::id(), at, 64, rw, false);
+        let near = t.insert(pd, buf.as_mut_ptr(), 64, rw);
+        t.prefetch([Sge { addr: at, length: 64, lkey: far }].iter());
+        let gather = |t: &MrTable| {
+            let mut b = [0u8; 8];
+            t.read(pd, far, KeyKind::Local, at, &mut b).unwrap();
+            b[0]
+        };
+        assert_eq!(gather(&t), 1);
+        t.write(pd, near, KeyKind::Local, at, &[2; 8]).unwrap();
+        assert_eq!(gather(&t), 2, "the write through the alias is seen");
+        t.remove(near);
+        t.remove(far);
+        drop(buf);
     }
 
     /// An atomic executed while the pass takes its request takes its word from the read-ahead

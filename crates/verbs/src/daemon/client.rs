@@ -211,9 +211,10 @@ impl Session {
     /// would read such a small payload with a system call of its own (`process_vm_readv`, a
     /// microsecond or more on a ping-pong's path); here it is a copy within this process.
     ///
-    /// The payload may be read at any moment between the post and the request's start, which is
-    /// the post itself for a request not fenced (the caller copies no fenced request: those wait
-    /// for earlier READs and atomics, which may write these bytes). The daemon's checks of the keys
+    /// The payload may be read at any moment between the post and the request's start, which may
+    /// as well be the post unless a fence orders it after earlier READs and atomics (which may
+    /// write these bytes): a fenced request waits for them, and every request behind it waits
+    /// too, so the caller copies nothing for a QP that ever posted a fenced request. The daemon's checks of the keys
     /// are made here as they stand at the post: every key known, in the QP's PD, every SGE (an
     /// empty one too) in bounds; a local gather needs no access right. A region deregistered
     /// between the post and the start is not noticed (the daemon would fail the request), and a
@@ -486,6 +487,9 @@ pub(crate) struct Qp {
     pub s: Arc<Session>,
     pub qpn: Qpn,
     pd: u32,
+    /// A fenced request was posted: from then on no payload is copied at post (it may wait behind
+    /// the fence; see [`Session::copy_payload`]).
+    fenced: std::sync::atomic::AtomicBool,
     qp_type: QpType,
     cap: QpCap,
     has_srq: bool,
@@ -530,6 +534,7 @@ impl Qp {
             s: Arc::clone(s),
             qpn: Qpn::new(qpn),
             pd,
+            fenced: std::sync::atomic::AtomicBool::new(false),
             qp_type,
             cap,
             has_srq: srq.is_some(),
@@ -631,8 +636,11 @@ impl Qp {
         let result = wrs.try_for_each(|wr| {
             let wr = wr.borrow();
             self.check_send_wr(wr)?;
+            if wr.flags.contains(SendFlags::FENCE) {
+                self.fenced.store(true, Ordering::Relaxed);
+            }
             let n = match &wr.payload {
-                Payload::Sgl(sgl) if room > 0 && !wr.op.is_read_or_atomic() && !wr.flags.contains(SendFlags::FENCE) => {
+                Payload::Sgl(sgl) if room > 0 && !wr.op.is_read_or_atomic() && !self.fenced.load(Ordering::Relaxed) => {
                     self.s.copy_payload(self.pd, sgl, &mut copied[..room])
                 }
                 _ => None,

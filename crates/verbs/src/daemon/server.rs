@@ -1921,8 +1921,11 @@ mod tests {
         };
         assert_ne!(p, libc::MAP_FAILED);
         assert_eq!(mapped(me, p as u64 + 100, 4000, true), Ok(true));
+        // SAFETY: the second page of the mapping above (a page that stays ours: no other thread
+        // can map anything there meanwhile, as it could into an unmapped gap).
+        assert_eq!(unsafe { libc::mprotect(p.cast::<u8>().add(4096).cast(), 4096, libc::PROT_NONE) }, 0);
+        assert!(mapped(me, p as u64, 8192, false).is_err(), "not readable throughout");
         // SAFETY: the mapping above, no longer used.
         unsafe { libc::munmap(p, 8192) };
-        assert!(mapped(me, p as u64, 8192, false).is_err(), "unmapped");
     }
 }
