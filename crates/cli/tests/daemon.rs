@@ -812,6 +812,26 @@ fn batched_role(ctx: &Context, max_inline_data: u32) {
     out("OK");
 }
 
+/// Two RC QPs of this process with capacities `cap` on `cq`, connected to each other with remote
+/// rights `access`: their traffic stays inside the daemon's device (executed directly when it can
+/// be).
+fn looped_pair(
+    ctx: &Context,
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    cap: QpCap,
+    access: Access,
+) -> (QueuePair, QueuePair) {
+    let gid = ctx.query_gid(1, 1).unwrap();
+    let attr = QpInitAttr { qp_type: QpType::Rc, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false };
+    let (a, b) = (pd.create_qp(&attr).unwrap(), pd.create_qp(&attr).unwrap());
+    a.init(access).unwrap();
+    b.init(access).unwrap();
+    a.connect(pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
+    b.connect(pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
+    (a, b)
+}
+
 /// Small payloads in regions reached by process_vm are copied into the send ring's slot when
 /// posted (verbs daemon/client.rs `copy_payload`): SENDs of two SGEs and WRITEs of a buffer
 /// rewritten before every post arrive byte for byte, and the daemon reads none of them (the test
@@ -825,17 +845,8 @@ fn copied_role(ctx: &Context) {
     const LEN: usize = 48;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1024, None).unwrap();
-    let gid = ctx.query_gid(1, 1).unwrap();
     let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 2, max_recv_sge: 1, max_inline_data: 64 };
-    let attr = QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false };
-    let pair = || {
-        let (a, b) = (pd.create_qp(&attr).unwrap(), pd.create_qp(&attr).unwrap());
-        a.init(RW).unwrap();
-        b.init(RW).unwrap();
-        a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
-        b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
-        (a, b)
-    };
+    let pair = || looped_pair(ctx, &pd, &cq, cap, RW);
     let mut heap = vec![0u8; 8192 + 16];
     // SAFETY: `heap` outlives the regions (dropped after them); this process touches it only
     // through them, between posts and completions.
@@ -937,15 +948,9 @@ fn atomics_role(ctx: &Context) {
     const ADDS: usize = 32;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1024, None).unwrap();
-    let gid = ctx.query_gid(1, 1).unwrap();
     let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-    let attr = QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false };
-    let (a, b) = (pd.create_qp(&attr).unwrap(), pd.create_qp(&attr).unwrap());
     let all = RW.with(Access::REMOTE_ATOMIC);
-    a.init(all).unwrap();
-    b.init(all).unwrap();
-    a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
-    b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
+    let (a, b) = looped_pair(ctx, &pd, &cq, cap, all);
     let mut heap = vec![0u8; 4096 + 16];
     // SAFETY: `heap` outlives the regions (dropped after them); this process touches it only
     // through them, between posts and completions.
