@@ -163,36 +163,36 @@ impl ReadAhead {
     /// it too (it stays what the memory will hold), any other range it overlaps is dropped.
     pub fn write_through(&mut self, pid: u32, addr: u64, data: &[u8]) {
         let end = addr.saturating_add(data.len() as u64);
-        let mut i = 0;
-        while i < self.ranges.len() {
-            let r = self.ranges[i];
-            let r_end = r.addr + r.len as u64;
-            if r.pid != pid || r_end <= addr || end <= r.addr {
-                i += 1;
-            } else if i < self.read && r.addr <= addr && end <= r_end {
-                let from = r.at + (addr - r.addr) as usize;
-                self.bytes[from..from + data.len()].copy_from_slice(data);
-                i += 1;
-            } else {
-                // Ranges read and ranges waiting to be read keep their places.
-                if i < self.read {
-                    self.read -= 1;
-                }
-                self.ranges.remove(i);
-            }
+        let holds = |r: &Range| r.pid == pid && r.addr <= addr && end <= r.addr + r.len as u64;
+        for r in self.ranges[..self.read].iter().filter(|r| holds(r)) {
+            let from = r.at + (addr - r.addr) as usize;
+            self.bytes[from..from + data.len()].copy_from_slice(data);
         }
+        self.drop_overlapping(pid, addr, data.len(), holds);
     }
 
     /// `len` bytes at `addr` of process `pid` are being written: drop what was read ahead of them.
     pub fn forget_overlapping(&mut self, pid: u32, addr: u64, len: usize) {
+        self.drop_overlapping(pid, addr, len, |_| false);
+    }
+
+    /// Drop the ranges that overlap `len` bytes at `addr` of process `pid`, but for ranges read
+    /// that `keep` says hold what is written there now.
+    fn drop_overlapping(&mut self, pid: u32, addr: u64, len: usize, keep: impl Fn(&Range) -> bool) {
         if self.ranges.is_empty() {
             return;
         }
         let end = addr.saturating_add(len as u64);
-        let apart = |r: &Range| r.pid != pid || r.addr + r.len as u64 <= addr || end <= r.addr;
         // Ranges read and ranges waiting to be read keep their places.
-        self.read = self.ranges[..self.read].iter().filter(|r| apart(r)).count();
-        self.ranges.retain(apart);
+        let (read, mut i, mut still_read) = (self.read, 0, 0);
+        self.ranges.retain(|r| {
+            let was_read = i < read;
+            i += 1;
+            let stays = r.pid != pid || r.addr + r.len as u64 <= addr || end <= r.addr || (was_read && keep(r));
+            still_read += usize::from(stays && was_read);
+            stays
+        });
+        self.read = still_read;
     }
 }
 
@@ -281,10 +281,10 @@ impl WriteBehind {
     /// `by_process` is for writes to memory no two processes share (the caller knows: no region
     /// lies in a shared mapping). Then nothing the verbs define tells the order of two writes to
     /// two processes: no completion and no packet leaves before both are made (a program reading
-    /// its buffers before their completions, and telling another by some other channel, could). Two clients
-    /// alternating (a fetch-and-add's word at one, its result at the other) then cost a call each,
-    /// not one per write. With shared memory one QP's ordered requests could land in two processes
-    /// and in the same bytes (a fenced WRITE after a READ), so the order is kept.
+    /// its buffers before their completions, and telling another by some other channel, could).
+    /// Two clients alternating (a fetch-and-add's word at one, its result at the other) then cost
+    /// a call each, not one per write. With shared memory one QP's ordered requests could land in
+    /// two processes and in the same bytes (a fenced WRITE after a READ), so the order is kept.
     pub fn write_all(&mut self, by_process: bool) {
         let mut ranges = std::mem::take(&mut self.ranges);
         let base = self.bytes.as_mut_ptr();

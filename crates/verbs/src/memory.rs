@@ -207,8 +207,8 @@ pub(crate) struct MrTable {
     owed_reads: ReadAhead,
     /// Writes made through pointers into this process's memory (buffers here and mapped client
     /// regions), counted: one of them may alias bytes read ahead (the same pages registered both
-    /// mapped and for process_vm), so a copy serves reads with remote keys only while this count
-    /// is what it was when the copy was read (`ahead_writes`, `owed_writes`).
+    /// mapped and for process_vm), so a copy serves only while this count is what it was when the
+    /// copy was read (`ahead_writes`, `owed_writes`; see [`MrTable::copies_current`]).
     local_writes: std::cell::Cell<u64>,
     /// process_vm system calls made one access at a time (reads, writes); those of the
     /// read-ahead and the writes kept behind are counted there.
@@ -300,7 +300,8 @@ impl MrTable {
     }
 
     /// Read ahead, one system call per client, what the SGEs of work requests taken from the send
-    /// rings (`sges`: their payloads, and the targets of their READs, an rkey in place of the lkey)
+    /// rings (`sges`: their payloads, and the targets of their READs and atomics, an rkey in place
+    /// of the lkey)
     /// name in regions reached through process_vm, replacing what was read ahead before; their
     /// gathers in this pass then copy from there (see client_io.rs). SGEs with an unknown key or
     /// out of their region's bounds are left to the access, which fails them.
@@ -444,6 +445,17 @@ impl MrTable {
             }
         }
         Ok(())
+    }
+
+    /// A write through a pointer is about to be made (see `local_writes`).
+    fn note_local_write(&self) {
+        self.local_writes.set(self.local_writes.get() + 1);
+    }
+
+    /// `len` bytes at `addr` of process `pid` are being written: drop the copies of them.
+    fn forget_copies(&mut self, pid: u32, addr: u64, len: usize) {
+        self.read_ahead.forget_overlapping(pid, addr, len);
+        self.owed_reads.forget_overlapping(pid, addr, len);
     }
 
     /// One process_vm system call, counted.
@@ -595,7 +607,7 @@ impl MrTable {
             Ok(Loc::Local(p)) => {
                 // The caller writes through the pointer: after the writes kept behind.
                 self.write_pending();
-                self.local_writes.set(self.local_writes.get() + 1);
+                self.note_local_write();
                 Some(p)
             }
             _ => None,
@@ -673,13 +685,12 @@ impl MemoryAccess for MrTable {
         let p = match self.resolve(pd, key, addr, data.len() as u64, write_right(kind))? {
             Loc::Local(p) => p,
             Loc::Remote(pid, a) => {
-                self.read_ahead.forget_overlapping(pid, a, data.len());
-                self.owed_reads.forget_overlapping(pid, a, data.len());
+                self.forget_copies(pid, a, data.len());
                 return self.keep_write(pid, a, data);
             }
         };
         self.write_pending();
-        self.local_writes.set(self.local_writes.get() + 1);
+        self.note_local_write();
         // SAFETY: as in `read`.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Ok(())
@@ -692,7 +703,7 @@ impl MemoryAccess for MrTable {
         let p = match self.resolve(pd, rkey, addr, 8, Access::REMOTE_ATOMIC)? {
             Loc::Local(p) => {
                 self.write_pending();
-                self.local_writes.set(self.local_writes.get() + 1);
+                self.note_local_write();
                 p as *mut u64
             }
             // Atomic with respect to every other RDMA access (all run under the device lock), as
@@ -718,8 +729,7 @@ impl MemoryAccess for MrTable {
                 let orig = u64::from_ne_bytes(w);
                 let new = op.apply(orig);
                 if new != orig {
-                    self.read_ahead.forget_overlapping(pid, a, 8);
-                    self.owed_reads.forget_overlapping(pid, a, 8);
+                    self.forget_copies(pid, a, 8);
                     self.process_vm(pid, a, new.to_ne_bytes().as_ptr() as *mut u8, 8, true)?;
                 }
                 return Ok(orig);

@@ -214,9 +214,9 @@ impl Session {
     /// The payload may be read at any moment between the post and the request's start, which may
     /// as well be the post unless a fence orders it after earlier READs and atomics (which may
     /// write these bytes): a fenced request waits for them, and every request behind it waits
-    /// too, so the caller copies nothing for a QP that ever posted a fenced request. The daemon's checks of the keys
-    /// are made here as they stand at the post: every key known, in the QP's PD, every SGE (an
-    /// empty one too) in bounds; a local gather needs no access right. A region deregistered
+    /// too, so the caller copies nothing for a QP that ever posted a fenced request. The daemon's
+    /// checks of the keys are made here as they stand at the post: every key known, in the QP's
+    /// PD, every SGE (an empty one too) in bounds; a local gather needs no access right. A region deregistered
     /// between the post and the start is not noticed (the daemon would fail the request), and a
     /// buffer the program unmapped after registering it faults the program here, where the daemon
     /// would fail the request: both break the verbs' rules on registered memory.

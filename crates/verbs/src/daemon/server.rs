@@ -881,7 +881,7 @@ impl SvcDevice {
                 }
             }
             st.mem.prefetch(&sc.sges);
-            // Until the requests are taken, a READ's target is read from there too.
+            // Until the requests are taken, a READ's or an atomic's target is read from there too.
             st.mem.serve_remote_reads(true);
         }
         for (qpn, q) in svc.qps.iter_mut() {
