@@ -20,6 +20,7 @@ pub use crate::qp::QpInfo as QueuePairInfo;
 pub use direct::DirectMessage;
 
 mod direct;
+pub mod multicast;
 
 /// A protection domain handle (allocated by the device layer; the engine only compares them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -433,6 +434,8 @@ pub struct Hca {
     next_id: u32,
     /// Direct execution between this HCA's QPs (hca/direct.rs).
     direct: direct::Direct,
+    /// Multicast groups and the QPs attached to them (hca/multicast.rs).
+    groups: multicast::Groups,
 }
 
 impl Hca {
@@ -452,6 +455,7 @@ impl Hca {
             next_qpn: 0x11,
             next_id: 1,
             direct: direct::Direct::default(),
+            groups: multicast::Groups::default(),
         }
     }
 
@@ -606,7 +610,7 @@ impl Hca {
             }
         }
         let mut qpn = Qpn::new(self.next_qpn);
-        while self.qps.contains_key(&qpn) || qpn.value() < 0x11 {
+        while self.qps.contains_key(&qpn) || qpn.value() < 0x11 || qpn == Qpn::MULTICAST {
             self.next_qpn = self.next_qpn.wrapping_add(1);
             qpn = Qpn::new(self.next_qpn);
         }
@@ -643,6 +647,7 @@ impl Hca {
     /// Destroy a QP (no completions are generated for what it held).
     pub fn destroy_qp(&mut self, qpn: Qpn) -> Result<(), VerbsError> {
         let qp = self.qps.remove(&qpn).ok_or(VerbsError::NoSuchObject)?;
+        self.groups.forget_qp(qpn);
         self.timers.remove(&qp);
         if qp.busy {
             self.busy_qps -= 1;

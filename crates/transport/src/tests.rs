@@ -652,3 +652,157 @@ fn owed_reads_follow_the_read_responses_as_they_go() {
     assert_eq!(sent.len(), 3, "the rest of the first response and the second: {sent:?}");
     assert_eq!(r.hca.owed_reads(8).count(), 0);
 }
+
+/// A UD QP in PD 1 on `cq`, brought up to RTS with Q_Key `qkey`.
+fn ud_qp(hca: &mut Hca, mem: &mut Flat, cq: crate::CqId, qkey: u32) -> Qpn {
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 256 };
+    let qpn = hca
+        .create_qp(QpInit {
+            qp_type: QpType::Ud,
+            pd: PdId(1),
+            send_cq: cq,
+            recv_cq: cq,
+            srq: None,
+            cap,
+            sq_sig_all: true,
+        })
+        .unwrap();
+    let now = Instant::ZERO;
+    let init = ModifyQp {
+        state: Some(QpState::Init),
+        pkey_index: Some(0),
+        port: Some(1),
+        qkey: Some(qkey),
+        ..Default::default()
+    };
+    hca.modify_qp(qpn, &init, now, mem).unwrap();
+    hca.modify_qp(qpn, &ModifyQp { state: Some(QpState::Rtr), ..Default::default() }, now, mem).unwrap();
+    let rts = ModifyQp { state: Some(QpState::Rts), sq_psn: Some(Psn::new(0)), ..Default::default() };
+    hca.modify_qp(qpn, &rts, now, mem).unwrap();
+    qpn
+}
+
+/// The packet a UD QP sends for a SEND of `payload` to multicast group `mgid` with Q_Key `qkey`.
+fn multicast_send(mgid: [u8; 16], qkey: u32, payload: &[u8]) -> Vec<u8> {
+    let mut hca = Hca::new(Config::default());
+    let mut mem = Flat(vec![0; 4096]);
+    let cq = hca.create_cq(16);
+    let qpn = ud_qp(&mut hca, &mut mem, cq, qkey);
+    let av = AddressVector { dgid: mgid, ..Default::default() };
+    let wr = crate::SendWr {
+        wr_id: 1,
+        op: crate::SendOp::Send,
+        payload: crate::wr::Payload::Inline(payload.to_vec()),
+        flags: crate::SendFlags::INLINE,
+        ud: Some(crate::wr::UdDest { av, remote_qpn: Qpn::MULTICAST, remote_qkey: qkey }),
+    };
+    hca.post_send(qpn, wr, Instant::ZERO, &mut mem).unwrap();
+    let mut buf = vec![0u8; 4096 + 64];
+    let t = hca.poll_transmit(Instant::ZERO, &mut mem, &mut buf).expect("one packet");
+    assert_eq!((t.dest_qpn, t.av.dgid), (Qpn::MULTICAST, mgid));
+    assert!(hca.poll_transmit(Instant::ZERO, &mut mem, &mut buf).is_none());
+    buf.truncate(t.len);
+    buf
+}
+
+#[test]
+fn a_multicast_send_reaches_every_attached_qp_that_passes_its_checks() {
+    let group: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 239, 1, 2, 3];
+    let other: [u8; 16] = [0xff, 0x0e, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9];
+    let mut hca = Hca::new(Config::default());
+    let mut mem = Flat(vec![0; 1 << 16]);
+    let cq = hca.create_cq(64);
+    let now = Instant::ZERO;
+    let a = ud_qp(&mut hca, &mut mem, cq, 0x1111_1111);
+    let b = ud_qp(&mut hca, &mut mem, cq, 0x1111_1111);
+    let wrong_qkey = ud_qp(&mut hca, &mut mem, cq, 0x2222_2222);
+    let no_recv = ud_qp(&mut hca, &mut mem, cq, 0x1111_1111);
+    let not_attached = ud_qp(&mut hca, &mut mem, cq, 0x1111_1111);
+    for q in [a, b, wrong_qkey, no_recv] {
+        hca.attach_mcast(q, group).unwrap();
+    }
+    // A second attach changes nothing: still one copy per QP.
+    hca.attach_mcast(a, group).unwrap();
+    hca.attach_mcast(b, other).unwrap();
+    assert_eq!(hca.mcast_groups().copied().collect::<Vec<_>>(), vec![group, other]);
+    for (i, q) in [a, b, wrong_qkey, not_attached].into_iter().enumerate() {
+        let wr = RecvWr { wr_id: i as u64, sgl: SgeList::one(Sge { addr: 0x1000 * i as u64, length: 256, lkey: 1 }) };
+        hca.post_recv(q, wr, now, &mut mem).unwrap();
+    }
+    let payload: Vec<u8> = (0..100u8).collect();
+    let pkt = multicast_send(group, 0x1111_1111, &payload);
+    let parsed = IbPacket::new_checked(&pkt[..]).unwrap();
+    let mut grh = [0u8; 40];
+    grh[24..].copy_from_slice(&group);
+    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem);
+    let mut wcs = Vec::new();
+    hca.poll_cq(cq, 16, &mut wcs).unwrap();
+    let got: Vec<_> = wcs.iter().map(|w| (w.qp_num, w.wr_id, w.status, w.opcode, w.byte_len)).collect();
+    let want = |q, id| (q, id, WcStatus::Success, WcOpcode::Recv, 140);
+    assert_eq!(got, vec![want(a, 0), want(b, 1)]);
+    for i in 0..2usize {
+        assert_eq!(&mem.0[0x1000 * i..0x1000 * i + 40], &grh[..]);
+        assert_eq!(&mem.0[0x1000 * i + 40..0x1000 * i + 140], &payload[..]);
+    }
+    assert_eq!(hca.counters().drop_qkey, 1);
+    assert_eq!(hca.counters().drop_no_recv, 1);
+    // The same packet sent to another group, or to a group of this device's but not to the
+    // multicast QPN, reaches nobody.
+    let drops = hca.counters().drop_unknown_qp;
+    let unknown = [0xff, 0x0e, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7];
+    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &unknown, &mut mem);
+    let mut unicast = pkt.clone();
+    unicast[5..8].copy_from_slice(&a.value().to_be_bytes()[1..]);
+    let unicast = IbPacket::new_checked(&unicast[..]).unwrap();
+    hca.handle_multicast(now, &unicast, &RxInfo { grh }, &group, &mut mem);
+    assert_eq!(hca.counters().drop_unknown_qp, drops + 2);
+    // Detached, b no longer receives; destroyed, a leaves its groups.
+    hca.detach_mcast(b, group).unwrap();
+    assert_eq!(hca.detach_mcast(b, group), Err(crate::VerbsError::InvalidAttribute("not attached to the group")));
+    for (i, q) in [(4u64, a), (5, b)] {
+        let wr = RecvWr { wr_id: i, sgl: SgeList::one(Sge { addr: 0x1000 * i, length: 256, lkey: 1 }) };
+        hca.post_recv(q, wr, now, &mut mem).unwrap();
+    }
+    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem);
+    wcs.clear();
+    hca.poll_cq(cq, 16, &mut wcs).unwrap();
+    assert_eq!(wcs.iter().map(|w| (w.qp_num, w.wr_id)).collect::<Vec<_>>(), vec![(a, 4)]);
+    assert!(hca.mcast_attached(a));
+    hca.destroy_qp(a).unwrap();
+    assert!(!hca.mcast_attached(a));
+    assert_eq!(hca.mcast_groups().copied().collect::<Vec<_>>(), vec![group, other]);
+    hca.detach_mcast(wrong_qkey, group).unwrap();
+    hca.detach_mcast(no_recv, group).unwrap();
+    assert_eq!(hca.mcast_groups().copied().collect::<Vec<_>>(), vec![other]);
+}
+
+#[test]
+fn attaching_needs_a_ud_qp_a_multicast_gid_and_room() {
+    use crate::hca::multicast::{is_multicast_gid, MAX_QPS_PER_GROUP};
+    let mut hca = Hca::new(Config::default());
+    let mut mem = Flat(vec![0; 4096]);
+    let cq = hca.create_cq(64);
+    let group: [u8; 16] = [0xff, 0x01, 0, 0, 0, 2, 0xc9, 0x85, 0, 0, 0, 0, 0, 0, 0, 0];
+    let unicast: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, 1];
+    assert!(is_multicast_gid(&group));
+    assert!(!is_multicast_gid(&unicast));
+    assert!(is_multicast_gid(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 224, 0, 0, 1]));
+    assert!(!is_multicast_gid(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 240, 0, 0, 1]));
+    let rc = rc_qp(&mut hca, cq, 1);
+    assert_eq!(hca.attach_mcast(rc, group), Err(crate::VerbsError::InvalidAttribute("multicast needs a UD QP")));
+    let ud = ud_qp(&mut hca, &mut mem, cq, 1);
+    assert_eq!(
+        hca.attach_mcast(ud, unicast),
+        Err(crate::VerbsError::InvalidAttribute("gid is not a multicast address"))
+    );
+    assert_eq!(hca.attach_mcast(Qpn::new(0x999), group), Err(crate::VerbsError::NoSuchObject));
+    hca.attach_mcast(ud, group).unwrap();
+    for _ in 1..MAX_QPS_PER_GROUP {
+        let q = ud_qp(&mut hca, &mut mem, cq, 1);
+        hca.attach_mcast(q, group).unwrap();
+    }
+    let last = ud_qp(&mut hca, &mut mem, cq, 1);
+    assert_eq!(hca.attach_mcast(last, group), Err(crate::VerbsError::CapacityExceeded("QPs attached to the group")));
+    hca.detach_mcast(ud, group).unwrap();
+    hca.attach_mcast(last, group).unwrap();
+}
