@@ -79,6 +79,10 @@ pub enum Request {
     QueryQp { qpn: u32 },
     /// Destroy a QP.
     DestroyQp { qpn: u32 },
+    /// `ibv_attach_mcast`: attach a UD QP to a multicast group.
+    AttachMcast { qpn: u32, mgid: [u8; 16] },
+    /// `ibv_detach_mcast`.
+    DetachMcast { qpn: u32, mgid: [u8; 16] },
     /// Counters and object counts of one device or all.
     Stats { device: Option<String> },
     /// `link add NAME type rxe netdev IFACE [addr IP]`.
@@ -879,6 +883,14 @@ impl Request {
                 header(&mut w, 18);
                 w.u32(*qpn);
             }
+            Request::AttachMcast { qpn, mgid } => {
+                header(&mut w, 25);
+                w.u32(*qpn).raw(mgid);
+            }
+            Request::DetachMcast { qpn, mgid } => {
+                header(&mut w, 26);
+                w.u32(*qpn).raw(mgid);
+            }
             Request::Stats { device } => {
                 header(&mut w, 19);
                 match device {
@@ -1035,6 +1047,8 @@ impl Request {
             22 => Request::Rename { name: r.str()?, new_name: r.str()? },
             23 => Request::RoceMode { name: r.str()?, port: r.u8()?, v1: r.bool()? },
             24 => Request::RegMrShared { pd: r.u32()?, addr: r.u64()?, len: r.u64()?, access: r.u32()? },
+            25 => Request::AttachMcast { qpn: r.u32()?, mgid: r.array()? },
+            26 => Request::DetachMcast { qpn: r.u32()?, mgid: r.array()? },
             40 => Request::CmCreateChannel,
             41 => Request::CmDestroyChannel { channel: r.u32()? },
             42 => Request::CmCreateId { channel: r.u32()?, ps: ps_from(&mut r)? },
@@ -1279,6 +1293,8 @@ mod tests {
             Request::RegMr { pd: 2, addr: 0x7fff_0000, len: 4096, access: 7 },
             Request::RegMrShared { pd: 3, addr: 0x7f12_3456_7000, len: 65_537, access: 0xf },
             Request::CreateCq { cqe: 16, channel: Some(3) },
+            Request::AttachMcast { qpn: 0x12, mgid: [0xff, 1, 0, 0, 0, 2, 0xc9, 0x85, 0, 0, 0, 0, 0, 0, 0, 1] },
+            Request::DetachMcast { qpn: 0x13, mgid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 239, 1, 2, 3] },
             Request::CreateQp {
                 pd: 2,
                 qp_type: QpType::Ud,

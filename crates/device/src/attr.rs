@@ -16,9 +16,6 @@
 //! | --- | --- | --- | --- |
 //! | `device_cap_flags` | `0x01223c76` | `0x00203c76` | no `MEM_WINDOW` / `MEM_WINDOW_TYPE_2B`: memory windows (bind, type 1 and 2B) are not planned in the transport |
 //! | `max_mw` | 524287 | 0 | same |
-//! | `max_mcast_grp` | 8192 | 0 | UD multicast attach is not implemented |
-//! | `max_mcast_qp_attach` | 56 | 0 | same |
-//! | `max_total_mcast_qp_attach` | 458752 | 0 | same |
 //! | `device_cap_flags_ex` | `0x1223C76` | `0x203C76` | the low 32 bits repeat `device_cap_flags` |
 //!
 //! Everything else (queue limits, atomics `ATOMIC_HCA`, SRQ, `MEM_MGT_EXTENSIONS`, 32 SGEs,
@@ -494,9 +491,6 @@ impl DeviceAttr {
         a.device_cap_flags = DeviceCapFlags(flags);
         a.device_cap_flags_ex = u64::from(flags);
         a.max_mw = 0;
-        a.max_mcast_grp = 0;
-        a.max_mcast_qp_attach = 0;
-        a.max_total_mcast_qp_attach = 0;
         a.num_comp_vectors =
             std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
         a
@@ -720,9 +714,6 @@ mod tests {
         ours.device_cap_flags = rxe.device_cap_flags;
         ours.device_cap_flags_ex = rxe.device_cap_flags_ex;
         ours.max_mw = rxe.max_mw;
-        ours.max_mcast_grp = rxe.max_mcast_grp;
-        ours.max_mcast_qp_attach = rxe.max_mcast_qp_attach;
-        ours.max_total_mcast_qp_attach = rxe.max_total_mcast_qp_attach;
         ours.num_comp_vectors = rxe.num_comp_vectors;
         assert_eq!(ours, rxe);
         assert_eq!(rxe.fw_ver_string(), "0.0.0");

@@ -21,14 +21,19 @@ const UDP_SEGMENT: libc::c_int = 103;
 const UDP_GRO: libc::c_int = 104;
 
 fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
-    // SAFETY: we pass a pointer to a live c_int and its size; the kernel only reads it.
+    setsockopt(fd, level, name, &value)
+}
+
+/// `setsockopt` with a value of any plain C type.
+pub(crate) fn setsockopt<T>(fd: RawFd, level: libc::c_int, name: libc::c_int, value: &T) -> io::Result<()> {
+    // SAFETY: `value` is a live, initialised T and we pass its exact size; the kernel only reads it.
     let rc = unsafe {
         libc::setsockopt(
             fd,
             level,
             name,
-            &value as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            value as *const T as *const libc::c_void,
+            std::mem::size_of::<T>() as libc::socklen_t,
         )
     };
     if rc == 0 {
@@ -38,7 +43,7 @@ fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, value: libc:
     }
 }
 
-fn bind(addr: SocketAddr) -> Result<UdpSocket> {
+fn bind(addr: SocketAddr, ifindex: u32) -> Result<UdpSocket> {
     let sock = UdpSocket::bind(addr).map_err(|e| match e.kind() {
         io::ErrorKind::AddrInUse => Error::PortInUse(addr),
         _ => Error::io("binding the device's UDP socket", e),
@@ -53,10 +58,24 @@ fn bind(addr: SocketAddr) -> Result<UdpSocket> {
     // without UDP_GRO hand the segments over one by one, which works too.
     let _ = setsockopt_int(fd, libc::SOL_UDP, UDP_GRO, 1);
     match addr {
-        SocketAddr::V4(_) => setsockopt_int(fd, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)
-            .map_err(|e| Error::io("setting IP_MTU_DISCOVER", e))?,
-        SocketAddr::V6(_) => setsockopt_int(fd, libc::SOL_UDP, UDP_NO_CHECK6_RX, 1)
-            .map_err(|e| Error::io("setting UDP_NO_CHECK6_RX", e))?,
+        SocketAddr::V4(a) => {
+            setsockopt_int(fd, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)
+                .map_err(|e| Error::io("setting IP_MTU_DISCOVER", e))?;
+            // Packets to a multicast group leave through the device's own interface.
+            let ifaddr = libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) };
+            if !a.ip().is_unspecified() {
+                setsockopt(fd, libc::IPPROTO_IP, libc::IP_MULTICAST_IF, &ifaddr)
+                    .map_err(|e| Error::io("setting IP_MULTICAST_IF", e))?;
+            }
+        }
+        SocketAddr::V6(_) => {
+            setsockopt_int(fd, libc::SOL_UDP, UDP_NO_CHECK6_RX, 1)
+                .map_err(|e| Error::io("setting UDP_NO_CHECK6_RX", e))?;
+            if ifindex != 0 {
+                setsockopt_int(fd, libc::IPPROTO_IPV6, libc::IPV6_MULTICAST_IF, ifindex as libc::c_int)
+                    .map_err(|e| Error::io("setting IPV6_MULTICAST_IF", e))?;
+            }
+        }
     }
     Ok(sock)
 }
@@ -72,14 +91,15 @@ pub struct UdpPort {
 }
 
 impl UdpPort {
-    /// Bind `port` on the given addresses (at least one).
-    pub fn bind(v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>, port: u16) -> Result<UdpPort> {
+    /// Bind `port` on the given addresses (at least one) of the interface with index `ifindex`
+    /// (multicast packets leave through it; 0: unknown).
+    pub fn bind(v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>, port: u16, ifindex: u32) -> Result<UdpPort> {
         if v4.is_none() && v6.is_none() {
             return Err(Error::InvalidArgument("the device has no usable IPv4 or IPv6 address".into()));
         }
         let open = |ip: IpAddr| -> Result<(UdpSocket, SocketAddr)> {
             let addr = SocketAddr::new(ip, port);
-            Ok((bind(addr)?, addr))
+            Ok((bind(addr, ifindex)?, addr))
         };
         let v4 = v4.map(|a| open(IpAddr::V4(a))).transpose()?;
         let v6 = v6.map(|a| open(IpAddr::V6(a))).transpose()?;
@@ -125,7 +145,7 @@ pub const BATCH: usize = 32;
 /// which matters for the arrays of a batch: they are cleared on every call.
 type RawAddr = libc::sockaddr_in6;
 
-fn sockaddr_of(addr: &SocketAddr) -> (RawAddr, libc::socklen_t) {
+pub(crate) fn sockaddr_of(addr: &SocketAddr) -> (RawAddr, libc::socklen_t) {
     // SAFETY: an all-zero sockaddr_in6 is a valid value of the type.
     let mut ss: RawAddr = unsafe { std::mem::zeroed() };
     let len = match addr {

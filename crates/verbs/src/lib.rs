@@ -33,6 +33,7 @@ pub mod error;
 pub mod io;
 mod loopback;
 pub mod memory;
+mod multicast;
 mod place;
 mod qp_traffic;
 mod remap;

@@ -30,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
 use crate::loopback;
 use crate::memory::{InPlace, MrTable};
+use crate::multicast::{self, GroupSockets};
 use crate::place::{self, Plan};
 use crate::qp_traffic::QpTrafficTable;
 use crate::same_host::Link;
@@ -59,6 +60,10 @@ impl Receiver<'_> {
         // Only UD receives (packets with a DETH) show the 40 bytes in front of the data.
         let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
         let rx = RxInfo { grh };
+        if let Some(mgid) = multicast::group_of(&local) {
+            self.traffic(ib.bth().dest_qp(), payload.len(), |hca, mem| hca.handle_multicast(now, ib, &rx, &mgid, mem));
+            return;
+        }
         self.traffic(ib.bth().dest_qp(), payload.len(), |hca, mem| hca.handle_parsed(now, ib, &rx, mem));
     }
 
@@ -143,9 +148,17 @@ pub(crate) struct State {
     rx_single: bool,
     /// Packets received in place (see place.rs).
     pub rx_placed: u64,
+    /// The sockets of the multicast groups the device's QPs are attached to.
+    pub groups: GroupSockets,
 }
 
 impl State {
+    /// Close the sockets of multicast groups no QP is attached to any more (after a detach, or a
+    /// destroyed QP).
+    pub(crate) fn forget_left_groups(&mut self) {
+        self.groups.retain(self.hca.mcast_groups());
+    }
+
     /// The receiving parts of the state.
     fn receiver(&mut self) -> Receiver<'_> {
         Receiver { cm: &mut self.cm, hca: &mut self.hca, mem: &mut self.mem, qp_traffic: &mut self.qp_traffic }
@@ -239,7 +252,7 @@ impl Device {
         same_host: bool,
         rx_place: bool,
     ) -> Result<Device> {
-        let port = UdpPort::bind(v4, v6, udp_port)?;
+        let port = UdpPort::bind(v4, v6, udp_port, info.netdev.index)?;
         let cm = CmState::new(cm_agent(&info, &port));
         let link = Link::new(same_host, port.sockets().map(|(_, a)| *a));
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
@@ -299,6 +312,7 @@ impl Device {
             rx_hint: None,
             rx_single: false,
             rx_placed: 0,
+            groups: GroupSockets::default(),
         };
         Ok(Device {
             info,
@@ -709,6 +723,32 @@ impl Device {
         self.async_rx.as_raw_fd()
     }
 
+    /// Attach QP `qpn` to multicast group `mgid`: the engine's attachment, and the group's socket
+    /// when this is the device's first QP in the group (the I/O thread is woken to listen on it).
+    pub fn attach_mcast(&self, qpn: softrdma_wire::Qpn, mgid: [u8; 16]) -> Result<()> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        st.hca.attach_mcast(qpn, mgid)?;
+        let family = SocketAddr::new(Gid(mgid).to_ip(), self.port.port());
+        let local_ip = self.port.local_for(&family).map(|a| a.ip());
+        if let Err(e) = st.groups.join(mgid, local_ip, self.info.netdev.index, self.port.port()) {
+            // No socket means the group was new to the device: the attachment just made is its
+            // only one.
+            let _ = st.hca.detach_mcast(qpn, mgid);
+            return Err(e);
+        }
+        let _ = self.wake();
+        Ok(())
+    }
+
+    /// Detach QP `qpn` from multicast group `mgid`; the group's socket closes with its last QP.
+    pub fn detach_mcast(&self, qpn: softrdma_wire::Qpn, mgid: [u8; 16]) -> Result<()> {
+        let mut st = self.lock();
+        st.hca.detach_mcast(qpn, mgid)?;
+        st.forget_left_groups();
+        Ok(())
+    }
+
     /// One received datagram.
     fn receive(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr, ident: u16) {
         let counters = st.hca.counters_mut();
@@ -908,6 +948,23 @@ impl Device {
                 }
             }
         }
+        // Packets sent to a multicast group this device is a member of.
+        let groups = std::mem::take(&mut st.groups);
+        for (sock, local) in groups.sockets() {
+            while let Ok(k) = udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) {
+                got += k;
+                for m in meta.iter().take(k) {
+                    match m {
+                        &Some((n, src, _)) => self.receive(st, now, &buf[..n], src, local, 0),
+                        None => st.hca.counters_mut().count_malformed(),
+                    }
+                }
+                if k < meta.len() {
+                    break;
+                }
+            }
+        }
+        st.groups = groups;
         st.rx_buf = buf;
         got
     }
@@ -1033,6 +1090,7 @@ impl Device {
                 fds.clear();
                 let pfd = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
                 fds.extend(self.port.sockets().map(|(s, _)| pfd(s.as_raw_fd())));
+                fds.extend(st.groups.sockets().map(|(s, _)| pfd(s.as_raw_fd())));
                 fds.push(pfd(self.wake_rx.as_raw_fd()));
                 // Lane entries already waiting: no sleep (but still one pass through ppoll, which
                 // then returns at once, to keep one code path).

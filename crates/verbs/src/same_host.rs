@@ -330,7 +330,8 @@ impl Link {
 
     /// The outbound lane for `dst` (sending from `src`), opening one if none was tried recently.
     pub fn lane_for(&mut self, dst: SocketAddr, src: SocketAddr, now: Instant) -> Option<usize> {
-        if !self.enabled {
+        // A multicast group's packets go to the network, where every member receives them.
+        if !self.enabled || dst.ip().is_multicast() {
             return None;
         }
         if let Some(i) = self.spec.filter(|&i| self.outbound[i].dst == dst && self.outbound[i].lane.is_some()) {

@@ -729,6 +729,27 @@ impl QueuePair {
         }
     }
 
+    /// Attach this UD QP to the multicast group `mgid` (`ibv_attach_mcast`): it receives what is
+    /// sent to the group (destination QPN [`Qpn::MULTICAST`]), each attached QP a copy. The group's
+    /// address is the MGID as an IP address (`::ffff:a.b.c.d` for IPv4 group a.b.c.d); the device
+    /// joins it on its network interface. Attaching twice changes nothing. Refused for a QP that is
+    /// not UD or a GID that is not multicast, and when the device has no address of the group's
+    /// family. Destroying the QP detaches it.
+    pub fn attach_mcast(&self, mgid: Gid) -> Result<()> {
+        match &self.imp {
+            QpImp::Embedded { h, .. } => h.dev.attach_mcast(self.qpn, mgid.0),
+            QpImp::Daemon(q) => q.attach_mcast(mgid.0),
+        }
+    }
+
+    /// Detach this QP from multicast group `mgid` (`ibv_detach_mcast`); refused if not attached.
+    pub fn detach_mcast(&self, mgid: Gid) -> Result<()> {
+        match &self.imp {
+            QpImp::Embedded { h, .. } => h.dev.detach_mcast(self.qpn, mgid.0),
+            QpImp::Daemon(q) => q.detach_mcast(mgid.0),
+        }
+    }
+
     /// Post a receive work request.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         match &self.imp {
@@ -753,7 +774,9 @@ enum QpImp {
 impl Drop for QpImp {
     fn drop(&mut self) {
         if let QpImp::Embedded { h, qpn } = self {
-            let _ = h.dev.lock().hca.destroy_qp(*qpn);
+            let mut st = h.dev.lock();
+            let _ = st.hca.destroy_qp(*qpn);
+            st.forget_left_groups();
         }
     }
 }

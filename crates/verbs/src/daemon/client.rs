@@ -562,6 +562,16 @@ impl Qp {
         Ok(())
     }
 
+    pub fn attach_mcast(&self, mgid: [u8; 16]) -> Result<()> {
+        self.s.call(&Request::AttachMcast { qpn: self.qpn.value(), mgid }, &[])?;
+        Ok(())
+    }
+
+    pub fn detach_mcast(&self, mgid: [u8; 16]) -> Result<()> {
+        self.s.call(&Request::DetachMcast { qpn: self.qpn.value(), mgid }, &[])?;
+        Ok(())
+    }
+
     pub fn query(&self) -> Result<QueuePairInfo> {
         match self.s.call(&Request::QueryQp { qpn: self.qpn.value() }, &[])?.0 {
             Response::QpInfo(i) => {

@@ -720,6 +720,9 @@ impl SvcDevice {
         // same-host lanes ring their connection sockets as doorbells once asked to.
         let wait = {
             let mut st = self.dev.lock();
+            for (s, _) in st.groups.sockets() {
+                fds.push(libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            }
             if !st.link.sleep_prepare(&mut fds) {
                 st.link.sleep_done();
                 return;
@@ -1165,6 +1168,7 @@ impl SvcDevice {
             }
             svc.qps.remove(q);
         }
+        st.forget_left_groups();
         let srqs: Vec<SrqId> = svc.srqs.iter().filter(|(_, s)| s.client == id).map(|(k, _)| *k).collect();
         for s in &srqs {
             let _ = st.hca.destroy_srq(*s);
@@ -1709,12 +1713,25 @@ impl Session {
                 {
                     let mut st = dev.dev.lock();
                     st.hca.destroy_qp(qpn).map_err(Refusal::Verbs)?;
+                    st.forget_left_groups();
                     if let Some(m) = st.qp_traffic.as_mut() {
                         m.remove(qpn);
                     }
                 }
                 svc.qps.remove(&qpn);
                 count(svc, -1);
+                ok(Response::Ok)
+            }
+            Request::AttachMcast { qpn, mgid } | Request::DetachMcast { qpn, mgid } => {
+                let qpn = Qpn::new(qpn);
+                if svc.qps.get(&qpn).map(|q| q.client) != Some(me) {
+                    return Err(nso());
+                }
+                match req {
+                    Request::AttachMcast { .. } => dev.dev.attach_mcast(qpn, mgid),
+                    _ => dev.dev.detach_mcast(qpn, mgid),
+                }
+                .map_err(refuse)?;
                 ok(Response::Ok)
             }
             req @ (Request::CmCreateChannel

@@ -1,0 +1,187 @@
+//! UD multicast between embedded devices: every QP attached to the group gets its own copy of
+//! each message, byte for byte, with the group as the destination in its GRH area; a detached or
+//! destroyed QP gets nothing more.
+//!
+//! The test runs in a network namespace of its own (`unshare(CLONE_NEWNET)` on its thread, whose
+//! devices' sockets and I/O threads then live there), so packets sent to the group never reach an
+//! interface of the host. That needs CAP_SYS_ADMIN (CI runs as root); without it the test says so
+//! and checks nothing.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+use softrdma_verbs::{
+    Access, AhAttr, CompletionQueue, Context, DeviceBuilder, Gid, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr,
+    QpType, Qpn, QueuePair, RecvWr, SendFlags, SendOp, SendWr, WcStatus, WorkCompletion,
+};
+
+const QKEY: u32 = 0x1111_1111;
+const PORT: u16 = 48900;
+/// The group 239.7.7.7 as an MGID.
+const GROUP: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 239, 7, 7, 7];
+
+/// Move this thread into a new network namespace with its loopback interface up.
+fn own_netns() -> bool {
+    // SAFETY: unshare(2) with a flag; it changes only this thread's namespaces.
+    if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+        eprintln!("not run: a network namespace of its own needs CAP_SYS_ADMIN");
+        return false;
+    }
+    // SAFETY: an ioctl socket and SIOCGIFFLAGS/SIOCSIFFLAGS on a zeroed ifreq naming "lo".
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+        assert!(fd >= 0);
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
+            *d = *s as libc::c_char;
+        }
+        assert_eq!(libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req), 0);
+        req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+        assert_eq!(libc::ioctl(fd, libc::SIOCSIFFLAGS, &req), 0);
+        libc::close(fd);
+    }
+    true
+}
+
+fn open(last: u8) -> Context {
+    DeviceBuilder::new(&format!("m{last}"), "lo")
+        .addr(IpAddr::V4(Ipv4Addr::new(127, 0, 9, last)))
+        .udp_port(PORT)
+        .open()
+        .expect("open device")
+}
+
+struct Ud {
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    qp: QueuePair,
+}
+
+fn ud(ctx: &Context, qp_type: QpType) -> Ud {
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
+    let qp =
+        pd.create_qp(&QpInitAttr { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false }).unwrap();
+    if qp_type == QpType::Ud {
+        qp.bring_up_ud(QKEY, Psn::new(1)).unwrap();
+    }
+    Ud { pd, cq, qp }
+}
+
+fn wait(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while out.len() < n {
+        cq.poll(n - out.len(), &mut out).unwrap();
+        assert!(start.elapsed() < Duration::from_secs(30), "timed out with {out:?}");
+        std::thread::yield_now();
+    }
+    out
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed)).collect()
+}
+
+/// Post a receive of 40 + 512 bytes at offset 0 of a fresh region; returns the region.
+fn expect_one(r: &Ud) -> softrdma_verbs::MemoryRegion {
+    let mr = r.pd.reg_mr(4096, Access::LOCAL_WRITE).unwrap();
+    r.qp.post_recv(RecvWr { wr_id: 7, sgl: vec![mr.sge(0, 40 + 512).unwrap()].into() }).unwrap();
+    mr
+}
+
+fn send_to_group(s: &Ud, mr: &softrdma_verbs::MemoryRegion, data: &[u8], imm: u32) {
+    mr.write(0, data).unwrap();
+    let ah = s.pd.create_ah(&AhAttr::new(Gid(GROUP), 1)).unwrap();
+    s.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::SendWithImm(imm),
+        payload: Payload::Sgl(vec![mr.sge(0, data.len()).unwrap()].into()),
+        flags: SendFlags::SIGNALED,
+        ud: Some(ah.ud(Qpn::MULTICAST, QKEY)),
+    })
+    .unwrap();
+    assert_eq!(wait(&s.cq, 1)[0].status, WcStatus::Success);
+}
+
+/// The receive `mr` got: the SEND's bytes after a GRH area from 127.0.9.1 to the group.
+fn check(r: &Ud, mr: &softrdma_verbs::MemoryRegion, from: Qpn, data: &[u8], imm: u32) {
+    let wc = wait(&r.cq, 1);
+    assert_eq!(
+        (wc[0].status, wc[0].byte_len, wc[0].src_qp, wc[0].imm),
+        (WcStatus::Success, 40 + data.len() as u32, from, imm)
+    );
+    assert_eq!(mr.to_vec(40, data.len()).unwrap(), data);
+    let grh = mr.to_vec(0, 40).unwrap();
+    assert_eq!(grh[20], 0x45, "IPv4 header in the second half of the GRH area");
+    assert_eq!(&grh[32..36], &[127, 0, 9, 1], "source address");
+    assert_eq!(&grh[36..40], &[239, 7, 7, 7], "destination address: the group");
+}
+
+#[test]
+fn every_attached_qp_receives_its_own_copy() {
+    if !own_netns() {
+        return;
+    }
+    let (a, b, c) = (open(1), open(2), open(3));
+    let sender = ud(&a, QpType::Ud);
+    // A QP of the sending device, two QPs of one device, one of another.
+    let (a2, b1, c1, c2) = (ud(&a, QpType::Ud), ud(&b, QpType::Ud), ud(&c, QpType::Ud), ud(&c, QpType::Ud));
+    for r in [&a2, &b1, &c1, &c2] {
+        r.qp.attach_mcast(Gid(GROUP)).unwrap();
+    }
+    b1.qp.attach_mcast(Gid(GROUP)).unwrap();
+    let smr = sender.pd.reg_mr(4096, Access::LOCAL_WRITE).unwrap();
+    let data = pattern(512, 3);
+    let mrs: Vec<_> = [&a2, &b1, &c1, &c2].iter().map(|r| expect_one(r)).collect();
+    send_to_group(&sender, &smr, &data, 0x51);
+    for (r, mr) in [&a2, &b1, &c1, &c2].iter().zip(&mrs) {
+        check(r, mr, sender.qp.qpn(), &data, 0x51);
+    }
+
+    // Detached, b1 receives nothing more; dropped, c2 neither. The others still do.
+    b1.qp.detach_mcast(Gid(GROUP)).unwrap();
+    assert!(b1.qp.detach_mcast(Gid(GROUP)).is_err(), "detaching twice is refused");
+    let b_mr = expect_one(&b1);
+    let c2_rcvd = c.counters().rcvd_pkts;
+    drop(c2);
+    let mrs: Vec<_> = [&a2, &c1].iter().map(|r| expect_one(r)).collect();
+    let data = pattern(512, 4);
+    send_to_group(&sender, &smr, &data, 0x52);
+    for (r, mr) in [&a2, &c1].iter().zip(&mrs) {
+        check(r, mr, sender.qp.qpn(), &data, 0x52);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut none = Vec::new();
+    b1.cq.poll(1, &mut none).unwrap();
+    assert!(none.is_empty(), "a detached QP got {none:?}");
+    assert_eq!(b_mr.to_vec(40, 512).unwrap(), vec![0; 512]);
+    assert_eq!(c.counters().rcvd_pkts, c2_rcvd + 1, "one copy for c1, none for the destroyed c2");
+
+    // The last QP of a device leaves: the device no longer listens to the group.
+    drop(c1);
+    let mr = expect_one(&a2);
+    send_to_group(&sender, &smr, &data, 0x53);
+    check(&a2, &mr, sender.qp.qpn(), &data, 0x53);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(c.counters().rcvd_pkts, c2_rcvd + 1, "device c left the group");
+}
+
+#[test]
+fn attaching_needs_a_ud_qp_and_a_multicast_gid() {
+    if !own_netns() {
+        return;
+    }
+    let a = open(1);
+    let rc = ud(&a, QpType::Rc);
+    assert!(rc.qp.attach_mcast(Gid(GROUP)).unwrap_err().to_string().contains("UD"));
+    let q = ud(&a, QpType::Ud);
+    let unicast = Gid([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 9, 2]);
+    assert!(q.qp.attach_mcast(unicast).unwrap_err().to_string().contains("multicast"));
+    assert!(q.qp.detach_mcast(Gid(GROUP)).is_err(), "not attached");
+    // An IPv6 group on a device with no IPv6 address: refused, and nothing stays attached.
+    let v6 = Gid([0xff, 0x0e, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9]);
+    assert!(q.qp.attach_mcast(v6).unwrap_err().to_string().contains("no IPv6 address"));
+    assert!(q.qp.detach_mcast(v6).is_err());
+}
