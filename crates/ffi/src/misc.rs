@@ -1,6 +1,6 @@
 //! The rest of the exported API: strings and rate tables, the sysfs helpers, fork support, address
-//! handles from completions, kernel-struct conversions, and the features a soft device refuses
-//! (multicast, object import, ECE, dma-buf MRs).
+//! handles from completions, kernel-struct conversions, UD multicast attach/detach, and the
+//! features a soft device refuses (object import, ECE, dma-buf MRs).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr;
@@ -327,17 +327,37 @@ pub unsafe extern "C" fn ibv_resolve_eth_l2_from_gid(
     -1
 }
 
+// ---- multicast -------------------------------------------------------------------------------------
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_attach_mcast(qp: *mut IbvQp, gid: *const IbvGid, _lid: u16) -> c_int {
+    mcast("ibv_attach_mcast", qp, gid, true)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_detach_mcast(qp: *mut IbvQp, gid: *const IbvGid, _lid: u16) -> c_int {
+    mcast("ibv_detach_mcast", qp, gid, false)
+}
+
+/// Attach or detach a UD QP to or from a multicast group (the LID means nothing on RoCE).
+///
+/// # Safety
+///
+/// `qp` must be a live QP of ours and `gid` readable, or null.
+unsafe fn mcast(what: &str, qp: *mut IbvQp, gid: *const IbvGid, attach: bool) -> c_int {
+    if qp.is_null() || gid.is_null() {
+        return errno::refuse(what, libc::EINVAL, "null QP or GID");
+    }
+    // SAFETY: the caller's promise.
+    let (q, mgid) = unsafe { (crate::objects::to_qp(qp), softrdma_verbs::Gid((*gid).raw)) };
+    let r = if attach { q.qp.attach_mcast(mgid) } else { q.qp.detach_mcast(mgid) };
+    match r {
+        Ok(()) => 0,
+        Err(e) => errno::fail(what, &e),
+    }
+}
+
 // ---- refused features ----------------------------------------------------------------------------
-
-#[no_mangle]
-pub unsafe extern "C" fn ibv_attach_mcast(_qp: *mut IbvQp, _gid: *const IbvGid, _lid: u16) -> c_int {
-    errno::refuse("ibv_attach_mcast", libc::EOPNOTSUPP, "multicast is not supported (max_mcast_grp is 0)")
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn ibv_detach_mcast(_qp: *mut IbvQp, _gid: *const IbvGid, _lid: u16) -> c_int {
-    errno::refuse("ibv_detach_mcast", libc::EOPNOTSUPP, "multicast is not supported")
-}
 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_import_device(_cmd_fd: c_int) -> *mut IbvContext {

@@ -439,7 +439,22 @@ int main(void)
 
 	/* Refused features. */
 	CHECK(ibv_alloc_mw(pd, IBV_MW_TYPE_1) == NULL && errno == EOPNOTSUPP, "memory windows refused");
-	CHECK(ibv_attach_mcast(qa, &gid, 0) == EOPNOTSUPP, "multicast refused");
+	CHECK(ibv_attach_mcast(qa, &gid, 0) == EINVAL, "multicast needs a UD QP and a multicast GID");
+	{
+		struct ibv_qp_init_attr ua = {
+			.send_cq = cq_a, .recv_cq = cq_a,
+			.cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
+			.qp_type = IBV_QPT_UD,
+		};
+		struct ibv_qp *ud = ibv_create_qp(pd, &ua);
+		union ibv_gid mgid = { .raw = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 239, 1, 2, 3 } };
+		CHECK(ud != NULL, "UD QP");
+		CHECK(ibv_attach_mcast(ud, &gid, 0) == EINVAL, "a unicast GID is no group");
+		CHECK(ibv_attach_mcast(ud, &mgid, 0) == 0 && ibv_attach_mcast(ud, &mgid, 0) == 0, "attach, twice");
+		CHECK(ibv_detach_mcast(ud, &mgid, 0) == 0, "detach");
+		CHECK(ibv_detach_mcast(ud, &mgid, 0) == EINVAL, "detach when not attached");
+		CHECK(ibv_destroy_qp(ud) == 0, "destroy UD QP");
+	}
 	struct ibv_xrcd_init_attr xi = { .comp_mask = IBV_XRCD_INIT_ATTR_FD | IBV_XRCD_INIT_ATTR_OFLAGS, .fd = -1 };
 	CHECK(ibv_open_xrcd(ctx, &xi) == NULL && errno == EOPNOTSUPP, "XRC domains refused");
 	struct ibv_td_init_attr ti = {};
