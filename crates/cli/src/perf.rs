@@ -1,7 +1,7 @@
 //! `softrdma perf`: perftest's `ib_{write,read,send,atomic}_{bw,lat}` on softrdma.
 //!
-//! Same main flags as perftest (`-d -i -x -s -a -n -D -q -c -m -t -r -Q -o -A -N -p --report_gbits`,
-//! `-R` accepted) and the same output: the test banner, the local/remote address lines and the result
+//! Same main flags as perftest (`-d -i -x -g -M -s -a -n -D -q -c -m -t -r -Q -o -A -N -p
+//! --report_gbits`, `-R` accepted) and the same output: the test banner, the local/remote address lines and the result
 //! tables with perftest's own printf formats (perftest 4.5/24.x, `src/perftest_parameters.h`), so
 //! scripts that parse perftest parse this. Server and client run in two processes and exchange
 //! their queue pair data over TCP (port 18515 by default), as perftest does without `-R`;
@@ -165,9 +165,17 @@ pub struct PerfArgs {
     /// GID index to use (perftest's -x).
     #[arg(short = 'x', long = "gid-index", default_value_t = 1)]
     gid_index: u8,
-    /// Multicast (perftest's -g): not supported; the GID index is -x.
+    /// Send messages to a multicast group with 1 QP attached to it (SEND tests, UD). The server
+    /// attaches its QP to the group and the client sends to it; in latency tests the client also
+    /// attaches its QP, to the group's MGID + 1, and the server answers there.
     #[arg(short = 'g', long = "mcg")]
     mcg: bool,
+    /// In multicast, use this group MGID: perftest's 16 colon-separated bytes
+    /// (0:0:0:0:0:0:0:0:0:0:255:255:239:1:2:3) or an address (239.1.2.3 as ::ffff:239.1.2.3,
+    /// ff0e::1). Default: perftest's ff01:0:2:c985:: when the GID of -x is IPv6, else
+    /// ::ffff:239.2.201.133 (its IPv4 form: an IPv4 device reaches only IPv4 groups).
+    #[arg(short = 'M', long = "MGID")]
+    mgid: Option<String>,
     /// Size of message to exchange (default 65536 for bandwidth, 2 for latency, 8 for atomics).
     #[arg(short = 's', long = "size")]
     size: Option<u64>,
@@ -258,6 +266,34 @@ struct Plan {
     no_peak: bool,
     gid_index: u8,
     mtu: Option<Mtu>,
+    /// `-g`: the receiving QPs are attached to a multicast group (`-M`'s, or the default).
+    mcast: Option<Option<Gid>>,
+}
+
+/// perftest's default multicast group (`MCG_GID`), used when the GID of -x is IPv6.
+const MCG_GID_V6: [u8; 16] = [0xff, 0x01, 0, 0, 0, 0x02, 0xc9, 0x85, 0, 0, 0, 0, 0, 0, 0, 0];
+/// Its IPv4 form, ::ffff:239.2.201.133, used when the GID of -x is IPv4.
+const MCG_GID_V4: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 239, 2, 201, 133];
+
+/// An MGID as `-M` takes it: 16 colon-separated bytes in decimal or `0x` hex (perftest's form), or
+/// an IP address (IPv4 as `::ffff:a.b.c.d`); it must name a multicast group.
+fn parse_mgid(s: &str) -> Result<Gid, String> {
+    let byte = |f: &str| match f.strip_prefix("0x").or_else(|| f.strip_prefix("0X")) {
+        Some(h) => u8::from_str_radix(h, 16).ok(),
+        None => f.parse::<u8>().ok(),
+    };
+    let fields: Vec<&str> = s.split(':').collect();
+    let gid = match fields.iter().map(|f| byte(f)).collect::<Option<Vec<u8>>>() {
+        Some(b) if b.len() == 16 => Gid(b.try_into().expect("16 bytes")),
+        _ => match s.parse::<IpAddr>() {
+            Ok(ip) => Gid::from_ip(ip),
+            Err(_) => return Err(format!(" Invalid MGID {s}: use 16 colon-separated bytes or an IP address")),
+        },
+    };
+    if !softrdma_transport::hca::multicast::is_multicast_gid(&gid.0) {
+        return Err(format!(" MGID {s} is not a multicast address"));
+    }
+    Ok(gid)
 }
 
 impl Plan {
@@ -279,9 +315,16 @@ impl Plan {
             }
             _ => {}
         }
-        if a.mcg {
-            return Err(" Multicast (-g/--mcg) is not supported; the GID index is -x".into());
-        }
+        let mcast = match (a.mcg, &a.mgid) {
+            (false, None) => None,
+            (false, Some(_)) => return Err(" -M (MGID) needs -g (multicast)".into()),
+            (true, _) if verb != Verb::Send => return Err(" MultiCast feature only available on SEND verb".into()),
+            (true, _) if a.qps > 1 => return Err(" Only 1 QP supported in multicast".into()),
+            (true, _) if a.rdma_cm => return Err(" Perftest still doesn't support Multicast with rdma_cm".into()),
+            (true, m) => Some(m.as_deref().map(parse_mgid).transpose()?),
+        };
+        // Multicast runs on UD.
+        let conn = if mcast.is_some() { QpType::Ud } else { conn };
         if a.qps == 0 || a.qps > MAX_QPS {
             return Err(format!(" Number of QPs should be between 1 and {MAX_QPS}"));
         }
@@ -350,6 +393,7 @@ impl Plan {
             no_peak: a.no_peak || duration.is_some(),
             gid_index: a.gid_index,
             mtu,
+            mcast,
         })
     }
 
@@ -360,9 +404,10 @@ impl Plan {
     /// What the client sends first; the server refuses a mismatch instead of hanging on it.
     fn hello(&self) -> String {
         format!(
-            "HELLO softrdma-perf-1 {} {:?} qps={} sizes={:?} iters={} duration={:?}",
+            "HELLO softrdma-perf-1 {} {:?}{} qps={} sizes={:?} iters={} duration={:?}",
             self.test.name(),
             self.conn,
+            if self.mcast.is_some() { " multicast" } else { "" },
             self.qps,
             self.sizes,
             self.iters,
@@ -539,6 +584,8 @@ struct Side {
     slot: usize,
     dev_name: String,
     mtu: Mtu,
+    /// The multicast group QP 0 is attached to (`-g`).
+    group: Option<Gid>,
 }
 
 fn random_psn(salt: u32) -> u32 {
@@ -621,7 +668,33 @@ impl Side {
             slot,
             dev_name,
             mtu,
+            group: None,
         })
+    }
+
+    /// With `-g`: attach QP 0 to this side's group if it receives from one (the server; the
+    /// client too in latency tests, to the MGID + 1, where the server answers).
+    fn join_group(&mut self, plan: &Plan, role: Role) -> Result<(), String> {
+        let Some(chosen) = plan.mcast else { return Ok(()) };
+        if role == Role::Client && plan.bw {
+            return Ok(());
+        }
+        let mut g = match chosen {
+            Some(g) => g,
+            None => {
+                let own = self
+                    .ctx
+                    .query_gid(1, usize::from(plan.gid_index))
+                    .map_err(|e| format!("Couldn't read GID {}: {e}", plan.gid_index))?;
+                Gid(if own.to_ip().is_ipv4() { MCG_GID_V4 } else { MCG_GID_V6 })
+            }
+        };
+        if role == Role::Client {
+            g.0[15] = g.0[15].wrapping_add(1);
+        }
+        self.qps[0].attach_mcast(g).map_err(|e| format!("Couldn't attach QP to MultiCast group: {e}"))?;
+        self.group = Some(g);
+        Ok(())
     }
 
     fn dests(&self, plan: &Plan) -> Result<Vec<Dest>, String> {
@@ -636,11 +709,12 @@ impl Side {
             .map(|(qp, &psn)| Dest {
                 lid: 0,
                 out_reads: u16::from(plan.outs),
-                qpn: qp.qpn().value(),
+                // A side that receives from a group is reached there (perftest's QPNUM_MCAST).
+                qpn: if self.group.is_some() { Qpn::MULTICAST.value() } else { qp.qpn().value() },
                 psn,
                 rkey: self.mr.rkey(),
                 vaddr: self.mr.addr(),
-                gid,
+                gid: self.group.unwrap_or(gid),
             })
             .collect())
     }
@@ -1255,7 +1329,11 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
         (true, false) => "BW ",
         (false, _) => "Latency ",
     };
-    out.line(&format!("                    {verb} {atomic}{kind}Test"));
+    let mcast = if plan.mcast.is_some() { "Multicast " } else { "" };
+    out.line(&format!("                    {verb} {atomic}{kind}{mcast}Test"));
+    if plan.mcast.is_some() {
+        out.line(" MultiCast runs on UD!");
+    }
     out.line(&format!(" Dual-port       : OFF\t\tDevice         : {}", side.dev_name));
     out.line(&format!(" Number of qps   : {}\t\tTransport type : IB", plan.qps));
     let conn = match plan.conn {
@@ -1291,7 +1369,9 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
     out.line(RESULT_LINE);
 }
 
-fn print_dest(out: &Out, plan: &Plan, side: &str, d: &Dest) {
+/// One address line pair. With `-g`, the GID line of the server's own address and of the
+/// client's peer (the group the client sends to) says "MGID", as perftest's.
+fn print_dest(out: &Out, plan: &Plan, role: Role, side: &str, d: &Dest) {
     let mut s = format!(
         " {side} address: LID {} QPN {} PSN {}",
         hash_hex(u64::from(d.lid), 4),
@@ -1306,7 +1386,8 @@ fn print_dest(out: &Out, plan: &Plan, side: &str, d: &Dest) {
     }
     out.line(&s);
     let g: Vec<String> = d.gid.0.iter().map(|b| format!("{b:02}")).collect();
-    out.line(&format!(" GID: {}", g.join(":")));
+    let mgid = plan.mcast.is_some() && (role == Role::Server) == (side == "local");
+    out.line(&format!(" {}: {}", if mgid { "MGID" } else { "GID" }, g.join(":")));
 }
 
 fn table_header(plan: &Plan) -> &'static str {
@@ -1410,6 +1491,7 @@ fn run_side(
 ) -> Result<(), String> {
     let rss0 = probe.base.unwrap_or_else(vm_rss);
     let mut side = Side::open(ctx, plan)?;
+    side.join_group(plan, role)?;
     if plan.verb == Verb::Send {
         side.fill_receives(plan)?;
     }
@@ -1450,10 +1532,10 @@ fn run_side(
         }
     };
     for d in &mine {
-        print_dest(out, plan, "local", d);
+        print_dest(out, plan, role, "local", d);
     }
     for d in &theirs {
-        print_dest(out, plan, "remote", d);
+        print_dest(out, plan, role, "remote", d);
     }
     // Both sides on one device (of softrdmad: one device loop does the work of both).
     let same_device = mine.first().map(|d| d.gid) == theirs.first().map(|d| d.gid);
@@ -1745,6 +1827,7 @@ mod tests {
             ib_port: 1,
             gid_index: 1,
             mcg: false,
+            mgid: None,
             size: None,
             all: false,
             iters: None,

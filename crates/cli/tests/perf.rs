@@ -238,3 +238,67 @@ fn server_and_client_processes() {
     assert_eq!(row_after(&cout, BW_HEADER, 5), row_after(&sout, BW_HEADER, 5));
     assert!(cout.contains("\tDevice         : cli0\n") && sout.contains("\tDevice         : srv0\n"));
 }
+
+/// `softrdma perf` with `args`, in a network namespace of its own with its loopback up (packets
+/// sent to a multicast group stay in it); `None` where no namespace can be made.
+fn run_in_own_netns(args: &[&str]) -> Option<Output> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0
+        || Command::new("unshare").args(["-n", "true"]).status().map_or(true, |s| !s.success())
+    {
+        eprintln!("skipped: cannot create a network namespace here");
+        return None;
+    }
+    let script = format!("ip link set lo up && exec {} \"$@\"", env!("CARGO_BIN_EXE_softrdma"));
+    Some(Command::new("unshare").args(["-n", "sh", "-c", &script, "sh"]).args(args).output().expect("run unshare"))
+}
+
+/// `-g`: the server's QP is attached to a multicast group and the client sends to the group (QPN
+/// 0xffffff); in latency tests the client's QP is attached to the next group, where the server
+/// answers. Every message arrives, or the run would not end.
+#[test]
+fn multicast_send_bw_and_send_lat() {
+    let group = " MGID: 00:00:00:00:00:00:00:00:00:00:255:255:239:02:201:133";
+    let Some(o) = run_in_own_netns(&["perf", "send-bw", "--loopback", "-g", "-n", "300", "-s", "1024"]) else { return };
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[1..3], ["                    Send BW Multicast Test", " MultiCast runs on UD!"], "{out}");
+    assert!(out.contains("\n Connection type : UD\t"), "{out}");
+    assert!(out.contains(&format!("\n remote address: LID 0000 QPN 0xffffff PSN 0x")), "{out}");
+    assert!(out.contains(&format!("\n{group}\n")), "{out}");
+    assert_eq!(row_after(&out, BW_HEADER, 5)[..2], [1024.0, 300.0]);
+
+    let o = run_in_own_netns(&["perf", "send-lat", "--loopback", "-g", "-n", "300"]).expect("namespace");
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    assert!(out.contains("                    Send Latency Multicast Test\n MultiCast runs on UD!\n"), "{out}");
+    // This side's group is the next one; the peer's is the server's.
+    assert!(out.contains("\n local address: LID 0000 QPN 0xffffff PSN 0x"), "{out}");
+    assert!(out.contains("\n GID: 00:00:00:00:00:00:00:00:00:00:255:255:239:02:201:134\n"), "{out}");
+    assert!(out.contains(&format!("\n{group}\n")), "{out}");
+    assert_eq!(row_after(&out, LAT_HEADER, 9)[..2], [2.0, 300.0]);
+
+    // A group of one's own choosing.
+    let o = run_in_own_netns(&["perf", "send-bw", "--loopback", "-g", "-M", "239.9.8.7", "-n", "100", "-s", "64"])
+        .expect("ns");
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    assert!(out.contains("\n MGID: 00:00:00:00:00:00:00:00:00:00:255:255:239:09:08:07\n"), "{out}");
+}
+
+#[test]
+fn multicast_flags_refused_where_perftest_refuses_them() {
+    for (args, why) in [
+        (&["perf", "write-bw", "-g"][..], "MultiCast feature only available on SEND verb"),
+        (&["perf", "send-bw", "-g", "-q", "2"], "Only 1 QP supported in multicast"),
+        (&["perf", "send-bw", "-g", "-R"], "Perftest still doesn't support Multicast with rdma_cm"),
+        (&["perf", "send-bw", "-M", "239.1.1.1"], "-M (MGID) needs -g"),
+        (&["perf", "send-bw", "-g", "-M", "127.0.0.1"], "MGID 127.0.0.1 is not a multicast address"),
+        (&["perf", "send-bw", "-g", "-M", "1:2:x"], "Invalid MGID 1:2:x"),
+    ] {
+        let o = run(&[args, &["--loopback"]].concat());
+        assert!(!o.status.success(), "{args:?}");
+        assert!(text(&o.stderr).contains(why), "{args:?}: {}", text(&o.stderr));
+    }
+}
