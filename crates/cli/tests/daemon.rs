@@ -1970,3 +1970,51 @@ fn perf_between_two_clients_of_one_device() {
     // their rings were asked for doorbells all the same, so no post waited for its idle timeout.
     assert_eq!(d.counter("late_wakeups"), 0);
 }
+
+/// Multicast through softrdmad: `softrdma perf send-bw -g` between two clients of one daemon
+/// device. The server's QP is attached to the group through the daemon, which joins it on the
+/// device's interface; the client's SENDs to the group leave over UDP and come back through the
+/// group's socket (ICRC checked). The daemon runs in a network namespace of its own, so the group's
+/// packets stay there.
+#[test]
+fn multicast_through_the_daemon() {
+    if !is_root() || Command::new("unshare").args(["-n", "true"]).status().map_or(true, |s| !s.success()) {
+        eprintln!("skipped: cannot create a network namespace here");
+        return;
+    }
+    let dir = Daemon::dir("mcast", "rxe0 netdev lo addr 127.0.0.1\n");
+    let log = std::fs::File::create(dir.join("log")).unwrap();
+    let script = format!(
+        "mount -t sysfs sysfs /sys && ip link set lo up && exec {} daemon --udp-port 18968",
+        env!("CARGO_BIN_EXE_softrdma")
+    );
+    let child = Command::new("unshare")
+        .args(["-n", "-m", "sh", "-c", &script])
+        .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
+        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let d = Daemon { child, dir: dir.clone(), port: 18968, metrics: None, args: Vec::new() };
+    d.wait_up();
+    let args = ["perf", "send-bw", "-g", "-d", "rxe0", "-s", "512", "-n", "2000", "-p", "18978"];
+    let server = softrdma()
+        .args(args)
+        .env("SOFTRDMA_SOCKET", d.socket())
+        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, out, err) = d.cli(&[&args[..], &["127.0.0.1"]].concat());
+    let server = server.wait_with_output().unwrap();
+    assert!(ok, "{out}\n{err}");
+    assert!(server.status.success(), "{}", String::from_utf8_lossy(&server.stderr));
+    let sout = String::from_utf8_lossy(&server.stdout);
+    assert!(sout.contains("\n local address: LID 0000 QPN 0xffffff PSN 0x"), "{sout}");
+    assert!(sout.contains("\n MGID: 00:00:00:00:00:00:00:00:00:00:255:255:239:02:201:133\n"), "{sout}");
+    assert!(out.contains("\n remote address: LID 0000 QPN 0xffffff PSN 0x"), "{out}");
+    // Every message went to the group over UDP and came back through its socket.
+    assert!(d.counter("icrc_verified") >= 2000, "{}", d.counter("icrc_verified"));
+    assert_eq!(d.counter("same_host_loopback_pkts"), 0);
+}
