@@ -33,7 +33,7 @@ impl Rig {
         let peer_ip = Ipv4Addr::new(127, 0, 81, last_octet + 1);
         // A free port for both (the device and the requester bind it on their own addresses).
         let port = UdpSocket::bind((peer_ip, 0)).unwrap().local_addr().unwrap().port();
-        let peer = UdpPort::bind(Some(peer_ip), None, port).unwrap();
+        let peer = UdpPort::bind(Some(peer_ip), None, port, 0).unwrap();
         let ctx = DeviceBuilder::new(name, "lo")
             .addr(IpAddr::V4(dev_ip))
             .udp_port(port)
