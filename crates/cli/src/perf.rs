@@ -173,7 +173,9 @@ pub struct PerfArgs {
     /// In multicast, use this group MGID: perftest's 16 colon-separated bytes
     /// (0:0:0:0:0:0:0:0:0:0:255:255:239:1:2:3) or an address (239.1.2.3 as ::ffff:239.1.2.3,
     /// ff0e::1). Default: perftest's ff01:0:2:c985:: when the GID of -x is IPv6, else
-    /// ::ffff:239.2.201.133 (its IPv4 form: an IPv4 device reaches only IPv4 groups).
+    /// ::ffff:239.2.201.133 (its IPv4 form: an IPv4 device reaches only IPv4 groups). The client
+    /// of a latency test attaches to MGID + 1 with -M too (perftest: only without -M), or each
+    /// side would also receive its own messages.
     #[arg(short = 'M', long = "MGID")]
     mgid: Option<String>,
     /// Size of message to exchange (default 65536 for bandwidth, 2 for latency, 8 for atomics).

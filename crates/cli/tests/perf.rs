@@ -265,7 +265,7 @@ fn multicast_send_bw_and_send_lat() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines[1..3], ["                    Send BW Multicast Test", " MultiCast runs on UD!"], "{out}");
     assert!(out.contains("\n Connection type : UD\t"), "{out}");
-    assert!(out.contains(&format!("\n remote address: LID 0000 QPN 0xffffff PSN 0x")), "{out}");
+    assert!(out.contains("\n remote address: LID 0000 QPN 0xffffff PSN 0x"), "{out}");
     assert!(out.contains(&format!("\n{group}\n")), "{out}");
     assert_eq!(row_after(&out, BW_HEADER, 5)[..2], [1024.0, 300.0]);
 

@@ -350,9 +350,17 @@ unsafe fn mcast(what: &str, qp: *mut IbvQp, gid: *const IbvGid, attach: bool) ->
     }
     // SAFETY: the caller's promise.
     let (q, mgid) = unsafe { (crate::objects::to_qp(qp), softrdma_verbs::Gid((*gid).raw)) };
+    // Held across the call, so the record and the device agree.
+    let mut groups = q.groups.lock().unwrap_or_else(|p| p.into_inner());
     let r = if attach { q.qp.attach_mcast(mgid) } else { q.qp.detach_mcast(mgid) };
     match r {
-        Ok(()) => 0,
+        Ok(()) => {
+            groups.retain(|g| *g != mgid.0);
+            if attach {
+                groups.push(mgid.0);
+            }
+            0
+        }
         Err(e) => errno::fail(what, &e),
     }
 }

@@ -628,6 +628,8 @@ pub struct Qp {
     /// Whether the QP was created with `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS` (has an `ibv_qp_ex`).
     pub is_ex: bool,
     pub batch: Mutex<WrBatch>,
+    /// The multicast groups the QP is attached to (`ibv_destroy_qp` refuses while any).
+    pub groups: Mutex<Vec<[u8; 16]>>,
 }
 
 /// # Safety
@@ -736,6 +738,7 @@ pub unsafe fn create_qp_common(req: &mut QpRequest) -> Result<*mut Qp, c_int> {
         sq_sig_all: req.sq_sig_all != 0,
         is_ex: req.is_ex,
         batch: Mutex::new(WrBatch::default()),
+        groups: Mutex::new(Vec::new()),
     }));
     // SAFETY: the context is live.
     unsafe { soft(pd.ibv.context) }.handles.lock().unwrap_or_else(|p| p.into_inner()).qps.insert(qpn, p as usize);
@@ -779,6 +782,10 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, init: *mut IbvQpInitAttr)
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
     if qp.is_null() {
         return libc::EINVAL;
+    }
+    // SAFETY: a live QP of ours (the caller's promise).
+    if !unsafe { to_qp(qp) }.groups.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        return errno::refuse("ibv_destroy_qp", libc::EBUSY, "the QP is attached to a multicast group");
     }
     // SAFETY: boxed in create_qp_common; the objects it used outlive it (their destroy refuses
     // while it exists).

@@ -451,6 +451,7 @@ int main(void)
 		CHECK(ud != NULL, "UD QP");
 		CHECK(ibv_attach_mcast(ud, &gid, 0) == EINVAL, "a unicast GID is no group");
 		CHECK(ibv_attach_mcast(ud, &mgid, 0) == 0 && ibv_attach_mcast(ud, &mgid, 0) == 0, "attach, twice");
+		CHECK(ibv_destroy_qp(ud) == EBUSY, "no destroy while attached");
 		CHECK(ibv_detach_mcast(ud, &mgid, 0) == 0, "detach");
 		CHECK(ibv_detach_mcast(ud, &mgid, 0) == EINVAL, "detach when not attached");
 		CHECK(ibv_destroy_qp(ud) == 0, "destroy UD QP");

@@ -23,6 +23,8 @@ use crate::io::setsockopt;
 const IPV6_MULTICAST_ALL: libc::c_int = 29;
 /// `UDP_NO_CHECK6_RX` from linux/udp.h: rxe sends UDP checksum 0 over IPv6.
 const UDP_NO_CHECK6_RX: libc::c_int = 102;
+/// `UDP_GRO` from linux/udp.h.
+const UDP_GRO: libc::c_int = 104;
 
 /// One group's socket.
 #[derive(Debug)]
@@ -47,7 +49,13 @@ impl GroupSockets {
             return Ok(());
         }
         let group = Gid(mgid).to_ip();
-        let local = SocketAddr::new(group, port);
+        let local = match group {
+            // Interface- and link-local groups are bound with the interface as their scope.
+            IpAddr::V6(g) if matches!(g.segments()[0] & 0xf, 1 | 2) => {
+                SocketAddr::V6(std::net::SocketAddrV6::new(g, port, 0, ifindex))
+            }
+            _ => SocketAddr::new(group, port),
+        };
         let sock = match (group, local_ip) {
             (IpAddr::V4(g), Some(IpAddr::V4(ifaddr))) => {
                 let sock = open(local)?;
@@ -111,6 +119,10 @@ fn open(local: SocketAddr) -> Result<UdpSocket> {
     let on: libc::c_int = 1;
     let off: libc::c_int = 0;
     setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, &on).map_err(|e| Error::io("setting SO_REUSEADDR", e))?;
+    // As the device's own sockets: room for bursts, and a GSO send of a local sender in one piece.
+    let buffer: libc::c_int = 4 << 20;
+    let _ = setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &buffer);
+    let _ = setsockopt(fd, libc::SOL_UDP, UDP_GRO, &on);
     match local {
         SocketAddr::V4(_) => setsockopt(fd, libc::IPPROTO_IP, libc::IP_MULTICAST_ALL, &off),
         SocketAddr::V6(_) => setsockopt(fd, libc::IPPROTO_IPV6, IPV6_MULTICAST_ALL, &off)

@@ -948,14 +948,24 @@ impl Device {
                 }
             }
         }
-        // Packets sent to a multicast group this device is a member of.
+        // Packets sent to a multicast group this device is a member of (up to 256 datagrams per
+        // group and call, as above).
         let groups = std::mem::take(&mut st.groups);
         for (sock, local) in groups.sockets() {
-            while let Ok(k) = udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) {
+            let mut budget = 256;
+            while budget > 0 {
+                let Ok(k) = udp::recv_batch(sock, &mut buf, RX_SLOT, &mut meta) else { break };
                 got += k;
-                for m in meta.iter().take(k) {
+                budget -= k.min(budget);
+                for (i, m) in meta.iter().take(k).enumerate() {
                     match m {
-                        &Some((n, src, _)) => self.receive(st, now, &buf[..n], src, local, 0),
+                        &Some((n, src, seg)) => {
+                            // A GRO batch: segment k of a GSO send has identification k.
+                            let data = &buf[i * RX_SLOT..i * RX_SLOT + n];
+                            for (k, d) in data.chunks(seg.map_or(n, usize::from).max(1)).enumerate() {
+                                self.receive(st, now, d, src, local, k as u16);
+                            }
+                        }
                         None => st.hca.counters_mut().count_malformed(),
                     }
                 }

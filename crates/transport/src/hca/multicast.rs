@@ -47,11 +47,6 @@ impl Groups {
         });
         self.attachments = self.members.values().map(Vec::len).sum();
     }
-
-    /// Whether `qpn` is attached to any group.
-    pub(super) fn has_qp(&self, qpn: Qpn) -> bool {
-        self.members.values().any(|qps| qps.contains(&qpn))
-    }
 }
 
 impl Hca {
@@ -101,11 +96,6 @@ impl Hca {
     /// The groups with at least one QP attached (the I/O layer listens on exactly these).
     pub fn mcast_groups(&self) -> impl Iterator<Item = &[u8; 16]> + '_ {
         self.groups.members.keys()
-    }
-
-    /// Whether QP `qpn` is attached to a multicast group (verbs refuse to destroy such a QP).
-    pub fn mcast_attached(&self, qpn: Qpn) -> bool {
-        self.groups.has_qp(qpn)
     }
 
     /// A received packet sent to multicast group `mgid` (its destination QPN is 0xFFFFFF; the I/O
