@@ -231,8 +231,8 @@ fn a_burst_arrives_whole_and_in_order() {
             wcs.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
             (0..N as u64).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>()
         );
-        for i in 0..N {
-            assert_eq!(wcs[i].byte_len as usize, 40 + len(i), "message {i}");
+        for (i, wc) in wcs.iter().enumerate() {
+            assert_eq!(wc.byte_len as usize, 40 + len(i), "message {i}");
             assert_eq!(mr.to_vec(i * 1024 + 40, len(i)).unwrap(), pattern(len(i), i as u8), "message {i}");
         }
     }
