@@ -270,6 +270,10 @@ struct Plan {
     mtu: Option<Mtu>,
     /// `-g`: the receiving QPs are attached to a multicast group (`-M`'s, or the default).
     mcast: Option<Option<Gid>>,
+    /// `-s` was given.
+    size_given: bool,
+    /// `-a`.
+    all: bool,
 }
 
 /// perftest's default multicast group (`MCG_GID`), used when the GID of -x is IPv6.
@@ -396,7 +400,27 @@ impl Plan {
             gid_index: a.gid_index,
             mtu,
             mcast,
+            size_given: a.size.is_some(),
+            all: a.all,
         })
+    }
+
+    /// A UD test whose messages would not fit in one MTU, as perftest: without -s, or with -a,
+    /// the size becomes the MTU (-a: the sizes up to it), said on standard error; a size asked
+    /// for is refused (by `Side::open`). `None`: nothing to change.
+    fn fit_ud(&self, mtu: Mtu) -> Option<Plan> {
+        let mtu = mtu.bytes() as u64;
+        if self.conn != QpType::Ud || self.max_size() as u64 <= mtu || (self.size_given && !self.all) {
+            return None;
+        }
+        eprintln!(" Max msg size in UD is MTU {mtu}");
+        eprintln!(" Changing to this MTU");
+        let mut p = self.clone();
+        p.sizes.retain(|&s| s <= mtu);
+        if !self.all {
+            p.sizes = vec![mtu];
+        }
+        Some(p)
     }
 
     fn max_size(&self) -> usize {
@@ -590,6 +614,12 @@ struct Side {
     group: Option<Gid>,
 }
 
+/// The path MTU of the test: -m, or the port's active MTU.
+fn path_mtu(ctx: &Context, plan: &Plan) -> Result<Mtu, String> {
+    let port = ctx.query_port(1).map_err(|e| format!("Couldn't query port: {e}"))?;
+    Ok(plan.mtu.unwrap_or(Mtu::from_bytes(port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024)))
+}
+
 fn random_psn(salt: u32) -> u32 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let x = (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 32) ^ u64::from(salt).wrapping_mul(0x2545_f491);
@@ -598,11 +628,9 @@ fn random_psn(salt: u32) -> u32 {
 
 impl Side {
     fn open(ctx: Context, plan: &Plan) -> Result<Side, String> {
-        let port = ctx.query_port(1).map_err(|e| format!("Couldn't query port: {e}"))?;
-        let port_mtu = Mtu::from_bytes(port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
-        let mtu = plan.mtu.unwrap_or(port_mtu);
+        let mtu = path_mtu(&ctx, plan)?;
         if plan.conn == QpType::Ud && plan.max_size() > mtu.bytes() {
-            return Err(format!(" Max msg size in UD is MTU {}", mtu.bytes()));
+            return Err(" Max message size in UD cannot be greater than MTU ".into());
         }
         let pd = ctx.alloc_pd();
         // Completions one QP can have waiting at once: its signaled sends (one in cq_mod of at most
@@ -1492,6 +1520,8 @@ fn run_side(
     probe: MemProbe,
 ) -> Result<(), String> {
     let rss0 = probe.base.unwrap_or_else(vm_rss);
+    let fitted = plan.fit_ud(path_mtu(&ctx, plan)?);
+    let plan = fitted.as_ref().unwrap_or(plan);
     let mut side = Side::open(ctx, plan)?;
     side.join_group(plan, role)?;
     if plan.verb == Verb::Send {

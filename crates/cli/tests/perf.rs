@@ -302,3 +302,28 @@ fn multicast_flags_refused_where_perftest_refuses_them() {
         assert!(text(&o.stderr).contains(why), "{args:?}: {}", text(&o.stderr));
     }
 }
+
+/// UD messages are at most one MTU, as perftest makes them: without -s the size becomes the MTU
+/// (said on standard error), -a stops at the MTU, and a larger -s is refused.
+#[test]
+fn ud_messages_fit_the_mtu_as_perftest_makes_them() {
+    let base = ["perf", "send-bw", "--loopback", "--udp-port", "47318", "-c", "UD", "-m", "1024", "-n", "50"];
+    let o = run(&base);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains(" Max msg size in UD is MTU 1024\n Changing to this MTU\n"), "{err}");
+    assert_eq!(row_after(&out, BW_HEADER, 5)[0], 1024.0);
+    let o = run(&[&base[..], &["-a"]].concat());
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    let sizes: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with(' ') && l.ends_with(|c: char| c.is_ascii_digit()))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| w.parse::<u64>().is_ok())
+        .collect();
+    assert_eq!(sizes, ["2", "4", "8", "16", "32", "64", "128", "256", "512", "1024"], "{out}");
+    let o = run(&[&base[..], &["-s", "2048"]].concat());
+    assert!(!o.status.success());
+    assert!(text(&o.stderr).contains("Max message size in UD cannot be greater than MTU"), "{}", text(&o.stderr));
+}

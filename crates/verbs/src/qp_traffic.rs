@@ -116,6 +116,17 @@ impl QpTrafficTable {
         self.add_packets(m.responder, response, request);
     }
 
+    /// A packet sent to a multicast group, taken in by the engine (after [`Self::begin`]): each
+    /// of the group's QPs `members` was handed a copy of `len` bytes. What the engine's rare
+    /// counters say about it (a copy dropped for a wrong Q_Key or no receive) is not split among
+    /// the members: it is taken as seen, as timer work is.
+    pub fn count_multicast(&mut self, members: &[Qpn], len: usize, now: &Counters) {
+        for &qpn in members {
+            self.add_packets(qpn, (0, 0), (1, len as u64));
+        }
+        self.begin(now);
+    }
+
     /// Count (packets, bytes) sent and received by QP `qpn`.
     fn add_packets(&mut self, qpn: Qpn, sent: (u64, u64), rcvd: (u64, u64)) {
         if let Some(q) = self.qps.get_mut(&qpn) {
@@ -211,5 +222,25 @@ mod tests {
         t.count_direct(&DirectMessage { requester: qpn(17), responder: qpn(18), len: 100, response: true });
         assert_eq!(t.get(qpn(17)).expect("17").pkts, [2, 64, 2, 108]);
         assert_eq!(t.get(qpn(18)).expect("18").pkts, [2, 108, 2, 64]);
+    }
+
+    #[test]
+    fn a_multicast_packet_counts_as_received_by_each_member_and_its_drops_by_none() {
+        let mut t = QpTrafficTable::default();
+        for n in [17, 18, 19] {
+            t.insert(qpn(n));
+        }
+        let mut c = Counters::default();
+        t.begin(&c);
+        c.rcvd_pkts += 1;
+        c.drop_qkey += 1;
+        t.count_multicast(&[qpn(17), qpn(19)], 100, &c);
+        // The next piece of work does not inherit the drop.
+        t.begin(&c);
+        t.end(qpn(18), &c);
+        assert_eq!(t.get(qpn(17)).expect("17").pkts, [0, 0, 1, 100]);
+        assert_eq!(t.get(qpn(18)).expect("18").pkts, [0, 0, 0, 0]);
+        assert_eq!(t.get(qpn(19)).expect("19").pkts, [0, 0, 1, 100]);
+        assert!([17, 18, 19].iter().all(|&n| t.get(qpn(n)).expect("qp").engine.drop_qkey == 0));
     }
 }

@@ -93,6 +93,11 @@ impl Hca {
         Ok(())
     }
 
+    /// The QPs attached to group `mgid` (each takes a copy of what [`Hca::handle_multicast`] gets).
+    pub fn mcast_members(&self, mgid: &[u8; 16]) -> &[Qpn] {
+        self.groups.members.get(mgid).map_or(&[], Vec::as_slice)
+    }
+
     /// The groups with at least one QP attached (the I/O layer listens on exactly these).
     pub fn mcast_groups(&self) -> impl Iterator<Item = &[u8; 16]> + '_ {
         self.groups.members.keys()
