@@ -77,6 +77,31 @@ impl Daemon {
         cmd.spawn().expect("start softrdmad")
     }
 
+    /// A daemon on UDP port `port` in a network namespace (and mount namespace, with a sysfs of
+    /// its own) made for it, after the shell commands `setup` ran there (its loopback is up); up
+    /// when this returns. `None` where no namespace can be made.
+    fn start_in_netns(dir: &Path, port: u16, setup: &str) -> Option<Daemon> {
+        if !is_root() || Command::new("unshare").args(["-n", "true"]).status().map_or(true, |s| !s.success()) {
+            eprintln!("skipped: cannot create a network namespace here");
+            return None;
+        }
+        let log = std::fs::File::create(dir.join("log")).unwrap();
+        let script = format!(
+            "mount -t sysfs sysfs /sys && ip link set lo up && {setup} && exec {} daemon --udp-port {port}",
+            env!("CARGO_BIN_EXE_softrdma")
+        );
+        let child = Command::new("unshare")
+            .args(["-n", "-m", "sh", "-c", &script])
+            .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
+            .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let d = Daemon { child, dir: dir.to_path_buf(), port, metrics: None, args: Vec::new() };
+        d.wait_up();
+        Some(d)
+    }
+
     fn wait_up(&self) {
         let t = Instant::now();
         while Admin::connect_to(&self.socket()).is_err() {
@@ -1513,26 +1538,10 @@ fn misbehaving_clients_are_survived() {
 /// clients reach it through its socket, from the host's namespace.
 #[test]
 fn port_state_follows_the_netdev() {
-    if !is_root() || Command::new("unshare").args(["-n", "true"]).status().map_or(true, |s| !s.success()) {
-        eprintln!("skipped: cannot create a network namespace here");
-        return;
-    }
     let dir = Daemon::dir("port", "rxd netdev d0\n");
-    let log = std::fs::File::create(dir.join("log")).unwrap();
-    let script = format!(
-        "mount -t sysfs sysfs /sys && ip link set lo up && ip link add d0 type veth peer name d1 && ip link set d1 up && ip addr add 10.99.0.1/24 dev d0 && ip link set d0 up && \
-         exec {} daemon --udp-port 18966",
-        env!("CARGO_BIN_EXE_softrdma")
-    );
-    let child = Command::new("unshare")
-        .args(["-n", "-m", "sh", "-c", &script])
-        .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
-        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let d = Daemon { child, dir: dir.clone(), port: 18966, metrics: None, args: Vec::new() };
-    d.wait_up();
+    let veth = "ip link add d0 type veth peer name d1 && ip link set d1 up && ip addr add 10.99.0.1/24 dev d0 && \
+                ip link set d0 up";
+    let Some(d) = Daemon::start_in_netns(&dir, 18966, veth) else { return };
     let ip = |args: &str| {
         let pid = d.child.id().to_string();
         let st = Command::new("nsenter").args(["-t", &pid, "-n", "ip"]).args(args.split(' ')).status().unwrap();
@@ -1978,25 +1987,8 @@ fn perf_between_two_clients_of_one_device() {
 /// packets stay there.
 #[test]
 fn multicast_through_the_daemon() {
-    if !is_root() || Command::new("unshare").args(["-n", "true"]).status().map_or(true, |s| !s.success()) {
-        eprintln!("skipped: cannot create a network namespace here");
-        return;
-    }
     let dir = Daemon::dir("mcast", "rxe0 netdev lo addr 127.0.0.1\n");
-    let log = std::fs::File::create(dir.join("log")).unwrap();
-    let script = format!(
-        "mount -t sysfs sysfs /sys && ip link set lo up && exec {} daemon --udp-port 18968",
-        env!("CARGO_BIN_EXE_softrdma")
-    );
-    let child = Command::new("unshare")
-        .args(["-n", "-m", "sh", "-c", &script])
-        .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
-        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let d = Daemon { child, dir: dir.clone(), port: 18968, metrics: None, args: Vec::new() };
-    d.wait_up();
+    let Some(d) = Daemon::start_in_netns(&dir, 18968, "true") else { return };
     let args = ["perf", "send-bw", "-g", "-d", "rxe0", "-s", "512", "-n", "2000", "-p", "18978"];
     let server = softrdma()
         .args(args)

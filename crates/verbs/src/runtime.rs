@@ -776,6 +776,25 @@ impl Device {
         }
     }
 
+    /// What one receive slot holds: a datagram, or a GRO batch (`seg` the segment size), several
+    /// datagrams back to back, each `seg` bytes but the last: segment k of a GSO send
+    /// (identification k). Returns the size the slot was split at.
+    fn receive_slot(
+        &self,
+        st: &mut State,
+        now: Instant,
+        data: &[u8],
+        seg: Option<u16>,
+        src: SocketAddr,
+        local: SocketAddr,
+    ) -> usize {
+        let seg = seg.map_or(data.len(), usize::from).max(1);
+        for (k, d) in data.chunks(seg).enumerate() {
+            self.receive(st, now, d, src, local, k as u16);
+        }
+        seg
+    }
+
     /// One packet from a same-host lane: as a datagram from `src` to `local`, without the ICRC
     /// check (shared memory does not corrupt it; the sender did not compute it).
     fn receive_local(&self, st: &mut State, now: Instant, payload: &[u8], src: SocketAddr, local: SocketAddr) {
@@ -925,13 +944,8 @@ impl Device {
                         for (i, m) in meta.iter().take(k).enumerate() {
                             match m {
                                 &Some((n, src, seg)) => {
-                                    // A GRO batch is several datagrams back to back, each `seg`
-                                    // bytes but the last: segment k of a GSO send (identification k).
                                     let data = &buf[i * RX_SLOT..i * RX_SLOT + n];
-                                    let seg = seg.map_or(n, usize::from).max(1);
-                                    for (k, d) in data.chunks(seg).enumerate() {
-                                        self.receive(st, now, d, src, *local, k as u16);
-                                    }
+                                    let seg = self.receive_slot(st, now, data, seg, src, *local);
                                     if placing && i + 1 == k {
                                         st.rx_single = n >= RX_SINGLE_MIN;
                                         st.rx_hint = data.chunks(seg).last().and_then(place::write_hint);
@@ -971,11 +985,7 @@ impl Device {
                 for (i, m) in meta.iter().take(k).enumerate() {
                     match m {
                         &Some((n, src, seg)) => {
-                            // A GRO batch: segment k of a GSO send has identification k.
-                            let data = &buf[i * RX_SLOT..i * RX_SLOT + n];
-                            for (k, d) in data.chunks(seg.map_or(n, usize::from).max(1)).enumerate() {
-                                self.receive(st, now, d, src, local, k as u16);
-                            }
+                            self.receive_slot(st, now, &buf[i * RX_SLOT..i * RX_SLOT + n], seg, src, local);
                         }
                         None => st.hca.counters_mut().count_malformed(),
                     }
