@@ -237,6 +237,17 @@ fn perftest_latency_rc() {
     }
 }
 
+/// `ib_send_bw -g`: the server's QP attached to a multicast group with `ibv_attach_mcast`, the
+/// client sending to it (QPN 0xffffff), in a network namespace of the test's own. The group is
+/// given with -M: perftest's default is an IPv6 group and these devices are IPv4.
+#[test]
+fn perftest_multicast() {
+    if skip("ib_send_bw") || !common::own_netns() {
+        return;
+    }
+    perftest("ib_send_bw", &["-g", "-M", "0:0:0:0:0:0:0:0:0:0:255:255:239:1:2:3", "-n", "200"]);
+}
+
 #[test]
 fn perftest_ud_and_uc() {
     perftest("ib_send_bw", &["-c", "UD", "-n", "200"]);

@@ -94,7 +94,8 @@ pub fn command(prog: &Path, udp_port: u16) -> Command {
 /// use up the server's one accept).
 fn listening(port: u16) -> bool {
     let hex = format!(":{port:04X} ");
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+    // This thread's network namespace (a test may have one of its own: `own_netns`).
+    ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"].iter().any(|f| {
         std::fs::read_to_string(f).is_ok_and(|t| {
             t.lines().skip(1).any(|l| {
                 let cols: Vec<&str> = l.split_whitespace().collect();
@@ -102,6 +103,18 @@ fn listening(port: u16) -> bool {
             })
         })
     })
+}
+
+/// Move this thread (and the programs it starts from now on) into a new network namespace with
+/// its loopback up, so that what they send to a multicast group stays there. False (with a
+/// message) where that cannot be done.
+pub fn own_netns() -> bool {
+    // SAFETY: unshare(2) with a flag; it changes only this thread's namespaces.
+    if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+        eprintln!("SKIP: a network namespace of its own needs CAP_SYS_ADMIN");
+        return false;
+    }
+    Command::new("ip").args(["link", "set", "lo", "up"]).status().is_ok_and(|s| s.success())
 }
 
 /// Wait for `child` to finish within `limit`, killing it past that.
