@@ -272,6 +272,10 @@ fn device_towards(dst: IpAddr) -> Result<Arc<CmaDevice>, c_int> {
 pub struct Channel {
     pub ibv: RdmaEventChannel,
     subs: Mutex<Vec<Sub>>,
+    /// Events made here rather than by a device's CM (MULTICAST_JOIN), in order, and the eventfd
+    /// in the epoll set that is readable while there are any.
+    local: Mutex<std::collections::VecDeque<*mut CmaEvent>>,
+    local_fd: c_int,
     /// The application's handle (1 until `rdma_destroy_event_channel`) plus the threads inside
     /// `rdma_get_cm_event`: the last one out closes the fd and frees the channel.
     refs: AtomicUsize,
@@ -294,9 +298,26 @@ impl Channel {
         if fd < 0 {
             return Err(errno::get());
         }
+        // SAFETY: plain syscalls on descriptors just made (closed again on failure).
+        let local_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: u64::MAX };
+        // SAFETY: as above.
+        if local_fd < 0 || unsafe { libc::epoll_ctl(fd, libc::EPOLL_CTL_ADD, local_fd, &mut ev) } < 0 {
+            let e = errno::get();
+            // SAFETY: ours, unused.
+            unsafe {
+                libc::close(fd);
+                if local_fd >= 0 {
+                    libc::close(local_fd);
+                }
+            }
+            return Err(e);
+        }
         Ok(Box::into_raw(Box::new(Channel {
             ibv: RdmaEventChannel { fd },
             subs: Mutex::new(Vec::new()),
+            local: Mutex::new(std::collections::VecDeque::new()),
+            local_fd,
             refs: AtomicUsize::new(1),
             destroyed: AtomicBool::new(false),
         })))
@@ -326,6 +347,26 @@ impl Channel {
         if let Some(s) = subs.iter_mut().find(|s| Arc::ptr_eq(&s.dev, dev)) {
             s.ids.remove(&handle);
         }
+    }
+
+    /// Queue an event made here (its ID's count already raised) and wake a waiter.
+    fn push_local(&self, e: *mut CmaEvent) {
+        lock(&self.local).push_back(e);
+        let one = 1u64;
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.local_fd, &one as *const u64 as *const c_void, 8) };
+    }
+
+    /// The oldest event made here, if any (the eventfd is reset when the queue empties).
+    fn pop_local(&self) -> Option<*mut CmaEvent> {
+        let mut q = lock(&self.local);
+        let e = q.pop_front();
+        if q.is_empty() {
+            let mut n = 0u64;
+            // SAFETY: reading 8 bytes from our non-blocking eventfd.
+            unsafe { libc::read(self.local_fd, &mut n as *mut u64 as *mut c_void, 8) };
+        }
+        e
     }
 
     /// One pending event, with the ID it is for (its event count raised), if any.
@@ -371,8 +412,15 @@ unsafe fn release(ch: *mut Channel) {
     if unsafe { (*ch).refs.fetch_sub(1, Ordering::AcqRel) } == 1 {
         // SAFETY: boxed by Channel::new; no reference is left.
         let c = unsafe { Box::from_raw(ch) };
-        // SAFETY: our epoll fd.
-        unsafe { libc::close(c.ibv.fd) };
+        for e in lock(&c.local).drain(..) {
+            // SAFETY: boxed by join; never handed out.
+            drop(unsafe { Box::from_raw(e) });
+        }
+        // SAFETY: our epoll fd and eventfd.
+        unsafe {
+            libc::close(c.ibv.fd);
+            libc::close(c.local_fd);
+        }
     }
 }
 
@@ -388,6 +436,20 @@ unsafe fn next_event(ch: *mut Channel) -> Result<*mut RdmaCmEvent, c_int> {
     let r = 'wait: loop {
         if c.destroyed.load(Ordering::Acquire) {
             break None;
+        }
+        while let Some(e) = c.pop_local() {
+            // SAFETY: boxed by join, counted on its owner, which is live while counted.
+            let owner = unsafe { (*e).owner };
+            if unsafe { (*owner).destroyed.load(Ordering::Acquire) } {
+                // SAFETY: as above; the event is dropped with its count.
+                unsafe {
+                    drop(Box::from_raw(e));
+                    (*owner).events.fetch_sub(1, Ordering::AcqRel);
+                    maybe_free(owner);
+                }
+                continue;
+            }
+            break 'wait Some(Ok(e as *mut RdmaCmEvent));
         }
         while let Some((ev, id, dev)) = c.take() {
             // SAFETY: `id` is live and counted.
@@ -445,6 +507,16 @@ struct IdState {
     /// Connect or accept was called (a later disconnect of a closed connection succeeds).
     connected: bool,
     local_ece: Option<(u32, u32)>,
+    /// Multicast groups joined (`rdma_join_multicast`).
+    joined: Vec<Joined>,
+}
+
+/// A multicast group an ID joined.
+struct Joined {
+    addr: IpAddr,
+    mgid: [u8; 16],
+    /// The ID's QP was attached to the group by the join.
+    attached: bool,
 }
 
 // SAFETY: the raw pointers in IdState (inside IbvQpInitAttr) are the application's, only copied.
@@ -1654,6 +1726,12 @@ pub unsafe extern "C" fn softrdma_rdma_destroy_qp(id: *mut RdmaCmId) {
     // SAFETY: a live ID of ours.
     let c = unsafe { &mut *(id as *mut CmaId) };
     if !c.ibv.qp.is_null() {
+        // The groups the ID joined let go of the QP (the kernel's would refuse to destroy it).
+        let mut joined = std::mem::take(&mut lock(&c.st).joined);
+        for j in &mut joined {
+            detach_joined(c, j);
+        }
+        lock(&c.st).joined = joined;
         // SAFETY: the ID's QP.
         unsafe { objects::ibv_destroy_qp(c.ibv.qp) };
         c.ibv.qp = ptr::null_mut();
@@ -1899,30 +1977,161 @@ pub unsafe extern "C" fn softrdma_rdma_migrate_id(id: *mut RdmaCmId, channel: *m
     0
 }
 
-/// `rdma_join_multicast`: multicast is not supported.
+/// `rdma_join_multicast`: join the group of multicast address `addr` as a full member.
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_join_multicast(
-    _id: *mut RdmaCmId,
-    _addr: *mut libc::sockaddr,
-    _context: *mut c_void,
+    id: *mut RdmaCmId,
+    addr: *mut libc::sockaddr,
+    context: *mut c_void,
 ) -> c_int {
-    err("rdma_join_multicast", libc::EOPNOTSUPP, "multicast is not supported")
+    // SAFETY: the caller's pointers, checked there.
+    unsafe { join("rdma_join_multicast", id, addr, context, false) }
 }
 
-/// `rdma_join_multicast_ex`: multicast is not supported.
+/// `struct rdma_cm_join_mc_attr_ex`.
+#[repr(C)]
+pub struct RdmaCmJoinMcAttrEx {
+    comp_mask: u32,
+    join_flags: u32,
+    addr: *mut libc::sockaddr,
+}
+
+const RDMA_CM_JOIN_MC_ATTR_ADDRESS: u32 = 1 << 0;
+const RDMA_CM_JOIN_MC_ATTR_JOIN_FLAGS: u32 = 1 << 1;
+const RDMA_MC_JOIN_FLAG_FULLMEMBER: u32 = 0;
+const RDMA_MC_JOIN_FLAG_SENDONLY_FULLMEMBER: u32 = 1;
+
+/// `rdma_join_multicast_ex`: a full member, or a send-only one (its QP is not attached).
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_join_multicast_ex(
-    _id: *mut RdmaCmId,
-    _attr: *mut c_void,
-    _context: *mut c_void,
+    id: *mut RdmaCmId,
+    attr: *mut RdmaCmJoinMcAttrEx,
+    context: *mut c_void,
 ) -> c_int {
-    err("rdma_join_multicast_ex", libc::EOPNOTSUPP, "multicast is not supported")
+    const WHAT: &str = "rdma_join_multicast_ex";
+    if attr.is_null() {
+        return err(WHAT, libc::EINVAL, "NULL attributes");
+    }
+    // SAFETY: readable (checked non-NULL).
+    let a = unsafe { &*attr };
+    let need = RDMA_CM_JOIN_MC_ATTR_ADDRESS | RDMA_CM_JOIN_MC_ATTR_JOIN_FLAGS;
+    if a.comp_mask & need != need || a.comp_mask & !need != 0 {
+        return err(WHAT, libc::EINVAL, "comp_mask must name the address and the join flags");
+    }
+    let send_only = match a.join_flags {
+        RDMA_MC_JOIN_FLAG_FULLMEMBER => false,
+        RDMA_MC_JOIN_FLAG_SENDONLY_FULLMEMBER => true,
+        _ => return err(WHAT, libc::EINVAL, "unknown join flags"),
+    };
+    // SAFETY: the caller's pointers, checked there.
+    unsafe { join(WHAT, id, a.addr, context, send_only) }
 }
 
-/// `rdma_leave_multicast`: no group was ever joined.
+/// Join on RoCE, as the kernel's rdma_cm and librdmacm do it: the group's MGID is its address
+/// (`::ffff:a.b.c.d` for IPv4), the ID's QP (if it has one, and the member is not send-only) is
+/// attached to it, and RDMA_CM_EVENT_MULTICAST_JOIN follows with the address handle attributes
+/// of the group, QPN 0xFFFFFF, `RDMA_UDP_QKEY` and `context` as `param.ud.private_data`. The
+/// device joins the IP group (IGMP/MLD) when a QP is attached.
+///
+/// # Safety
+///
+/// `id` is a live ID of ours or NULL; `addr` a readable socket address or NULL.
+unsafe fn join(
+    what: &str,
+    id: *mut RdmaCmId,
+    addr: *mut libc::sockaddr,
+    context: *mut c_void,
+    send_only: bool,
+) -> c_int {
+    let Some(a) = sockaddr_in(addr) else {
+        return err(what, libc::EINVAL, "not an IPv4 or IPv6 address");
+    };
+    if id.is_null() || !a.ip().is_multicast() {
+        return err(what, libc::EINVAL, "NULL id, or not a multicast address");
+    }
+    let p = id as *mut CmaId;
+    // SAFETY: a live ID of ours.
+    let c = unsafe { &mut *p };
+    if c.ibv.qp_type != IBV_QPT_UD {
+        return err(what, libc::EINVAL, "multicast needs a UD ID (RDMA_PS_UDP or RDMA_PS_IPOIB)");
+    }
+    // The GID of the ID's own address (bound or resolved) is the source of the group's packets.
+    let sgid_index = {
+        let st = lock(&c.st);
+        match (&st.dev, st.cm.as_ref().and_then(|cm| cm.addrs().0)) {
+            (Some(dev), Some(local)) if !local.ip().is_unspecified() => {
+                let want = Gid::from_ip(local.ip());
+                (0..=u8::MAX).find(|&i| dev.verbs().query_gid(1, usize::from(i)).is_ok_and(|g| g == want))
+            }
+            _ => None,
+        }
+    };
+    let Some(sgid_index) = sgid_index else {
+        return err(what, libc::EINVAL, "the ID has no address yet: bind or resolve one first");
+    };
+    let mgid = Gid::from_ip(a.ip()).0;
+    if lock(&c.st).joined.iter().any(|j| j.addr == a.ip()) {
+        return err(what, libc::EADDRINUSE, "already joined");
+    }
+    let attached = !send_only && !c.ibv.qp.is_null();
+    if attached {
+        let gid = IbvGid { raw: mgid };
+        // SAFETY: the ID's QP is live while set.
+        let n = unsafe { crate::misc::mcast(what, c.ibv.qp, &gid, true) };
+        if n != 0 {
+            return -1;
+        }
+    }
+    lock(&c.st).joined.push(Joined { addr: a.ip(), mgid, attached });
+    // SAFETY: all-zero is a valid event (NULL pointers, zeros).
+    let mut e: Box<CmaEvent> = Box::new(unsafe { std::mem::zeroed() });
+    e.owner = p;
+    e.ibv.id = id;
+    e.ibv.event = RDMA_CM_EVENT_MULTICAST_JOIN;
+    e.ibv.param.ud = RdmaUdParam {
+        private_data: context,
+        private_data_len: 0,
+        ah_attr: IbvAhAttr::roce(mgid, sgid_index, 64, 0, 0),
+        qp_num: Qpn::MULTICAST.value(),
+        qkey: RDMA_UDP_QKEY,
+    };
+    c.events.fetch_add(1, Ordering::AcqRel);
+    // SAFETY: the ID's channel is live.
+    unsafe { channel_of(&c.ibv) }.push_local(Box::into_raw(e));
+    // SAFETY: as above.
+    unsafe { complete(p) }
+}
+
+/// Detach the ID's QP from a group it was attached to by a join (before the QP goes, or on leave).
+fn detach_joined(c: &CmaId, j: &mut Joined) {
+    if j.attached && !c.ibv.qp.is_null() {
+        let gid = IbvGid { raw: j.mgid };
+        // SAFETY: the ID's QP is live while set.
+        unsafe { crate::misc::mcast("rdma_leave_multicast", c.ibv.qp, &gid, false) };
+    }
+    j.attached = false;
+}
+
+/// `rdma_leave_multicast`: EADDRNOTAVAIL for a group the ID did not join.
 #[no_mangle]
-pub unsafe extern "C" fn softrdma_rdma_leave_multicast(_id: *mut RdmaCmId, _addr: *mut libc::sockaddr) -> c_int {
-    err("rdma_leave_multicast", libc::EADDRNOTAVAIL, "not joined")
+pub unsafe extern "C" fn softrdma_rdma_leave_multicast(id: *mut RdmaCmId, addr: *mut libc::sockaddr) -> c_int {
+    const WHAT: &str = "rdma_leave_multicast";
+    let Some(a) = sockaddr_in(addr) else {
+        return err(WHAT, libc::EINVAL, "not an IPv4 or IPv6 address");
+    };
+    if id.is_null() {
+        return err(WHAT, libc::EINVAL, "NULL id");
+    }
+    // SAFETY: a live ID of ours.
+    let c = unsafe { &*(id as *mut CmaId) };
+    let mut st = lock(&c.st);
+    let Some(at) = st.joined.iter().position(|j| j.addr == a.ip()) else {
+        return err(WHAT, libc::EADDRNOTAVAIL, "not joined");
+    };
+    let mut j = st.joined.remove(at);
+    drop(st);
+    detach_joined(c, &mut j);
+    0
 }
 
 /// `rdma_set_local_ece`: kept, never sent.

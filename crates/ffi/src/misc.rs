@@ -344,7 +344,7 @@ pub unsafe extern "C" fn ibv_detach_mcast(qp: *mut IbvQp, gid: *const IbvGid, _l
 /// # Safety
 ///
 /// `qp` must be a live QP of ours and `gid` readable, or null.
-unsafe fn mcast(what: &str, qp: *mut IbvQp, gid: *const IbvGid, attach: bool) -> c_int {
+pub(crate) unsafe fn mcast(what: &str, qp: *mut IbvQp, gid: *const IbvGid, attach: bool) -> c_int {
     if qp.is_null() || gid.is_null() {
         return errno::refuse(what, libc::EINVAL, "null QP or GID");
     }

@@ -328,12 +328,61 @@ static void destroy_under_waiter(void)
 	pthread_detach(t);
 }
 
+/*
+ * rdma_join_multicast on a UD ID, as librdmacm on RoCE: MULTICAST_JOIN with the group's MGID
+ * (::ffff:a.b.c.d), QPN 0xffffff, RDMA_UDP_QKEY and the caller's context as private_data; and
+ * the errors for an ID with no address, a TCP ID, a unicast address, a second join, a leave of
+ * what was not joined.
+ */
+static void multicast(void)
+{
+	static const uint8_t mgid[16] = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 239, 1, 2, 3 };
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	struct sockaddr_in su = sin_of("127.0.0.9", 7010), st = sin_of("127.0.0.9", 7011);
+	struct sockaddr_in g = sin_of("239.1.2.3", 0), u = sin_of("127.0.0.9", 0);
+	struct rdma_cm_id *ud = NULL, *tcp = NULL;
+	struct rdma_cm_event *e;
+
+	CHECK(ch != NULL, "channel");
+	if (!ch)
+		return;
+	CHECK(rdma_create_id(ch, &ud, NULL, RDMA_PS_UDP) == 0 && rdma_create_id(ch, &tcp, NULL, RDMA_PS_TCP) == 0,
+	      "ids");
+	errno = 0;
+	CHECK(rdma_join_multicast(ud, (struct sockaddr *)&g, NULL) == -1 && errno == EINVAL, "join with no address");
+	CHECK(rdma_bind_addr(ud, (struct sockaddr *)&su) == 0 && rdma_bind_addr(tcp, (struct sockaddr *)&st) == 0,
+	      "bind");
+	errno = 0;
+	CHECK(rdma_join_multicast(tcp, (struct sockaddr *)&g, NULL) == -1 && errno == EINVAL, "join on a TCP id");
+	errno = 0;
+	CHECK(rdma_join_multicast(ud, (struct sockaddr *)&u, NULL) == -1 && errno == EINVAL, "join a unicast address");
+	errno = 0;
+	CHECK(rdma_leave_multicast(ud, (struct sockaddr *)&g) == -1 && errno == EADDRNOTAVAIL, "leave before join");
+	CHECK(rdma_join_multicast(ud, (struct sockaddr *)&g, (void *)0x5678) == 0, "join");
+	e = expect(ch, RDMA_CM_EVENT_MULTICAST_JOIN);
+	if (e) {
+		CHECK(e->id == ud && e->status == 0, "join event");
+		CHECK(e->param.ud.private_data == (void *)0x5678, "the context as private data");
+		CHECK(e->param.ud.qp_num == 0xffffff && e->param.ud.qkey == RDMA_UDP_QKEY, "QPN %x, Q_Key %x",
+		      e->param.ud.qp_num, e->param.ud.qkey);
+		CHECK(e->param.ud.ah_attr.is_global && !memcmp(e->param.ud.ah_attr.grh.dgid.raw, mgid, 16),
+		      "the group's MGID");
+		rdma_ack_cm_event(e);
+	}
+	errno = 0;
+	CHECK(rdma_join_multicast(ud, (struct sockaddr *)&g, NULL) == -1 && errno == EADDRINUSE, "join twice");
+	CHECK(rdma_leave_multicast(ud, (struct sockaddr *)&g) == 0, "leave");
+	CHECK(rdma_destroy_id(ud) == 0 && rdma_destroy_id(tcp) == 0, "destroy");
+	rdma_destroy_event_channel(ch);
+}
+
 int main(void)
 {
 	layouts();
 	basics();
 	connection();
 	synchronous_reject();
+	multicast();
 	destroy_under_waiter();
 	printf("abi_rdmacm: %d checks, %d failed\n", checks, failed);
 	return failed ? 1 : 0;

@@ -28,7 +28,8 @@ fn skip(name: &str) -> bool {
 /// Whether a UDP socket is bound to `ip:port` (the server's device is open).
 fn udp_bound(ip: [u8; 4], port: u16) -> bool {
     let want = format!("{:02X}{:02X}{:02X}{:02X}:{port:04X}", ip[3], ip[2], ip[1], ip[0]);
-    std::fs::read_to_string("/proc/net/udp")
+    // This thread's network namespace (a test may have one of its own: `common::own_netns`).
+    std::fs::read_to_string("/proc/thread-self/net/udp")
         .is_ok_and(|t| t.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some(&want)))
 }
 
@@ -191,6 +192,34 @@ fn ucmatose_two_connections() {
         }
     }
     assert!(run.server.contains("disconnected"), "{}", run.describe());
+}
+
+/// `mckey`: a receiver joins a multicast group (`rdma_join_multicast`: its QP attached, then
+/// MULTICAST_JOIN with the group's address handle, QPN 0xFFFFFF and Q_Key), the sender joins and
+/// sends every message to the group; the receiver ends only once it got them all. Then again with
+/// the sender a send-only member (`rdma_join_multicast_ex`, its QP not attached). In a network
+/// namespace of the test's own.
+#[test]
+fn mckey_joins_and_sends_to_a_group() {
+    if skip("mckey") || !common::own_netns() {
+        return;
+    }
+    let _g = serial();
+    let prog = program("mckey").unwrap();
+    let receiver = ["-m", "239.1.2.3", "-b", SERVER_IP, "-C", "50"];
+    for sender in [
+        &["-m", "239.1.2.3", "-b", CLIENT_IP, "-s", "-C", "50"][..],
+        &["-m", "239.1.2.3", "-b", CLIENT_IP, "-s", "-o", "-C", "50"],
+    ] {
+        let run = run_cm_pair(&prog, &receiver, sender);
+        assert_ok("mckey", &run);
+        for out in [&run.server, &run.client] {
+            for want in ["mckey: joined dgid: ::ffff:239.1.2.3", "data transfers complete", "return status 0"] {
+                assert!(out.contains(want), "missing {want:?}\n{}", run.describe());
+            }
+        }
+        assert!(run.server.contains("receiving data transfers"), "{}", run.describe());
+    }
 }
 
 #[test]
