@@ -349,12 +349,48 @@ impl Channel {
         }
     }
 
-    /// Queue an event made here (its ID's count already raised) and wake a waiter.
+    /// Queue an event made here (its ID's count already raised) and wake a waiter (under the
+    /// lock, so the eventfd is readable exactly while the queue holds something).
     fn push_local(&self, e: *mut CmaEvent) {
-        lock(&self.local).push_back(e);
+        let mut q = lock(&self.local);
+        q.push_back(e);
         let one = 1u64;
         // SAFETY: writing 8 bytes to our eventfd.
         unsafe { libc::write(self.local_fd, &one as *const u64 as *const c_void, 8) };
+        drop(q);
+    }
+
+    /// Take out the queued events of ID `id` (of group `mgid` only, if given), in order.
+    fn take_local(&self, id: *mut CmaId, mgid: Option<&[u8; 16]>) -> Vec<*mut CmaEvent> {
+        let mut q = lock(&self.local);
+        let mut taken = Vec::new();
+        q.retain(|&e| {
+            // SAFETY: queued events are live boxes.
+            let (owner, dgid) = unsafe { ((*e).owner, (*e).ibv.param.ud.ah_attr.grh.dgid.raw) };
+            let mine = owner == id && mgid.is_none_or(|m| *m == dgid);
+            if mine {
+                taken.push(e);
+            }
+            !mine
+        });
+        if q.is_empty() {
+            let mut n = 0u64;
+            // SAFETY: reading 8 bytes from our non-blocking eventfd.
+            unsafe { libc::read(self.local_fd, &mut n as *mut u64 as *mut c_void, 8) };
+        }
+        taken
+    }
+
+    /// Drop the queued events of ID `id` (of group `mgid` only, if given): the ID is destroyed
+    /// or left the group before they were reported.
+    fn forget_local(&self, id: *mut CmaId, mgid: Option<&[u8; 16]>) {
+        for e in self.take_local(id, mgid) {
+            // SAFETY: boxed by join and never handed out; it held one count on its live owner.
+            unsafe {
+                drop(Box::from_raw(e));
+                (*id).events.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
     }
 
     /// The oldest event made here, if any (the eventfd is reset when the queue empties).
@@ -413,8 +449,12 @@ unsafe fn release(ch: *mut Channel) {
         // SAFETY: boxed by Channel::new; no reference is left.
         let c = unsafe { Box::from_raw(ch) };
         for e in lock(&c.local).drain(..) {
-            // SAFETY: boxed by join; never handed out.
-            drop(unsafe { Box::from_raw(e) });
+            // SAFETY: boxed by join and never handed out; its owner is live (a destroyed ID's
+            // events are taken out at its destroy).
+            unsafe {
+                (*(*e).owner).events.fetch_sub(1, Ordering::AcqRel);
+                drop(Box::from_raw(e));
+            }
         }
         // SAFETY: our epoll fd and eventfd.
         unsafe {
@@ -437,18 +477,10 @@ unsafe fn next_event(ch: *mut Channel) -> Result<*mut RdmaCmEvent, c_int> {
         if c.destroyed.load(Ordering::Acquire) {
             break None;
         }
-        while let Some(e) = c.pop_local() {
-            // SAFETY: boxed by join, counted on its owner, which is live while counted.
-            let owner = unsafe { (*e).owner };
-            if unsafe { (*owner).destroyed.load(Ordering::Acquire) } {
-                // SAFETY: as above; the event is dropped with its count.
-                unsafe {
-                    drop(Box::from_raw(e));
-                    (*owner).events.fetch_sub(1, Ordering::AcqRel);
-                    maybe_free(owner);
-                }
-                continue;
-            }
+        if let Some(e) = c.pop_local() {
+            // SAFETY: boxed by join, counted on its owner, which is live (a destroy takes its
+            // ID's events out of the queue first).
+            unsafe { process_join(&mut *e) };
             break 'wait Some(Ok(e as *mut RdmaCmEvent));
         }
         while let Some((ev, id, dev)) = c.take() {
@@ -513,9 +545,10 @@ struct IdState {
 
 /// A multicast group an ID joined.
 struct Joined {
-    addr: IpAddr,
     mgid: [u8; 16],
-    /// The ID's QP was attached to the group by the join.
+    /// Joined as a send-only member: the ID's QP is not attached.
+    send_only: bool,
+    /// The ID's QP was attached to the group when the join was reported.
     attached: bool,
 }
 
@@ -1022,6 +1055,8 @@ pub unsafe extern "C" fn softrdma_rdma_destroy_id(id: *mut RdmaCmId) -> c_int {
         ch.unregister(dev, cm.handle());
     }
     drop(cm);
+    // Events made here and not yet reported go with the ID, as the kernel's do.
+    ch.forget_local(p, None);
     c.destroyed.store(true, Ordering::Release);
     let channel = c.ibv.channel;
     // SAFETY: unregistered: no new event can count on it.
@@ -1727,11 +1762,9 @@ pub unsafe extern "C" fn softrdma_rdma_destroy_qp(id: *mut RdmaCmId) {
     let c = unsafe { &mut *(id as *mut CmaId) };
     if !c.ibv.qp.is_null() {
         // The groups the ID joined let go of the QP (the kernel's would refuse to destroy it).
-        let mut joined = std::mem::take(&mut lock(&c.st).joined);
-        for j in &mut joined {
+        for j in lock(&c.st).joined.iter_mut() {
             detach_joined(c, j);
         }
-        lock(&c.st).joined = joined;
         // SAFETY: the ID's QP.
         unsafe { objects::ibv_destroy_qp(c.ibv.qp) };
         c.ibv.qp = ptr::null_mut();
@@ -1964,6 +1997,10 @@ pub unsafe extern "C" fn softrdma_rdma_migrate_id(id: *mut RdmaCmId, channel: *m
     }
     st.sync = channel.is_null();
     drop(st);
+    // Events made here and not yet reported follow the ID (the kernel's `ucma_move_events`).
+    for e in oldc.take_local(p, None) {
+        newc.push_local(e);
+    }
     c.ibv.channel = new as *mut RdmaEventChannel;
     if was_sync {
         if !c.ibv.event.is_null() {
@@ -2015,7 +2052,10 @@ pub unsafe extern "C" fn softrdma_rdma_join_multicast_ex(
     // SAFETY: readable (checked non-NULL).
     let a = unsafe { &*attr };
     let need = RDMA_CM_JOIN_MC_ATTR_ADDRESS | RDMA_CM_JOIN_MC_ATTR_JOIN_FLAGS;
-    if a.comp_mask & need != need || a.comp_mask & !need != 0 {
+    if a.comp_mask & !need != 0 {
+        return err(WHAT, libc::EOPNOTSUPP, "unknown comp_mask bits");
+    }
+    if a.comp_mask & need != need {
         return err(WHAT, libc::EINVAL, "comp_mask must name the address and the join flags");
     }
     let send_only = match a.join_flags {
@@ -2028,10 +2068,11 @@ pub unsafe extern "C" fn softrdma_rdma_join_multicast_ex(
 }
 
 /// Join on RoCE, as the kernel's rdma_cm and librdmacm do it: the group's MGID is its address
-/// (`::ffff:a.b.c.d` for IPv4), the ID's QP (if it has one, and the member is not send-only) is
-/// attached to it, and RDMA_CM_EVENT_MULTICAST_JOIN follows with the address handle attributes
-/// of the group, QPN 0xFFFFFF, `RDMA_UDP_QKEY` and `context` as `param.ud.private_data`. The
-/// device joins the IP group (IGMP/MLD) when a QP is attached.
+/// (`::ffff:a.b.c.d` for IPv4) and RDMA_CM_EVENT_MULTICAST_JOIN follows with the address handle
+/// attributes of the group, QPN 0xFFFFFF, `RDMA_UDP_QKEY` and `context` as
+/// `param.ud.private_data`. When the event is reported the ID's QP, if it has one then and the
+/// member is not send-only, is attached to the group ([`process_join`]). The device joins the IP
+/// group (IGMP/MLD) when a QP is attached. Joining a group twice is allowed, as there.
 ///
 /// # Safety
 ///
@@ -2055,34 +2096,24 @@ unsafe fn join(
     if c.ibv.qp_type != IBV_QPT_UD {
         return err(what, libc::EINVAL, "multicast needs a UD ID (RDMA_PS_UDP or RDMA_PS_IPOIB)");
     }
-    // The GID of the ID's own address (bound or resolved) is the source of the group's packets.
+    let mgid = Gid::from_ip(a.ip()).0;
     let sgid_index = {
-        let st = lock(&c.st);
-        match (&st.dev, st.cm.as_ref().and_then(|cm| cm.addrs().0)) {
+        let mut st = lock(&c.st);
+        // The GID of the ID's own address (bound or resolved) is the source of the group's packets.
+        let sgid_index = match (&st.dev, st.cm.as_ref().and_then(|cm| cm.addrs().0)) {
             (Some(dev), Some(local)) if !local.ip().is_unspecified() => {
                 let want = Gid::from_ip(local.ip());
                 (0..=u8::MAX).find(|&i| dev.verbs().query_gid(1, usize::from(i)).is_ok_and(|g| g == want))
             }
             _ => None,
-        }
+        };
+        let Some(sgid_index) = sgid_index else {
+            drop(st);
+            return err(what, libc::EINVAL, "the ID has no address yet: bind or resolve one first");
+        };
+        st.joined.push(Joined { mgid, send_only, attached: false });
+        sgid_index
     };
-    let Some(sgid_index) = sgid_index else {
-        return err(what, libc::EINVAL, "the ID has no address yet: bind or resolve one first");
-    };
-    let mgid = Gid::from_ip(a.ip()).0;
-    if lock(&c.st).joined.iter().any(|j| j.addr == a.ip()) {
-        return err(what, libc::EADDRINUSE, "already joined");
-    }
-    let attached = !send_only && !c.ibv.qp.is_null();
-    if attached {
-        let gid = IbvGid { raw: mgid };
-        // SAFETY: the ID's QP is live while set.
-        let n = unsafe { crate::misc::mcast(what, c.ibv.qp, &gid, true) };
-        if n != 0 {
-            return -1;
-        }
-    }
-    lock(&c.st).joined.push(Joined { addr: a.ip(), mgid, attached });
     // SAFETY: all-zero is a valid event (NULL pointers, zeros).
     let mut e: Box<CmaEvent> = Box::new(unsafe { std::mem::zeroed() });
     e.owner = p;
@@ -2102,7 +2133,32 @@ unsafe fn join(
     unsafe { complete(p) }
 }
 
-/// Detach the ID's QP from a group it was attached to by a join (before the QP goes, or on leave).
+/// A MULTICAST_JOIN being reported (librdmacm's `ucma_process_join`): attach the ID's QP, if it
+/// has one and joined as a full member; a refused attach turns it into MULTICAST_ERROR, status -1.
+///
+/// # Safety
+///
+/// `e` is a queued event whose owner is live.
+unsafe fn process_join(e: &mut CmaEvent) {
+    // SAFETY: the caller's promise.
+    let c = unsafe { &*e.owner };
+    let mgid = e.ibv.param.ud.ah_attr.grh.dgid.raw;
+    let mut st = lock(&c.st);
+    let Some(j) = st.joined.iter_mut().find(|j| j.mgid == mgid && !j.attached) else { return };
+    if j.send_only || c.ibv.qp.is_null() {
+        return;
+    }
+    let gid = IbvGid { raw: mgid };
+    // SAFETY: the ID's QP is live while set.
+    if unsafe { crate::misc::mcast("rdma_join_multicast", c.ibv.qp, &gid, true) } == 0 {
+        j.attached = true;
+    } else {
+        e.ibv.event = RDMA_CM_EVENT_MULTICAST_ERROR;
+        e.ibv.status = -1;
+    }
+}
+
+/// Detach the ID's QP from a group it was attached to when its join was reported.
 fn detach_joined(c: &CmaId, j: &mut Joined) {
     if j.attached && !c.ibv.qp.is_null() {
         let gid = IbvGid { raw: j.mgid };
@@ -2122,15 +2178,20 @@ pub unsafe extern "C" fn softrdma_rdma_leave_multicast(id: *mut RdmaCmId, addr: 
     if id.is_null() {
         return err(WHAT, libc::EINVAL, "NULL id");
     }
+    let p = id as *mut CmaId;
     // SAFETY: a live ID of ours.
-    let c = unsafe { &*(id as *mut CmaId) };
+    let c = unsafe { &*p };
+    let mgid = Gid::from_ip(a.ip()).0;
     let mut st = lock(&c.st);
-    let Some(at) = st.joined.iter().position(|j| j.addr == a.ip()) else {
+    let Some(at) = st.joined.iter().position(|j| j.mgid == mgid) else {
         return err(WHAT, libc::EADDRNOTAVAIL, "not joined");
     };
     let mut j = st.joined.remove(at);
-    drop(st);
     detach_joined(c, &mut j);
+    drop(st);
+    // A join not yet reported is not reported any more (the kernel's `ucma_cleanup_mc_events`).
+    // SAFETY: the ID's channel is live.
+    unsafe { channel_of(&c.ibv) }.forget_local(p, Some(&mgid));
     0
 }
 

@@ -369,9 +369,57 @@ static void multicast(void)
 		      "the group's MGID");
 		rdma_ack_cm_event(e);
 	}
+	/* A second join is allowed; each is left once. */
+	CHECK(rdma_join_multicast(ud, (struct sockaddr *)&g, NULL) == 0, "join twice");
+	e = expect(ch, RDMA_CM_EVENT_MULTICAST_JOIN);
+	if (e)
+		rdma_ack_cm_event(e);
+	CHECK(rdma_leave_multicast(ud, (struct sockaddr *)&g) == 0 && rdma_leave_multicast(ud, (struct sockaddr *)&g) == 0,
+	      "leave both");
 	errno = 0;
-	CHECK(rdma_join_multicast(ud, (struct sockaddr *)&g, NULL) == -1 && errno == EADDRINUSE, "join twice");
-	CHECK(rdma_leave_multicast(ud, (struct sockaddr *)&g) == 0, "leave");
+	CHECK(rdma_leave_multicast(ud, (struct sockaddr *)&g) == -1 && errno == EADDRNOTAVAIL, "leave a third time");
+
+	/* A join left before it was reported is never reported. */
+	CHECK(rdma_join_multicast(ud, (struct sockaddr *)&g, NULL) == 0 && rdma_leave_multicast(ud, (struct sockaddr *)&g) == 0,
+	      "join and leave");
+	{
+		int fl = fcntl(ch->fd, F_GETFL);
+		struct rdma_cm_event *none = NULL;
+
+		fcntl(ch->fd, F_SETFL, fl | O_NONBLOCK);
+		errno = 0;
+		CHECK(rdma_get_cm_event(ch, &none) == -1 && errno == EAGAIN, "no event for a join left");
+		fcntl(ch->fd, F_SETFL, fl);
+	}
+
+	/* With a QP: attached when the join is reported (ibv_destroy_qp refuses while attached), not
+	 * for a send-only member, detached by the leave. */
+	{
+		struct ibv_qp_init_attr qa = { .cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
+					       .qp_type = IBV_QPT_UD };
+		struct rdma_cm_join_mc_attr_ex x = { .comp_mask = RDMA_CM_JOIN_MC_ATTR_ADDRESS | RDMA_CM_JOIN_MC_ATTR_JOIN_FLAGS,
+						     .join_flags = RDMA_MC_JOIN_FLAG_SENDONLY_FULLMEMBER,
+						     .addr = (struct sockaddr *)&g };
+
+		union ibv_gid mg;
+
+		memcpy(mg.raw, mgid, 16);
+		CHECK(rdma_create_qp(ud, NULL, &qa) == 0, "UD QP on the ID: %s", strerror(errno));
+		CHECK(rdma_join_multicast_ex(ud, &x, NULL) == 0, "send-only join");
+		e = expect(ch, RDMA_CM_EVENT_MULTICAST_JOIN);
+		if (e)
+			rdma_ack_cm_event(e);
+		CHECK(ud->qp && ibv_detach_mcast(ud->qp, &mg, 0) == EINVAL, "a send-only member's QP is not attached");
+		CHECK(rdma_leave_multicast(ud, (struct sockaddr *)&g) == 0, "leave the send-only join");
+		CHECK(rdma_join_multicast(ud, (struct sockaddr *)&g, NULL) == 0, "full join");
+		e = expect(ch, RDMA_CM_EVENT_MULTICAST_JOIN);
+		if (e)
+			rdma_ack_cm_event(e);
+		CHECK(ud->qp && ibv_destroy_qp(ud->qp) == EBUSY, "the QP is attached once the join is reported");
+		CHECK(rdma_leave_multicast(ud, (struct sockaddr *)&g) == 0, "leave");
+		CHECK(ud->qp && ibv_detach_mcast(ud->qp, &mg, 0) == EINVAL, "the leave detached the QP");
+		rdma_destroy_qp(ud);
+	}
 	CHECK(rdma_destroy_id(ud) == 0 && rdma_destroy_id(tcp) == 0, "destroy");
 	rdma_destroy_event_channel(ch);
 }
