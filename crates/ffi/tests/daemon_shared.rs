@@ -197,6 +197,34 @@ fn ucmatose_and_udaddy_through_one_daemon_device() {
     let _ = std::fs::remove_dir_all(&d.dir);
 }
 
+/// `mckey` on the one daemon device: the receiver's and the sender's joins (`rdma_join_multicast`,
+/// the receiver's QP attached through the daemon), every message sent to the group over UDP and
+/// back to the daemon's group socket. The daemon (a thread of this test) and the programs run in a
+/// network namespace of the test's own.
+#[test]
+fn mckey_through_one_daemon_device() {
+    if program("mckey").is_none() {
+        eprintln!("SKIP: mckey not installed (apt-get install rdmacm-utils)");
+        return;
+    }
+    if !common::own_netns() {
+        return;
+    }
+    let d = start_daemon("mckey");
+    let (s, c) = run_cm_shared(
+        &d,
+        "mckey",
+        &["-m", "239.1.2.4", "-b", "127.0.0.9", "-C", "40"],
+        &["-m", "239.1.2.4", "-b", "127.0.0.9", "-s", "-C", "40"],
+    );
+    for out in [&s, &c] {
+        for want in ["mckey: joined dgid: ::ffff:239.1.2.4", "data transfers complete", "return status 0"] {
+            assert!(out.contains(want), "missing {want:?}\nreceiver:\n{s}\nsender:\n{c}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
 /// rdma_cm over IPv6: unmodified `rping` server and client on `::1` (one daemon device bound to
 /// ::1, two processes), also with `-q` (QPs of the programs' own: `rdma_init_qp_attr` and
 /// `rdma_establish` through the daemon), and `ucmatose` with two connections over it: IPv6
