@@ -7,7 +7,9 @@
 //! interface of the host. That needs CAP_SYS_ADMIN (CI runs as root); without it the test says so
 //! and checks nothing.
 
-use std::net::{IpAddr, Ipv4Addr};
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 
 use softrdma_verbs::{
@@ -235,6 +237,60 @@ fn a_burst_arrives_whole_and_in_order() {
             assert_eq!(wc.byte_len as usize, 40 + len(i), "message {i}");
             assert_eq!(mr.to_vec(i * 1024 + 40, len(i)).unwrap(), pattern(len(i), i as u8), "message {i}");
         }
+    }
+}
+
+/// An IPv6 group over a veth pair (Linux routes no IPv6 multicast over the loopback interface):
+/// a device on each end, a QP on each attached to the link-local group ff02::1:5 (its socket bound
+/// with the interface as scope). The sender's own QP gets its copy through the kernel's multicast
+/// loopback, the peer's over the wire, with the IPv6 addresses in the GRH area.
+#[test]
+fn an_ipv6_link_local_group_over_a_veth_pair() {
+    if !own_netns() {
+        return;
+    }
+    common::private_sysfs().expect("a sysfs of this namespace");
+    for cmd in [
+        "ip link add d0 type veth peer name d1",
+        "ip link set d0 up",
+        "ip link set d1 up",
+        "ip -6 addr add fd00::1/64 dev d0 nodad",
+        "ip -6 addr add fd00::2/64 dev d1 nodad",
+    ] {
+        common::sh(&cmd.split(' ').collect::<Vec<_>>()).expect("set up the veth pair");
+    }
+    let group = Gid([0xff, 0x02, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 5]);
+    let open6 = |name: &str, netdev: &str, ip: Ipv6Addr| {
+        DeviceBuilder::new(name, netdev).addr(IpAddr::V6(ip)).udp_port(PORT).open().expect("open device")
+    };
+    let (a_ip, b_ip) = ("fd00::1".parse().unwrap(), "fd00::2".parse().unwrap());
+    let (a, b) = (open6("m6a", "d0", a_ip), open6("m6b", "d1", b_ip));
+    let (s, ra, rb) = (ud(&a, QpType::Ud), ud(&a, QpType::Ud), ud(&b, QpType::Ud));
+    ra.qp.attach_mcast(group).unwrap();
+    rb.qp.attach_mcast(group).unwrap();
+    let (ma, mb) = (expect_one(&ra), expect_one(&rb));
+    let data = pattern(512, 6);
+    let smr = s.pd.reg_mr(4096, Access::LOCAL_WRITE).unwrap();
+    smr.write(0, &data).unwrap();
+    let own = Gid::from_ip(IpAddr::V6(a_ip));
+    let sgid = (0..16u8).find(|&i| a.query_gid(1, usize::from(i)).is_ok_and(|g| g == own)).expect("fd00::1's GID");
+    let ah = s.pd.create_ah(&AhAttr::new(group, sgid)).unwrap();
+    s.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        payload: Payload::Sgl(vec![smr.sge(0, 512).unwrap()].into()),
+        flags: SendFlags::SIGNALED,
+        ud: Some(ah.ud(Qpn::MULTICAST, QKEY)),
+    })
+    .unwrap();
+    assert_eq!(wait(&s.cq, 1)[0].status, WcStatus::Success);
+    for (r, mr) in [(&ra, &ma), (&rb, &mb)] {
+        let wc = wait(&r.cq, 1);
+        assert_eq!((wc[0].status, wc[0].byte_len, wc[0].src_qp), (WcStatus::Success, 40 + 512, s.qp.qpn()));
+        assert_eq!(mr.to_vec(40, 512).unwrap(), data);
+        let grh = mr.to_vec(0, 40).unwrap();
+        assert_eq!(&grh[8..24], &a_ip.octets(), "source GID");
+        assert_eq!(&grh[24..40], &group.0, "destination GID: the group");
     }
 }
 

@@ -36,7 +36,6 @@
 
 mod common;
 
-use std::ffi::CString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
@@ -45,7 +44,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{all_rights, compare, pattern, sh, Endpoint};
+use common::{all_rights, compare, pattern, private_sysfs, sh, Endpoint};
 use softrdma_verbs::{
     ConnectParams, Context, DeviceBuilder, Gid, Mtu, Payload, Psn, RecvWr, SendFlags, SendOp, SendWr, WcFlags,
     WcOpcode, WcStatus, WorkCompletion, ROCE_PORT,
@@ -193,36 +192,6 @@ fn enter_netns(ns: &str) -> Result<(), String> {
     // SAFETY: setns on a valid descriptor; it changes only this thread's network namespace.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         return Err(format!("setns({path}): {}", std::io::Error::last_os_error()));
-    }
-    Ok(())
-}
-
-/// What `ip netns exec` does besides setns: a private mount namespace for this thread, with a sysfs
-/// mounted afresh, so `/sys/class/net` lists the namespace's interfaces.
-fn private_sysfs() -> Result<(), String> {
-    let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
-    let c = |s: &str| CString::new(s).unwrap();
-    // SAFETY: plain system calls with valid NUL-terminated strings; they affect only this thread's
-    // (new, private) mount namespace.
-    unsafe {
-        if libc::unshare(libc::CLONE_NEWNS) != 0 {
-            return Err(err("unshare(CLONE_NEWNS)"));
-        }
-        // Keep our mounts from propagating back to the host.
-        if libc::mount(
-            c("none").as_ptr(),
-            c("/").as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_SLAVE,
-            std::ptr::null(),
-        ) != 0
-        {
-            return Err(err("making / a slave mount"));
-        }
-        libc::umount2(c("/sys").as_ptr(), libc::MNT_DETACH);
-        if libc::mount(c("sysfs").as_ptr(), c("/sys").as_ptr(), c("sysfs").as_ptr(), 0, std::ptr::null()) != 0 {
-            return Err(err("mounting sysfs"));
-        }
     }
     Ok(())
 }

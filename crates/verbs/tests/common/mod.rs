@@ -135,3 +135,33 @@ pub fn sh(args: &[&str]) -> Result<String, String> {
         Err(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
+
+/// What `ip netns exec` does besides setns: a private mount namespace for this thread, with a sysfs
+/// mounted afresh, so `/sys/class/net` lists the namespace's interfaces.
+pub fn private_sysfs() -> Result<(), String> {
+    let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
+    let c = |s: &str| std::ffi::CString::new(s).unwrap();
+    // SAFETY: plain system calls with valid NUL-terminated strings; they affect only this thread's
+    // (new, private) mount namespace.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Err(err("unshare(CLONE_NEWNS)"));
+        }
+        // Keep our mounts from propagating back to the host.
+        if libc::mount(
+            c("none").as_ptr(),
+            c("/").as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_SLAVE,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(err("making / a slave mount"));
+        }
+        libc::umount2(c("/sys").as_ptr(), libc::MNT_DETACH);
+        if libc::mount(c("sysfs").as_ptr(), c("/sys").as_ptr(), c("sysfs").as_ptr(), 0, std::ptr::null()) != 0 {
+            return Err(err("mounting sysfs"));
+        }
+    }
+    Ok(())
+}
