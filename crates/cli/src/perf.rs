@@ -172,8 +172,10 @@ pub struct PerfArgs {
     mcg: bool,
     /// In multicast, use this group MGID: perftest's 16 colon-separated bytes
     /// (0:0:0:0:0:0:0:0:0:0:255:255:239:1:2:3) or an address (239.1.2.3 as ::ffff:239.1.2.3,
-    /// ff0e::1). Default: perftest's ff01:0:2:c985:: when the GID of -x is IPv6, else
-    /// ::ffff:239.2.201.133 (its IPv4 form: an IPv4 device reaches only IPv4 groups). The client
+    /// ff0e::1). Default: ff02:0:2:c985:: when the GID of -x is IPv6 (perftest's ff01:0:2:c985::
+    /// with link-local scope: Linux sends interface-local groups nowhere but on `lo`, and routes
+    /// no IPv6 multicast over `lo`), else ::ffff:239.2.201.133 (an IPv4 device reaches only IPv4
+    /// groups). The client
     /// of a latency test attaches to MGID + 1 with -M too (perftest: only without -M), or each
     /// side would also receive its own messages.
     #[arg(short = 'M', long = "MGID")]
@@ -276,9 +278,11 @@ struct Plan {
     all: bool,
 }
 
-/// perftest's default multicast group (`MCG_GID`), used when the GID of -x is IPv6.
-const MCG_GID_V6: [u8; 16] = [0xff, 0x01, 0, 0, 0, 0x02, 0xc9, 0x85, 0, 0, 0, 0, 0, 0, 0, 0];
-/// Its IPv4 form, ::ffff:239.2.201.133, used when the GID of -x is IPv4.
+/// perftest's default multicast group (`MCG_GID`, ff01:0:2:c985::) with link-local scope instead
+/// of interface-local (which Linux never sends out of a real interface), used when the GID of -x
+/// is IPv6.
+const MCG_GID_V6: [u8; 16] = [0xff, 0x02, 0, 0, 0, 0x02, 0xc9, 0x85, 0, 0, 0, 0, 0, 0, 0, 0];
+/// An IPv4 form of it, ::ffff:239.2.201.133, used when the GID of -x is IPv4.
 const MCG_GID_V4: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 239, 2, 201, 133];
 
 /// An MGID as `-M` takes it: 16 colon-separated bytes in decimal or `0x` hex (perftest's form), or

@@ -287,6 +287,34 @@ fn multicast_send_bw_and_send_lat() {
     assert!(out.contains("\n MGID: 00:00:00:00:00:00:00:00:00:00:255:255:239:09:08:07\n"), "{out}");
 }
 
+/// `-g` with an IPv6 GID (-x 0, the link-local default GID) takes the default group
+/// ff02:0:2:c985:: (perftest's, with link-local scope). Linux routes no IPv6 multicast over `lo`,
+/// so the two processes' devices are the two ends of a veth pair in a namespace of the test's own.
+#[test]
+fn multicast_to_the_default_ipv6_group_over_a_veth_pair() {
+    let b = env!("CARGO_BIN_EXE_softrdma");
+    let perf = "perf send-bw -g -x 0 -s 1024 -n 200";
+    let script = format!(
+        "mount -t sysfs sysfs /sys && ip link set lo up && ip link add d0 type veth peer name d1 && \
+         ip link set d0 up && ip link set d1 up && ip -6 addr add fd00::1/64 dev d0 nodad && \
+         ip -6 addr add fd00::2/64 dev d1 nodad && \
+         {{ {b} {perf} --bind fd00::1 --netdev d0 >/dev/null 2>&1 & }} && sleep 0.5 && \
+         exec {b} {perf} --bind fd00::2 --netdev d1 127.0.0.1"
+    );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0
+        || Command::new("unshare").args(["-n", "-m", "true"]).status().map_or(true, |s| !s.success())
+    {
+        eprintln!("skipped: cannot create a network namespace here");
+        return;
+    }
+    let o = Command::new("unshare").args(["-n", "-m", "sh", "-c", &script]).output().expect("run unshare");
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", text(&o.stderr));
+    assert!(out.contains("\n MGID: 255:02:00:00:00:02:201:133:00:00:00:00:00:00:00:00\n"), "{out}");
+    assert_eq!(row_after(&out, BW_HEADER, 5)[..2], [1024.0, 200.0]);
+}
+
 #[test]
 fn multicast_flags_refused_where_perftest_refuses_them() {
     for (args, why) in [
