@@ -14,11 +14,11 @@ use std::os::fd::{AsRawFd, RawFd};
 use crate::error::{Error, Result};
 
 /// `UDP_NO_CHECK6_RX` from linux/udp.h.
-const UDP_NO_CHECK6_RX: libc::c_int = 102;
+pub(crate) const UDP_NO_CHECK6_RX: libc::c_int = 102;
 /// `UDP_SEGMENT` (GSO segment size, a cmsg on send) from linux/udp.h.
 const UDP_SEGMENT: libc::c_int = 103;
 /// `UDP_GRO` (socket option; cmsg with the segment size on receive) from linux/udp.h.
-const UDP_GRO: libc::c_int = 104;
+pub(crate) const UDP_GRO: libc::c_int = 104;
 
 fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
     setsockopt(fd, level, name, &value)

@@ -17,14 +17,10 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use softrdma_device::Gid;
 
 use crate::error::{Error, Result};
-use crate::io::setsockopt;
+use crate::io::{setsockopt, UDP_GRO, UDP_NO_CHECK6_RX};
 
 /// `IPV6_MULTICAST_ALL` from linux/in6.h (not in every libc crate version).
 const IPV6_MULTICAST_ALL: libc::c_int = 29;
-/// `UDP_NO_CHECK6_RX` from linux/udp.h: rxe sends UDP checksum 0 over IPv6.
-const UDP_NO_CHECK6_RX: libc::c_int = 102;
-/// `UDP_GRO` from linux/udp.h.
-const UDP_GRO: libc::c_int = 104;
 
 /// One group's socket.
 #[derive(Debug)]
