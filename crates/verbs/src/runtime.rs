@@ -61,17 +61,13 @@ impl Receiver<'_> {
         let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
         let rx = RxInfo { grh };
         if let Some(mgid) = multicast::group_of(&local) {
-            if let Some(table) = self.qp_traffic.as_mut() {
-                table.begin(self.hca.counters());
-                self.hca.handle_multicast(now, ib, &rx, &mgid, self.mem);
-                // Each member was handed a copy of a packet sent to the group's QPN.
-                let members = match ib.bth().dest_qp() {
-                    softrdma_wire::Qpn::MULTICAST => self.hca.mcast_members(&mgid),
-                    _ => &[],
-                };
-                table.count_multicast(members, payload.len(), self.hca.counters());
-            } else {
-                self.hca.handle_multicast(now, ib, &rx, &mgid, self.mem);
+            let mut table = self.qp_traffic.as_mut();
+            if let Some(t) = table.as_mut() {
+                t.begin(self.hca.counters());
+            }
+            self.hca.handle_multicast(now, ib, &rx, &mgid, self.mem);
+            if let Some(t) = table {
+                t.count_multicast(self.hca.mcast_recipients(ib, &mgid), payload.len(), self.hca.counters());
             }
             return;
         }

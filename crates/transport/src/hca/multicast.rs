@@ -93,9 +93,13 @@ impl Hca {
         Ok(())
     }
 
-    /// The QPs attached to group `mgid` (each takes a copy of what [`Hca::handle_multicast`] gets).
-    pub fn mcast_members(&self, mgid: &[u8; 16]) -> &[Qpn] {
-        self.groups.members.get(mgid).map_or(&[], Vec::as_slice)
+    /// The QPs [`Hca::handle_multicast`] hands `pkt`, received as sent to group `mgid`, a copy of:
+    /// the group's, if the packet is addressed to the multicast QPN; none otherwise.
+    pub fn mcast_recipients(&self, pkt: &IbPacket<&[u8]>, mgid: &[u8; 16]) -> &[Qpn] {
+        match self.groups.members.get(mgid) {
+            Some(qps) if pkt.bth().dest_qp() == Qpn::MULTICAST => qps,
+            _ => &[],
+        }
     }
 
     /// The groups with at least one QP attached (the I/O layer listens on exactly these).
@@ -116,14 +120,13 @@ impl Hca {
         mem: &mut dyn MemoryAccess,
     ) {
         self.stats.rcvd_pkts += 1;
+        // (A group has at least one QP: it ends with its last.)
+        if self.mcast_recipients(pkt, mgid).is_empty() {
+            self.stats.drop_unknown_qp += 1;
+            return;
+        }
         // Taken out while the QPs run (nothing they do changes the groups) and put back after.
-        let members = match self.groups.members.get_mut(mgid) {
-            Some(qps) if pkt.bth().dest_qp() == Qpn::MULTICAST => std::mem::take(qps),
-            _ => {
-                self.stats.drop_unknown_qp += 1;
-                return;
-            }
-        };
+        let Some(members) = self.groups.members.get_mut(mgid).map(std::mem::take) else { return };
         let (qps, mut book, mut ctx) = self.ctx(now, mem);
         for qpn in &members {
             if let Some(qp) = qps.get_mut(qpn) {
