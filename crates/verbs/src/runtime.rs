@@ -162,8 +162,22 @@ pub(crate) struct State {
 impl State {
     /// Close the sockets of multicast groups no QP is attached to any more (after a detach, or a
     /// destroyed QP).
-    pub(crate) fn forget_left_groups(&mut self) {
+    fn forget_left_groups(&mut self) {
         self.groups.retain(self.hca.mcast_groups());
+    }
+
+    /// Destroy QP `qpn`: the engine's QP, its share of the per-QP counters (daemon mode) and the
+    /// sockets of the multicast groups it was the device's last QP in.
+    pub(crate) fn destroy_qp(
+        &mut self,
+        qpn: softrdma_wire::Qpn,
+    ) -> std::result::Result<(), softrdma_transport::VerbsError> {
+        let r = self.hca.destroy_qp(qpn);
+        if let Some(m) = self.qp_traffic.as_mut() {
+            m.remove(qpn);
+        }
+        self.forget_left_groups();
+        r
     }
 
     /// The receiving parts of the state.

@@ -774,9 +774,7 @@ enum QpImp {
 impl Drop for QpImp {
     fn drop(&mut self) {
         if let QpImp::Embedded { h, qpn } = self {
-            let mut st = h.dev.lock();
-            let _ = st.hca.destroy_qp(*qpn);
-            st.forget_left_groups();
+            let _ = h.dev.lock().destroy_qp(*qpn);
         }
     }
 }

@@ -1162,13 +1162,9 @@ impl SvcDevice {
         route_cm_all(&self.dev, svc, st);
         let qps: Vec<Qpn> = svc.qps.iter().filter(|(_, q)| q.client == id).map(|(k, _)| *k).collect();
         for q in &qps {
-            let _ = st.hca.destroy_qp(*q);
-            if let Some(m) = st.qp_traffic.as_mut() {
-                m.remove(*q);
-            }
+            let _ = st.destroy_qp(*q);
             svc.qps.remove(q);
         }
-        st.forget_left_groups();
         let srqs: Vec<SrqId> = svc.srqs.iter().filter(|(_, s)| s.client == id).map(|(k, _)| *k).collect();
         for s in &srqs {
             let _ = st.hca.destroy_srq(*s);
@@ -1710,14 +1706,7 @@ impl Session {
                 if svc.qps.get(&qpn).map(|q| q.client) != Some(me) {
                     return Err(nso());
                 }
-                {
-                    let mut st = dev.dev.lock();
-                    st.hca.destroy_qp(qpn).map_err(Refusal::Verbs)?;
-                    st.forget_left_groups();
-                    if let Some(m) = st.qp_traffic.as_mut() {
-                        m.remove(qpn);
-                    }
-                }
+                dev.dev.lock().destroy_qp(qpn).map_err(Refusal::Verbs)?;
                 svc.qps.remove(&qpn);
                 count(svc, -1);
                 ok(Response::Ok)
