@@ -373,12 +373,17 @@ impl Channel {
             }
             !mine
         });
+        self.quiet_if_empty(&q);
+        taken
+    }
+
+    /// Reset the eventfd once the queue (`q`, its lock held) is empty: not readable any more.
+    fn quiet_if_empty(&self, q: &std::collections::VecDeque<*mut CmaEvent>) {
         if q.is_empty() {
             let mut n = 0u64;
             // SAFETY: reading 8 bytes from our non-blocking eventfd.
             unsafe { libc::read(self.local_fd, &mut n as *mut u64 as *mut c_void, 8) };
         }
-        taken
     }
 
     /// Drop the queued events of ID `id` (of group `mgid` only, if given): the ID is destroyed
@@ -397,11 +402,7 @@ impl Channel {
     fn pop_local(&self) -> Option<*mut CmaEvent> {
         let mut q = lock(&self.local);
         let e = q.pop_front();
-        if q.is_empty() {
-            let mut n = 0u64;
-            // SAFETY: reading 8 bytes from our non-blocking eventfd.
-            unsafe { libc::read(self.local_fd, &mut n as *mut u64 as *mut c_void, 8) };
-        }
+        self.quiet_if_empty(&q);
         e
     }
 
@@ -2025,19 +2026,6 @@ pub unsafe extern "C" fn softrdma_rdma_join_multicast(
     unsafe { join("rdma_join_multicast", id, addr, context, false) }
 }
 
-/// `struct rdma_cm_join_mc_attr_ex`.
-#[repr(C)]
-pub struct RdmaCmJoinMcAttrEx {
-    comp_mask: u32,
-    join_flags: u32,
-    addr: *mut libc::sockaddr,
-}
-
-const RDMA_CM_JOIN_MC_ATTR_ADDRESS: u32 = 1 << 0;
-const RDMA_CM_JOIN_MC_ATTR_JOIN_FLAGS: u32 = 1 << 1;
-const RDMA_MC_JOIN_FLAG_FULLMEMBER: u32 = 0;
-const RDMA_MC_JOIN_FLAG_SENDONLY_FULLMEMBER: u32 = 1;
-
 /// `rdma_join_multicast_ex`: a full member, or a send-only one (its QP is not attached).
 #[no_mangle]
 pub unsafe extern "C" fn softrdma_rdma_join_multicast_ex(
@@ -2103,7 +2091,8 @@ unsafe fn join(
         let sgid_index = match (&st.dev, st.cm.as_ref().and_then(|cm| cm.addrs().0)) {
             (Some(dev), Some(local)) if !local.ip().is_unspecified() => {
                 let want = Gid::from_ip(local.ip());
-                (0..=u8::MAX).find(|&i| dev.verbs().query_gid(1, usize::from(i)).is_ok_and(|g| g == want))
+                let gids = &dev.verbs().info().gids;
+                gids.iter().find(|(_, e)| e.gid == want).and_then(|(i, _)| u8::try_from(i).ok())
             }
             _ => None,
         };

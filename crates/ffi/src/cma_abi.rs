@@ -209,6 +209,19 @@ pub struct RdmaAddrinfo {
     pub ai_next: *mut RdmaAddrinfo,
 }
 
+/// `struct rdma_cm_join_mc_attr_ex`.
+#[repr(C)]
+pub struct RdmaCmJoinMcAttrEx {
+    pub comp_mask: u32,
+    pub join_flags: u32,
+    pub addr: *mut libc::sockaddr,
+}
+
+pub const RDMA_CM_JOIN_MC_ATTR_ADDRESS: u32 = 1 << 0;
+pub const RDMA_CM_JOIN_MC_ATTR_JOIN_FLAGS: u32 = 1 << 1;
+pub const RDMA_MC_JOIN_FLAG_FULLMEMBER: u32 = 0;
+pub const RDMA_MC_JOIN_FLAG_SENDONLY_FULLMEMBER: u32 = 1;
+
 // ---- layout checks (x86-64; tests/abi_rdmacm.c checks the same against the header) -------------
 
 const _: () = {
@@ -234,4 +247,6 @@ const _: () = {
     assert!(size_of::<RdmaAddrinfo>() == 96);
     assert!(offset_of!(RdmaAddrinfo, ai_src_addr) == 24);
     assert!(offset_of!(RdmaAddrinfo, ai_next) == 88);
+    assert!(size_of::<RdmaCmJoinMcAttrEx>() == 16);
+    assert!(offset_of!(RdmaCmJoinMcAttrEx, addr) == 8);
 };

@@ -71,6 +71,8 @@ static void layouts(void)
 	SIZE(rdma_addrinfo, 96);
 	OFF(rdma_addrinfo, ai_src_addr, 24);
 	OFF(rdma_addrinfo, ai_next, 88);
+	SIZE(rdma_cm_join_mc_attr_ex, 16);
+	OFF(rdma_cm_join_mc_attr_ex, addr, 8);
 }
 
 static struct sockaddr_in sin_of(const char *ip, int port)
