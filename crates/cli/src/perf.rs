@@ -1,12 +1,12 @@
 //! `softrdma perf`: perftest's `ib_{write,read,send,atomic}_{bw,lat}` on softrdma.
 //!
 //! Same main flags as perftest (`-d -i -x -g -M -s -a -n -D -q -c -m -t -r -Q -o -A -N -p
-//! --report_gbits`, `-R` accepted) and the same output: the test banner, the local/remote address lines and the result
-//! tables with perftest's own printf formats (perftest 4.5/24.x, `src/perftest_parameters.h`), so
-//! scripts that parse perftest parse this. Server and client run in two processes and exchange
-//! their queue pair data over TCP (port 18515 by default), as perftest does without `-R`;
-//! `--loopback` runs both sides in one command on two embedded devices on 127.0.77.1 and
-//! 127.0.77.2.
+//! --report_gbits`, `-R` accepted) and the same output: the test banner, the local/remote address
+//! lines and the result tables with perftest's own printf formats (perftest 4.5/24.x,
+//! `src/perftest_parameters.h`), so scripts that parse perftest parse this. Server and client run
+//! in two processes and exchange their queue pair data over TCP (port 18515 by default), as
+//! perftest does without `-R`; `--loopback` runs both sides in one command on two embedded devices
+//! on 127.0.77.1 and 127.0.77.2.
 //!
 //! Two figures perftest does not print follow the table:
 //! * CPU time per GB moved: user + system time of both sides (`getrusage(RUSAGE_SELF)` around each
@@ -175,9 +175,8 @@ pub struct PerfArgs {
     /// ff0e::1). Default: ff02:0:2:c985:: when the GID of -x is IPv6 (perftest's ff01:0:2:c985::
     /// with link-local scope: Linux sends interface-local groups nowhere but on `lo`, and routes
     /// no IPv6 multicast over `lo`), else ::ffff:239.2.201.133 (an IPv4 device reaches only IPv4
-    /// groups). The client
-    /// of a latency test attaches to MGID + 1 with -M too (perftest: only without -M), or each
-    /// side would also receive its own messages.
+    /// groups). The client of a latency test attaches to MGID + 1 with -M too (perftest: only
+    /// without -M), or each side would also receive its own messages.
     #[arg(short = 'M', long = "MGID")]
     mgid: Option<String>,
     /// Size of message to exchange (default 65536 for bandwidth, 2 for latency, 8 for atomics).
@@ -631,8 +630,8 @@ fn random_psn(salt: u32) -> u32 {
 }
 
 impl Side {
-    fn open(ctx: Context, plan: &Plan) -> Result<Side, String> {
-        let mtu = path_mtu(&ctx, plan)?;
+    /// The side's objects for `plan`, on paths of `mtu` bytes.
+    fn open(ctx: Context, plan: &Plan, mtu: Mtu) -> Result<Side, String> {
         if plan.conn == QpType::Ud && plan.max_size() > mtu.bytes() {
             return Err(" Max message size in UD cannot be greater than MTU ".into());
         }
@@ -1524,9 +1523,10 @@ fn run_side(
     probe: MemProbe,
 ) -> Result<(), String> {
     let rss0 = probe.base.unwrap_or_else(vm_rss);
-    let fitted = plan.fit_ud(path_mtu(&ctx, plan)?);
+    let mtu = path_mtu(&ctx, plan)?;
+    let fitted = plan.fit_ud(mtu);
     let plan = fitted.as_ref().unwrap_or(plan);
-    let mut side = Side::open(ctx, plan)?;
+    let mut side = Side::open(ctx, plan, mtu)?;
     side.join_group(plan, role)?;
     if plan.verb == Verb::Send {
         side.fill_receives(plan)?;
