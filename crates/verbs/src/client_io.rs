@@ -107,7 +107,7 @@ impl ReadAhead {
                 return;
             }
         }
-        if self.bytes.len() + len > BUDGET {
+        if !self.has_room(len) {
             return;
         }
         let at = self.bytes.len();
