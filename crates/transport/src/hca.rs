@@ -538,6 +538,11 @@ impl Hca {
         Ok(n)
     }
 
+    /// CQ `cq` holds completions not yet polled (false for a CQ that does not exist).
+    pub fn cq_has_completions(&self, cq: CqId) -> bool {
+        self.queues.cqs.get(&cq).is_some_and(|q| !q.entries.is_empty())
+    }
+
     /// Ask for a completion event on the next completion (only solicited or error ones if
     /// `solicited_only`).
     pub fn req_notify_cq(&mut self, cq: CqId, solicited_only: bool) -> Result<(), VerbsError> {

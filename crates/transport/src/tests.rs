@@ -488,6 +488,52 @@ fn ack(hca: &mut Hca, mem: &mut Flat, qpn: Qpn, psn: u32) {
     hca.handle_packet(Instant::ZERO, &buf[..n], &RxInfo { grh: [0; 40] }, mem);
 }
 
+/// (opcode base, PSN) of the packets `hca` sends now.
+fn sent_packets(hca: &mut Hca, mem: &mut Flat) -> Vec<(u8, u32)> {
+    let mut buf = vec![0u8; 4096 + 64];
+    let mut out = Vec::new();
+    while let Some(t) = hca.poll_transmit(Instant::ZERO, mem, &mut buf) {
+        let p = IbPacket::new_checked(&buf[..t.len]).unwrap();
+        out.push((p.bth().opcode().base(), p.bth().psn().value()));
+    }
+    out
+}
+
+/// A plain ACK lets one request packet of its QP go first, so a reply leaves before the ACK of
+/// the request it answers; one only, so requests behind it do not hold the ACK back. A NAK never
+/// waits.
+#[test]
+fn one_request_packet_goes_before_a_plain_ack() {
+    let (mut hca, mut mem, qpn, _) = requester(16);
+    let peer_send = |hca: &mut Hca, mem: &mut Flat, psn: u32| {
+        let bth = BthRepr::new(Opcode::of(WireQpType::Rc, base::SEND_ONLY).unwrap(), qpn, Psn::new(psn));
+        let mut repr = IbRepr::new(BthRepr { ack_req: true, ..bth });
+        repr.payload_len = 8;
+        let mut buf = vec![0u8; repr.buffer_len()];
+        let n = repr.emit(&mut buf).unwrap();
+        hca.handle_packet(Instant::ZERO, &buf[..n], &RxInfo { grh: [0; 40] }, mem);
+    };
+    let recv = RecvWr { wr_id: 10, sgl: SgeList::one(Sge { addr: 0x100, length: 64, lkey: 1 }) };
+    hca.post_recv(qpn, recv, Instant::ZERO, &mut mem).unwrap();
+    // The peer's SEND (PSN 1) arrives, then two WRITEs are posted before the engine transmits.
+    peer_send(&mut hca, &mut mem, 1);
+    hca.post_send(qpn, write64(1, 1), Instant::ZERO, &mut mem).unwrap();
+    hca.post_send(qpn, write64(2, 1), Instant::ZERO, &mut mem).unwrap();
+    assert_eq!(
+        sent_packets(&mut hca, &mut mem),
+        [(base::WRITE_ONLY, 5), (base::ACKNOWLEDGE, 1), (base::WRITE_ONLY, 6)]
+    );
+    // With no request to send the ACK goes at once.
+    let recv = RecvWr { wr_id: 11, sgl: SgeList::one(Sge { addr: 0x100, length: 64, lkey: 1 }) };
+    hca.post_recv(qpn, recv, Instant::ZERO, &mut mem).unwrap();
+    peer_send(&mut hca, &mut mem, 2);
+    assert_eq!(sent_packets(&mut hca, &mut mem), [(base::ACKNOWLEDGE, 2)]);
+    // No receive posted: the RNR NAK goes before the WRITE posted after it arrived.
+    peer_send(&mut hca, &mut mem, 3);
+    hca.post_send(qpn, write64(3, 1), Instant::ZERO, &mut mem).unwrap();
+    assert_eq!(sent_packets(&mut hca, &mut mem), [(base::ACKNOWLEDGE, 3), (base::WRITE_ONLY, 7)]);
+}
+
 /// A one-packet WRITE's region is checked by its gather only (one lookup): a WQE started while
 /// the window is closed is started again, with the same PSN, when it opens.
 #[test]

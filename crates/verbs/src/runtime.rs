@@ -119,6 +119,9 @@ pub(crate) struct State {
     pub tx_errors: u64,
     /// Posts whose packets waited for the next progress (`Device::run_post`).
     pub corked: u64,
+    /// A thread polling a CQ took completions before the packets their receive made the engine
+    /// owe (ACKs) were sent: the next flush sends them (see [`Device::poll_progress`]).
+    flush_owed: bool,
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
     /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
     /// than this must wake it, or the timer would fire up to an idle wait late.
@@ -236,6 +239,11 @@ pub(crate) struct Device {
     epoch: u64,
     /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
     app_progress: AtomicU64,
+    /// The I/O thread stands aside for a polling application thread (see `io_loop`): it looks
+    /// again within [`BUSY_SLEEP`] and makes progress once the application stopped polling, so a
+    /// poll may leave a flush owed (see [`Device::poll_progress`]). Cleared before the I/O thread
+    /// takes the lock to work out how long to sleep otherwise.
+    io_aside: AtomicBool,
     /// Receive RC WRITE continuations in place (see place.rs; `DeviceBuilder::rx_place`, off by
     /// default: every payload is copied out of the receive buffer).
     rx_place: bool,
@@ -317,6 +325,7 @@ impl Device {
             rx_icrc: IcrcCache::default(),
             tx_errors: 0,
             corked: 0,
+            flush_owed: false,
             io_wake_at: None,
             next_pd: 1,
             qp_traffic: None,
@@ -347,6 +356,7 @@ impl Device {
             stop: AtomicBool::new(false),
             epoch: monotonic_ns(),
             app_progress: AtomicU64::new(0),
+            io_aside: AtomicBool::new(false),
             rx_place,
         })
     }
@@ -373,10 +383,12 @@ impl Device {
         r
     }
 
-    /// Run `f` on the engine, then send what it produced and dispatch notifications.
+    /// Run `f` on the engine, then send what it produced and dispatch notifications. What a poll
+    /// left owed goes first: `f` may change a QP's state (an error state drops its queued ACKs).
     pub fn run<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let mut st = self.lock();
         let now = self.now();
+        self.flush_owed(&mut st, now);
         let r = f(&mut st, now);
         self.flush(&mut st, now);
         r
@@ -406,6 +418,13 @@ impl Device {
         r
     }
 
+    /// Send what a poll left owed (see [`Device::poll_progress`]), if anything.
+    pub(crate) fn flush_owed(&self, st: &mut State, now: Instant) {
+        if st.flush_owed {
+            self.flush(st, now);
+        }
+    }
+
     /// Send every packet the engine has, and hand out completion and async events.
     pub(crate) fn flush(&self, st: &mut State, now: Instant) {
         // Packets go out in batches of up to udp::BATCH per sendmmsg, each built in its own slot of
@@ -426,6 +445,7 @@ impl Device {
         //
         // First the CM's MADs; those to this device itself are handed to its CM at once, and what
         // that makes it say is drained in the next round.
+        st.flush_owed = false;
         st.link.flush_starts();
         // Writes to daemon clients' memory kept behind are made before any packet leaves
         // (client_io.rs).
@@ -823,7 +843,7 @@ impl Device {
         self.progress_at(st, now, false);
     }
 
-    /// [`Device::progress`] for a thread busy polling an embedded device's CQ: when no packet
+    /// [`Device::progress`] for a thread busy polling an embedded device's CQ `cq`: when no packet
     /// arrived and no timer fired the engine is as the last flush left it (every verbs call that
     /// changes it flushes on its way out, see [`Device::run`], except a corked post, whose packets
     /// wait for an ACK or the cork timer, both work here: [`Device::run_post`]), so the flush is
@@ -831,12 +851,23 @@ impl Device {
     /// timer check.
     /// (Reading the clock only every 32nd empty poll made the same-host ping-pong slower, not
     /// faster: see docs/PERFORMANCE.md.)
+    ///
+    /// When what arrived completed work on `cq`, the completions go to the polling thread first and
+    /// what the receive made the engine owe (ACKs) waits for the next flush: the thread's next
+    /// post sends it (after the post's own packets: see `Qp::poll_transmit`), a verbs call that
+    /// changes the engine sends it first ([`Device::run`]), so does the thread's next poll that
+    /// finds `cq` empty, and the I/O thread once the application stops polling (or the device
+    /// closes). The reply of a request-response exchange then leaves before the ACK of the
+    /// request, not after it (over UDP, a `sendmsg` less on the way). Only one poll at a time:
+    /// a stream of receives that keeps completing work is ACKed every other poll.
     /// Returns the clock reading and whether anything happened (see [`Device::poll_empty`]).
-    pub fn poll_progress(&self, st: &mut State) -> (Instant, bool) {
+    pub fn poll_progress(&self, st: &mut State, cq: CqId) -> (Instant, bool) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
         let work = self.receive_at(st, now, false);
-        if work || st.link.congested() {
+        if work && !st.flush_owed && st.hca.cq_has_completions(cq) && self.io_aside.load(Ordering::Relaxed) {
+            st.flush_owed = true;
+        } else if work || st.flush_owed || st.link.congested() {
             self.flush(st, now);
         }
         (now, work)
@@ -1114,6 +1145,7 @@ impl Device {
             // every datagram and competing for the cores and the lock. On a machine with as many
             // busy threads as cores that competition costs milliseconds of preemption.
             if self.app_polling() {
+                self.io_aside.store(true, Ordering::Relaxed);
                 let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
                 // SAFETY: one live pollfd (the wake-up socket); `ts` outlives the call.
                 unsafe { libc::ppoll(wake_fd.as_mut_ptr(), 1, &ts, std::ptr::null()) };
@@ -1122,6 +1154,9 @@ impl Device {
                     continue;
                 }
             }
+            // Before the lock: a poll that sees this thread aside under the lock may leave a
+            // flush owed, which this thread then finds below.
+            self.io_aside.store(false, Ordering::Relaxed);
             let wait = {
                 let mut st = self.lock();
                 let now = self.now();
@@ -1135,7 +1170,7 @@ impl Device {
                 fds.push(pfd(self.wake_rx.as_raw_fd()));
                 // Lane entries already waiting: no sleep (but still one pass through ppoll, which
                 // then returns at once, to keep one code path).
-                if !st.link.sleep_prepare(&mut fds) {
+                if !st.link.sleep_prepare(&mut fds) || st.flush_owed {
                     Duration::ZERO
                 } else if st.link.congested() {
                     // Nothing tells us when the receiver makes room: look again soon.
@@ -1250,6 +1285,10 @@ impl DeviceHandle {
 
 impl Drop for DeviceHandle {
     fn drop(&mut self) {
+        {
+            let mut st = self.dev.lock();
+            self.dev.flush_owed(&mut st, self.dev.now());
+        }
         self.dev.stop.store(true, Ordering::Release);
         let _ = self.dev.wake();
         if let Some(t) = self.thread.take() {

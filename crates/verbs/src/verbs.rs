@@ -532,7 +532,7 @@ impl CompletionQueue {
             }
             return Ok(n);
         }
-        let (now, work) = dev.poll_progress(&mut st);
+        let (now, work) = dev.poll_progress(&mut st, id);
         let n = st.hca.poll_cq(id, max, out)?;
         drop(st);
         if n > 0 || work {
@@ -774,7 +774,10 @@ enum QpImp {
 impl Drop for QpImp {
     fn drop(&mut self) {
         if let QpImp::Embedded { h, qpn } = self {
-            let _ = h.dev.lock().destroy_qp(*qpn);
+            let mut st = h.dev.lock();
+            // Its ACKs a poll left owed leave before it goes.
+            h.dev.flush_owed(&mut st, h.dev.now());
+            let _ = st.destroy_qp(*qpn);
         }
     }
 }

@@ -420,8 +420,19 @@ impl Qp {
         self.resp.nothing_owed() && self.sq.cur >= self.sq.len()
     }
 
-    /// Produce the next packet to send, responses first.
+    /// Produce the next packet to send, responses first, except that a plain ACK lets one request
+    /// packet of this QP go before it. The two go opposite ways (the ACK to the peer's requester,
+    /// the request to its responder), so nothing orders them; sending the request first puts the
+    /// reply of a request-response exchange on the wire before the ACK of the request it answers
+    /// (in one `sendmmsg`, the reply reaches the peer while the ACK is still being sent). One
+    /// packet at most: a stream of requests never holds an ACK back for longer.
     pub fn poll_transmit(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
+        if self.resp.ack_may_wait() {
+            if let Some(t) = self.poll_request(buf, ctx) {
+                self.resp.ack_waits();
+                return Some(t);
+            }
+        }
         if let Some(t) = self.poll_response(buf, ctx) {
             return Some(t);
         }

@@ -62,6 +62,9 @@ pub(crate) struct Responder {
     uc_drop: bool,
     res: VecDeque<Resource>,
     out: VecDeque<Response>,
+    /// The plain ACK at the head of `out` already let one request packet of this QP go before it
+    /// (see [`Qp::poll_transmit`]).
+    ack_waited: bool,
     comm_est: bool,
 }
 
@@ -86,6 +89,7 @@ impl Responder {
             uc_drop: false,
             res: VecDeque::new(),
             out: VecDeque::new(),
+            ack_waited: false,
             comm_est: false,
         }
     }
@@ -100,6 +104,7 @@ impl Responder {
 
     pub fn clear_output(&mut self) {
         self.out.clear();
+        self.ack_waited = false;
     }
 
     fn queue_ack(&mut self, psn: Psn) {
@@ -137,6 +142,16 @@ impl Responder {
             Response::Read { rkey, va, remaining, .. } => Some((rkey, va, remaining)),
             _ => None,
         })
+    }
+
+    /// A plain ACK (not a NAK) is the next response and has not let a request packet go first yet.
+    pub(super) fn ack_may_wait(&self) -> bool {
+        !self.ack_waited && matches!(self.out.front(), Some(Response::Ack { syndrome: Syndrome::Ack { .. }, .. }))
+    }
+
+    /// A request packet went before the plain ACK at the head of the responses.
+    pub(super) fn ack_waits(&mut self) {
+        self.ack_waited = true;
     }
 
     /// No response (ACK, NAK, READ response, atomic ACK) waits to be sent.
@@ -707,6 +722,7 @@ impl Qp {
         let len = match r {
             Response::Ack { psn, syndrome, msn } => {
                 self.resp.out.pop_front();
+                self.resp.ack_waited = false;
                 emit_acknowledge(buf, DEFAULT_PKEY, self.attr.dest_qpn, psn, &AethRepr { syndrome, msn }).ok()?
             }
             Response::AtomicAck { psn, orig, msn, .. } => {
