@@ -6,7 +6,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::attr::{AddressVector, ModifyQp, QpInit};
 use crate::config::Config;
-use crate::cq::WorkCompletion;
+use crate::cq::{WcOpcode, WorkCompletion};
 use crate::error::VerbsError;
 use crate::memory::MemoryAccess;
 use crate::qp::{Qp, QpInfo};
@@ -538,9 +538,11 @@ impl Hca {
         Ok(n)
     }
 
-    /// CQ `cq` holds completions not yet polled (false for a CQ that does not exist).
-    pub fn cq_has_completions(&self, cq: CqId) -> bool {
-        self.queues.cqs.get(&cq).is_some_and(|q| !q.entries.is_empty())
+    /// How many of the completions CQ `cq` holds, not yet polled, are of receives (0 for a CQ that
+    /// does not exist).
+    pub fn cq_receives(&self, cq: CqId) -> usize {
+        let is_recv = |w: &&WorkCompletion| matches!(w.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
+        self.queues.cqs.get(&cq).map_or(0, |q| q.entries.iter().filter(is_recv).count())
     }
 
     /// Ask for a completion event on the next completion (only solicited or error ones if

@@ -504,7 +504,7 @@ fn sent_packets(hca: &mut Hca, mem: &mut Flat) -> Vec<(u8, u32)> {
 /// waits.
 #[test]
 fn one_request_packet_goes_before_a_plain_ack() {
-    let (mut hca, mut mem, qpn, _) = requester(16);
+    let (mut hca, mut mem, qpn, cq) = requester(16);
     let peer_send = |hca: &mut Hca, mem: &mut Flat, psn: u32| {
         let bth = BthRepr::new(Opcode::of(WireQpType::Rc, base::SEND_ONLY).unwrap(), qpn, Psn::new(psn));
         let mut repr = IbRepr::new(BthRepr { ack_req: true, ..bth });
@@ -532,6 +532,19 @@ fn one_request_packet_goes_before_a_plain_ack() {
     peer_send(&mut hca, &mut mem, 3);
     hca.post_send(qpn, write64(3, 1), Instant::ZERO, &mut mem).unwrap();
     assert_eq!(sent_packets(&mut hca, &mut mem), [(base::ACKNOWLEDGE, 3), (base::WRITE_ONLY, 7)]);
+    // A WRITE that fails its local check (key 9 is unknown) as it is built moves the QP to ERR,
+    // which drops queued responses: the ACK of the SEND received before it still goes.
+    ack(&mut hca, &mut mem, qpn, 7);
+    let recv = RecvWr { wr_id: 12, sgl: SgeList::one(Sge { addr: 0x100, length: 64, lkey: 1 }) };
+    hca.post_recv(qpn, recv, Instant::ZERO, &mut mem).unwrap();
+    peer_send(&mut hca, &mut mem, 3);
+    hca.post_send(qpn, write64(4, 9), Instant::ZERO, &mut mem).unwrap();
+    assert_eq!(sent_packets(&mut hca, &mut mem), [(base::ACKNOWLEDGE, 3)]);
+    let mut wc = Vec::new();
+    hca.poll_cq(cq, 16, &mut wc).unwrap();
+    let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status)).collect();
+    assert!(got.contains(&(12, WcStatus::Success)), "{got:?}");
+    assert!(got.contains(&(4, WcStatus::LocProtErr)), "{got:?}");
 }
 
 /// A one-packet WRITE's region is checked by its gather only (one lookup): a WQE started while

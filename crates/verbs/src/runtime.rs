@@ -119,9 +119,11 @@ pub(crate) struct State {
     pub tx_errors: u64,
     /// Posts whose packets waited for the next progress (`Device::run_post`).
     pub corked: u64,
-    /// A thread polling a CQ took completions before the packets their receive made the engine
-    /// owe (ACKs) were sent: the next flush sends them (see [`Device::poll_progress`]).
+    /// A thread polling a CQ took a completion before the packets its receive made the engine owe
+    /// (ACKs) were sent: the next flush sends them (see [`Device::poll_progress`]).
     flush_owed: bool,
+    /// Polls that left a flush owed.
+    pub flushes_left_owed: u64,
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
     /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
     /// than this must wake it, or the timer would fire up to an idle wait late.
@@ -326,6 +328,7 @@ impl Device {
             tx_errors: 0,
             corked: 0,
             flush_owed: false,
+            flushes_left_owed: 0,
             io_wake_at: None,
             next_pd: 1,
             qp_traffic: None,
@@ -409,7 +412,7 @@ impl Device {
         if direct > 0 {
             st.link.executed_directly(now, direct);
         }
-        if !st.link.has_outbound_lane() && st.hca.cork(qpn, now) {
+        if !st.flush_owed && !st.link.has_outbound_lane() && st.hca.cork(qpn, now) {
             st.corked += 1;
             self.dispatch(&mut st);
         } else {
@@ -843,30 +846,36 @@ impl Device {
         self.progress_at(st, now, false);
     }
 
-    /// [`Device::progress`] for a thread busy polling an embedded device's CQ `cq`: when no packet
-    /// arrived and no timer fired the engine is as the last flush left it (every verbs call that
-    /// changes it flushes on its way out, see [`Device::run`], except a corked post, whose packets
-    /// wait for an ACK or the cork timer, both work here: [`Device::run_post`]), so the flush is
+    /// [`Device::progress`] for a thread busy polling an embedded device's CQ `cq`, found empty:
+    /// when no packet arrived and no timer fired the engine is as the last flush left it (every
+    /// verbs call that changes it flushes on its way out, see [`Device::run`], except a corked
+    /// post, whose packets wait for an ACK or the cork timer, both work here:
+    /// [`Device::run_post`], and a poll that left a flush owed, see below), so the flush is
     /// skipped. That keeps an empty poll to a clock read, a look at each lane's next tag and the
     /// timer check.
     /// (Reading the clock only every 32nd empty poll made the same-host ping-pong slower, not
     /// faster: see docs/PERFORMANCE.md.)
     ///
-    /// When what arrived completed work on `cq`, the completions go to the polling thread first and
-    /// what the receive made the engine owe (ACKs) waits for the next flush: the thread's next
-    /// post sends it (after the post's own packets: see `Qp::poll_transmit`), a verbs call that
-    /// changes the engine sends it first ([`Device::run`]), so does the thread's next poll that
-    /// finds `cq` empty, and the I/O thread once the application stops polling (or the device
-    /// closes). The reply of a request-response exchange then leaves before the ACK of the
-    /// request, not after it (over UDP, a `sendmsg` less on the way). Only one poll at a time:
-    /// a stream of receives that keeps completing work is ACKed every other poll.
+    /// When what arrived completed one receive on `cq` (a request of a request-response exchange;
+    /// a stream completes many at once), the completions go to the polling thread first, and what
+    /// the receive made the engine owe (the request's ACK)
+    /// waits for the next flush: the thread's next post sends it after the post's own packets
+    /// (`Qp::poll_transmit` lets a request go before a plain ACK), so the reply leaves before the
+    /// ACK of the request it answers (over UDP, in one `sendmmsg`, instead of an ACK's `sendmsg`
+    /// first). The next flush comes with the thread's next post or poll of an empty CQ, a
+    /// [`Device::run`] call (a QP's modification, before it), the QP's destruction, the device's
+    /// closing, the process's exit, or the I/O thread: a poll leaves a flush owed only while that
+    /// thread stands aside for the polling thread (it looks again within [`BUSY_SLEEP`] and does
+    /// not sleep while a flush is owed). Only one poll in a row: the next poll flushes.
     /// Returns the clock reading and whether anything happened (see [`Device::poll_empty`]).
     pub fn poll_progress(&self, st: &mut State, cq: CqId) -> (Instant, bool) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
         let work = self.receive_at(st, now, false);
-        if work && !st.flush_owed && st.hca.cq_has_completions(cq) && self.io_aside.load(Ordering::Relaxed) {
+        if work && !st.flush_owed && st.hca.cq_receives(cq) == 1 && self.io_aside.load(Ordering::Relaxed) {
             st.flush_owed = true;
+            st.flushes_left_owed += 1;
+            self.dispatch(st);
         } else if work || st.flush_owed || st.link.congested() {
             self.flush(st, now);
         }
@@ -1000,8 +1009,9 @@ impl Device {
                         if st.rx_hint.is_none() {
                             st.rx_hint = prev_hint.filter(|q| st.hca.rx_placement(*q).is_some());
                         }
-                        // One large datagram at a time goes with a flush each: its ACK leaves
-                        // before the next is taken, as after a batch that did not fill.
+                        // One large datagram at a time goes with a flush each (or the next
+                        // poll's, see `poll_progress`): its ACK leaves before the next is taken,
+                        // as after a batch that did not fill.
                         if k < want || want == 1 {
                             break;
                         }
@@ -1274,12 +1284,41 @@ impl DeviceHandle {
     /// Start the I/O thread of `dev`.
     pub fn start(dev: Device) -> Result<DeviceHandle> {
         let dev = Arc::new(dev);
+        {
+            let mut running = RUNNING.lock().expect("device list");
+            running.retain(|d| d.strong_count() > 0);
+            running.push(Arc::downgrade(&dev));
+        }
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        // SAFETY: registers a function that takes no arguments and returns, as atexit requires.
+        AT_EXIT.call_once(|| unsafe {
+            libc::atexit(flush_owed_at_exit);
+        });
         let d = Arc::clone(&dev);
         let thread = std::thread::Builder::new()
             .name(format!("softrdma-{}", dev.info.name))
             .spawn(move || d.io_loop())
             .map_err(|e| Error::io("starting the device I/O thread", e))?;
         Ok(DeviceHandle { dev, thread: Some(thread) })
+    }
+}
+
+/// The devices of this process: at its exit, what a poll left owed is sent (a program that takes
+/// its last completion and exits would otherwise leave the ACK of that request unsent, and its
+/// peer's send would end in a retry error).
+static RUNNING: Mutex<Vec<std::sync::Weak<Device>>> = Mutex::new(Vec::new());
+
+/// See [`RUNNING`]. A device whose lock another thread holds (or a poisoned one) is skipped: exit
+/// must not wait.
+extern "C" fn flush_owed_at_exit() {
+    let devices = match RUNNING.try_lock() {
+        Ok(d) => d.clone(),
+        Err(_) => return,
+    };
+    for dev in devices.iter().filter_map(std::sync::Weak::upgrade) {
+        if let Ok(mut st) = dev.state.try_lock() {
+            dev.flush_owed(&mut st, dev.now());
+        }
     }
 }
 

@@ -270,6 +270,15 @@ impl Context {
         }
     }
 
+    /// Polls of a CQ that handed a received request's completion over before sending its ACK, left
+    /// to the next flush (see `Device::poll_progress`); 0 on a softrdmad device.
+    pub fn flushes_left_owed(&self) -> u64 {
+        match &self.h {
+            Dev::Embedded(h) => h.dev.lock().flushes_left_owed,
+            Dev::Daemon(_) => 0,
+        }
+    }
+
     /// The embedded device behind this context (for the CM's IDs); an error on a softrdmad device.
     pub(crate) fn embedded(&self) -> Result<&Arc<DeviceHandle>> {
         match &self.h {

@@ -7,7 +7,9 @@
 
 mod common;
 
+use std::cell::Cell;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::Endpoint;
@@ -23,6 +25,9 @@ struct Rig {
     ep: Endpoint,
     peer: UdpSocket,
     dev: SocketAddr,
+    /// SENDs the device sent (PSNs from 0x10) and the peer sent (PSNs from 0).
+    sent: Cell<u32>,
+    received: Cell<u32>,
 }
 
 impl Rig {
@@ -39,7 +44,7 @@ impl Rig {
         for i in 0..32 {
             ep.qp.post_recv(RecvWr { wr_id: 100 + i, sgl: vec![ep.sge(0, 64)].into() }).unwrap();
         }
-        Rig { ep, peer, dev: SocketAddr::new(IpAddr::V4(dev_ip), port) }
+        Rig { ep, peer, dev: SocketAddr::new(IpAddr::V4(dev_ip), port), sent: Cell::new(0), received: Cell::new(0) }
     }
 
     /// The peer sends an 8-byte SEND ONLY with AckReq at `psn`.
@@ -83,27 +88,51 @@ impl Rig {
         }
     }
 
-    /// Get the I/O thread to stand aside for the polling thread (it is the one that takes requests
-    /// in then, and may leave a flush to later): a SEND of the device's, which arms a timer that
-    /// wakes the I/O thread, while the test thread busy-polls; the peer ACKs it.
-    fn warm_up(&self) {
-        self.poll_for(Duration::from_millis(1));
-        self.ep.post(99, SendOp::Send, 0, 8);
-        assert_eq!(next_packet(&self.peer, Duration::from_secs(5)), Some((base::SEND_ONLY, 0x10)));
-        self.peer_ack(0x10, 1);
-        let wc = common::wait_n(&self.ep.cq, 1, Duration::from_secs(5)).remove(0);
-        assert_eq!((wc.wr_id, wc.status), (99, WcStatus::Success));
-        self.poll_for(Duration::from_millis(5));
+    /// The device posts a SEND (a reply, when a request came before), which the peer reads and
+    /// ACKs. Returns what the peer read: the SEND and, if it came after it, the ACK of the
+    /// peer's last request.
+    fn reply(&self) -> Vec<(u8, u32)> {
+        let n = self.sent.get();
+        self.sent.set(n + 1);
+        self.ep.post(u64::from(n), SendOp::Send, 0, 8);
+        let mut got = Vec::new();
+        while !got.contains(&(base::SEND_ONLY, 0x10 + n)) {
+            got.push(next_packet(&self.peer, Duration::from_secs(5)).expect("the device's SEND"));
+        }
+        self.peer_ack(0x10 + n, n + 1);
+        got
     }
 
-    /// Busy-poll the CQ, finding nothing, for `d`.
+    /// The peer's next SEND, which the device's polling thread takes in. Returns whether that poll
+    /// left its ACK owed.
+    fn request(&self) -> bool {
+        let before = self.ep.ctx.flushes_left_owed();
+        let psn = self.received.get();
+        self.received.set(psn + 1);
+        self.peer_send(psn);
+        let wc = self.poll_recv();
+        is_recv_of_8(&wc);
+        self.ep.qp.post_recv(RecvWr { wr_id: wc.wr_id, sgl: vec![self.ep.sge(0, 64)].into() }).unwrap();
+        self.ep.ctx.flushes_left_owed() > before
+    }
+
+    /// Get the I/O thread to stand aside for the polling thread (it is the one that takes requests
+    /// in then, and may leave a flush to later): the device's SEND arms a timer, which wakes the
+    /// I/O thread, while the test thread busy-polls.
+    fn warm_up(&self) {
+        self.poll_for(Duration::from_millis(1));
+        self.reply();
+        self.poll_for(Duration::from_millis(1));
+    }
+
+    /// Busy-poll the CQ for `d`, finding nothing but the completions of the device's SENDs.
     fn poll_for(&self, d: Duration) {
         let mut out = Vec::new();
         let start = Instant::now();
         while start.elapsed() < d {
             self.ep.cq.poll(1, &mut out).unwrap();
         }
-        assert!(out.is_empty(), "unexpected completions {out:?}");
+        assert!(out.iter().all(|wc| (wc.status, wc.opcode) == (WcStatus::Success, WcOpcode::Send)), "{out:?}");
     }
 }
 
@@ -121,49 +150,73 @@ fn is_recv_of_8(wc: &WorkCompletion) {
     assert_eq!((wc.status, wc.opcode, wc.byte_len), (WcStatus::Success, WcOpcode::Recv, 8), "{wc:?}");
 }
 
+/// The tests busy-poll: one at a time, so that the I/O threads find their polling threads busy.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Rounds a test may take to see three (or one) polls leave their ACK owed: on a loaded machine
+/// the I/O thread takes some requests in instead.
+const ROUNDS: u32 = 200;
+
 #[test]
 fn a_reply_posted_after_the_completion_leaves_before_the_ack() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let r = Rig::new("ackord0", 1);
     r.warm_up();
-    let (mut reply_first, rounds) = (0, 10);
-    for i in 0..rounds {
-        r.peer_send(i);
-        is_recv_of_8(&r.poll_recv());
-        r.ep.post(u64::from(i), SendOp::Send, 0, 8);
-        let got = [next_packet(&r.peer, Duration::from_secs(5)), next_packet(&r.peer, Duration::from_secs(5))];
-        let (reply, ack) = (Some((base::SEND_ONLY, 0x11 + i)), Some((base::ACKNOWLEDGE, i)));
-        if got == [reply, ack] {
-            reply_first += 1;
+    let mut left_owed = 0;
+    for _ in 0..ROUNDS {
+        let psn = r.received.get();
+        let owed = r.request();
+        let got = r.reply();
+        let (reply, ack) = ((base::SEND_ONLY, 0x10 + r.sent.get() - 1), (base::ACKNOWLEDGE, psn));
+        if owed {
+            left_owed += 1;
+            assert_eq!(got, [reply], "request {psn}");
+            assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some(ack), "request {psn}");
         } else {
             // The I/O thread took this request in (the test thread was descheduled for a while):
             // the ACK went at once, before the reply was posted.
-            assert_eq!(got, [ack, reply], "round {i}");
+            assert_eq!(got, [ack, reply], "request {psn}");
         }
-        r.peer_ack(0x11 + i, i + 2);
+        if left_owed == 3 {
+            return;
+        }
     }
-    assert!(reply_first * 2 >= rounds, "the reply went first in {reply_first} of {rounds} rounds");
+    panic!("{left_owed} of {ROUNDS} polls left their ACK to the reply's flush");
+}
+
+/// Runs `check` with the ACK of the peer's request `psn` owed, on a rig whose polling thread took
+/// that request in and left its ACK to the next flush.
+fn with_ack_owed(name: &str, last: u8, check: impl Fn(Rig, u32)) {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let r = Rig::new(name, last);
+    for _ in 0..ROUNDS {
+        r.warm_up();
+        let psn = r.received.get();
+        if r.request() {
+            return check(r, psn);
+        }
+        // The I/O thread took it in and ACKed it at once.
+        assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some((base::ACKNOWLEDGE, psn)));
+    }
+    panic!("no poll left its ACK owed in {ROUNDS} rounds");
 }
 
 #[test]
 fn the_ack_leaves_when_the_application_stops_calling() {
-    let r = Rig::new("ackord1", 3);
-    r.warm_up();
-    r.peer_send(0);
-    is_recv_of_8(&r.poll_recv());
-    // No verbs call any more: the I/O thread takes over once the polling stopped.
-    let start = Instant::now();
-    assert_eq!(next_packet(&r.peer, Duration::from_secs(2)), Some((base::ACKNOWLEDGE, 0)));
-    // About a millisecond: the I/O thread looks every BUSY_SLEEP (0.5 ms) while it stands aside.
-    assert!(start.elapsed() < Duration::from_millis(30), "the ACK took {:?}", start.elapsed());
+    with_ack_owed("ackord1", 3, |r, psn| {
+        // No verbs call any more: the I/O thread takes over once the polling stopped.
+        let start = Instant::now();
+        assert_eq!(next_packet(&r.peer, Duration::from_secs(2)), Some((base::ACKNOWLEDGE, psn)));
+        // About a millisecond: the I/O thread looks every BUSY_SLEEP (0.5 ms) while it stands aside.
+        assert!(start.elapsed() < Duration::from_millis(30), "the ACK took {:?}", start.elapsed());
+    });
 }
 
 #[test]
 fn the_ack_leaves_when_the_qp_is_destroyed_at_once() {
-    let r = Rig::new("ackord2", 5);
-    r.warm_up();
-    r.peer_send(0);
-    is_recv_of_8(&r.poll_recv());
-    let Rig { ep, peer, .. } = r;
-    drop(ep.qp);
-    assert_eq!(next_packet(&peer, Duration::from_secs(2)), Some((base::ACKNOWLEDGE, 0)));
+    with_ack_owed("ackord2", 5, |r, psn| {
+        let Rig { ep, peer, .. } = r;
+        drop(ep.qp);
+        assert_eq!(next_packet(&peer, Duration::from_secs(2)), Some((base::ACKNOWLEDGE, psn)));
+    });
 }

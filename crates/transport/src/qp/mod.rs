@@ -427,11 +427,8 @@ impl Qp {
     /// (in one `sendmmsg`, the reply reaches the peer while the ACK is still being sent). One
     /// packet at most: a stream of requests never holds an ACK back for longer.
     pub fn poll_transmit(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
-        if self.resp.ack_may_wait() {
-            if let Some(t) = self.poll_request(buf, ctx) {
-                self.resp.ack_waits();
-                return Some(t);
-            }
+        if let Some(t) = self.request_before_ack(buf, ctx) {
+            return Some(t);
         }
         if let Some(t) = self.poll_response(buf, ctx) {
             return Some(t);

@@ -144,16 +144,6 @@ impl Responder {
         })
     }
 
-    /// A plain ACK (not a NAK) is the next response and has not let a request packet go first yet.
-    pub(super) fn ack_may_wait(&self) -> bool {
-        !self.ack_waited && matches!(self.out.front(), Some(Response::Ack { syndrome: Syndrome::Ack { .. }, .. }))
-    }
-
-    /// A request packet went before the plain ACK at the head of the responses.
-    pub(super) fn ack_waits(&mut self) {
-        self.ack_waited = true;
-    }
-
     /// No response (ACK, NAK, READ response, atomic ACK) waits to be sent.
     pub(super) fn nothing_owed(&self) -> bool {
         self.out.is_empty()
@@ -172,6 +162,26 @@ impl Responder {
 }
 
 impl Qp {
+    /// A plain ACK (not a NAK) at the head of the responses lets one request packet of this QP go
+    /// first (see [`Qp::poll_transmit`]): that packet, if there is one.
+    pub(super) fn request_before_ack(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
+        let ack = match self.resp.out.front() {
+            Some(&r @ Response::Ack { syndrome: Syndrome::Ack { .. }, .. }) if !self.resp.ack_waited => r,
+            _ => return None,
+        };
+        if let Some(t) = self.poll_request(buf, ctx) {
+            self.resp.ack_waited = true;
+            return Some(t);
+        }
+        // The request failed a local check (its keys and lengths are checked as it is built) and
+        // the QP went to ERR, which drops queued responses: the ACK of requests executed before
+        // still goes, as it would have had it gone first.
+        if self.resp.out.is_empty() {
+            self.resp.out.push_back(ack);
+        }
+        None
+    }
+
     pub(super) fn handle_request(&mut self, pkt: &IbPacket<&[u8]>, grh: &[u8; 40], ctx: &mut Ctx<'_>) {
         if pkt.bth().pkey() & 0x7fff != DEFAULT_PKEY & 0x7fff {
             ctx.stats.drop_pkey += 1;
