@@ -9,6 +9,7 @@
 mod completer;
 mod requester;
 mod responder;
+use responder::WaitingAck;
 mod rtt;
 
 use std::collections::VecDeque;
@@ -427,13 +428,24 @@ impl Qp {
     /// (in one `sendmmsg`, the reply reaches the peer while the ACK is still being sent). One
     /// packet at most: a stream of requests never holds an ACK back for longer.
     pub fn poll_transmit(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
-        if let Some(t) = self.request_before_ack(buf, ctx) {
-            return Some(t);
+        if let Some(ack) = self.resp.ack_may_wait() {
+            return self.request_before_ack(ack, buf, ctx);
         }
         if let Some(t) = self.poll_response(buf, ctx) {
             return Some(t);
         }
         self.poll_request(buf, ctx)
+    }
+
+    /// [`Qp::poll_transmit`] with a plain ACK at the head of the responses that may wait: a request
+    /// packet if there is one, else the ACK. Out of line, so that the usual path keeps building the
+    /// request straight into the caller's result.
+    #[cold]
+    #[inline(never)]
+    fn request_before_ack(&mut self, ack: WaitingAck, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
+        let t = self.poll_request(buf, ctx);
+        self.resp.request_tried_first(ack, t.is_some());
+        t.or_else(|| self.poll_response(buf, ctx))
     }
 
     // ---- errors and completions --------------------------------------------------------------

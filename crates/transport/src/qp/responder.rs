@@ -49,6 +49,10 @@ enum Response {
     Read { psn: Psn, va: u64, rkey: u32, remaining: u32, first: bool, msn: u32, dup: bool },
 }
 
+/// A plain ACK a request packet may go before (see [`Responder::ack_may_wait`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WaitingAck(Response);
+
 /// Responder state of a QP.
 #[derive(Debug)]
 pub(crate) struct Responder {
@@ -144,6 +148,27 @@ impl Responder {
         })
     }
 
+    /// The plain ACK (not a NAK) at the head of the responses, when it may still let a request
+    /// packet go first (see [`Qp::poll_transmit`]).
+    pub(super) fn ack_may_wait(&self) -> Option<WaitingAck> {
+        match self.out.front() {
+            Some(&r @ Response::Ack { syndrome: Syndrome::Ack { .. }, .. }) if !self.ack_waited => Some(WaitingAck(r)),
+            _ => None,
+        }
+    }
+
+    /// The QP was asked for a request packet before `ack` and `sent` one. If it did not, the
+    /// request may have failed a local check (its keys and lengths are checked as it is built) and
+    /// moved the QP to ERR, which drops queued responses: the ACK of the requests executed before
+    /// still goes, as it would have had it gone first.
+    pub(super) fn request_tried_first(&mut self, ack: WaitingAck, sent: bool) {
+        if sent {
+            self.ack_waited = true;
+        } else if self.out.is_empty() {
+            self.out.push_back(ack.0);
+        }
+    }
+
     /// No response (ACK, NAK, READ response, atomic ACK) waits to be sent.
     pub(super) fn nothing_owed(&self) -> bool {
         self.out.is_empty()
@@ -162,26 +187,6 @@ impl Responder {
 }
 
 impl Qp {
-    /// A plain ACK (not a NAK) at the head of the responses lets one request packet of this QP go
-    /// first (see [`Qp::poll_transmit`]): that packet, if there is one.
-    pub(super) fn request_before_ack(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
-        let ack = match self.resp.out.front() {
-            Some(&r @ Response::Ack { syndrome: Syndrome::Ack { .. }, .. }) if !self.resp.ack_waited => r,
-            _ => return None,
-        };
-        if let Some(t) = self.poll_request(buf, ctx) {
-            self.resp.ack_waited = true;
-            return Some(t);
-        }
-        // The request failed a local check (its keys and lengths are checked as it is built) and
-        // the QP went to ERR, which drops queued responses: the ACK of requests executed before
-        // still goes, as it would have had it gone first.
-        if self.resp.out.is_empty() {
-            self.resp.out.push_back(ack);
-        }
-        None
-    }
-
     pub(super) fn handle_request(&mut self, pkt: &IbPacket<&[u8]>, grh: &[u8; 40], ctx: &mut Ctx<'_>) {
         if pkt.bth().pkey() & 0x7fff != DEFAULT_PKEY & 0x7fff {
             ctx.stats.drop_pkey += 1;
