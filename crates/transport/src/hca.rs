@@ -6,7 +6,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::attr::{AddressVector, ModifyQp, QpInit};
 use crate::config::Config;
-use crate::cq::{WcOpcode, WorkCompletion};
+use crate::cq::{WcOpcode, WcStatus, WorkCompletion};
 use crate::error::VerbsError;
 use crate::memory::MemoryAccess;
 use crate::qp::{Qp, QpInfo};
@@ -538,10 +538,12 @@ impl Hca {
         Ok(n)
     }
 
-    /// How many of the completions CQ `cq` holds, not yet polled, are of receives (0 for a CQ that
-    /// does not exist).
+    /// How many of the completions CQ `cq` holds, not yet polled, are of receives that succeeded (0
+    /// for a CQ that does not exist).
     pub fn cq_receives(&self, cq: CqId) -> usize {
-        let is_recv = |w: &&WorkCompletion| matches!(w.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
+        let is_recv = |w: &&WorkCompletion| {
+            w.status == WcStatus::Success && matches!(w.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
+        };
         self.queues.cqs.get(&cq).map_or(0, |q| q.entries.iter().filter(is_recv).count())
     }
 
@@ -843,6 +845,11 @@ impl Hca {
     /// `TimerIndex`). An engine with no timer armed since its QPs changed state reports `None`.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.timers.by_time.first().map(|(at, _)| *at)
+    }
+
+    /// A READ response is queued (its data is read from memory as its packets are built).
+    pub fn owes_read_response(&self) -> bool {
+        self.owed_reads(usize::MAX).next().is_some()
     }
 
     /// Whether [`Hca::poll_transmit`] may have a packet: false means it would return `None` (a

@@ -242,9 +242,9 @@ pub(crate) struct Device {
     /// Clock reading (ns) of the last progress made by an application thread polling a CQ.
     app_progress: AtomicU64,
     /// The I/O thread stands aside for a polling application thread (see `io_loop`): it looks
-    /// again within [`BUSY_SLEEP`] and makes progress once the application stopped polling, so a
+    /// again within [`BUSY_SLEEP`] and makes progress once no poll came for [`BUSY_WINDOW`], so a
     /// poll may leave a flush owed (see [`Device::poll_progress`]). Cleared before the I/O thread
-    /// takes the lock to work out how long to sleep otherwise.
+    /// takes the lock to work out how long to sleep otherwise (not at all while a flush is owed).
     io_aside: AtomicBool,
     /// Receive RC WRITE continuations in place (see place.rs; `DeviceBuilder::rx_place`, off by
     /// default: every payload is copied out of the receive buffer).
@@ -857,26 +857,35 @@ impl Device {
     /// faster: see docs/PERFORMANCE.md.)
     ///
     /// When what arrived completed one receive on `cq` (a request of a request-response exchange;
-    /// a stream completes many at once), the completions go to the polling thread first, and what
-    /// the receive made the engine owe (the request's ACK)
-    /// waits for the next flush: the thread's next post sends it after the post's own packets
-    /// (`Qp::poll_transmit` lets a request go before a plain ACK), so the reply leaves before the
-    /// ACK of the request it answers (over UDP, in one `sendmmsg`, instead of an ACK's `sendmsg`
-    /// first). The next flush comes with the thread's next post or poll of an empty CQ, a
-    /// [`Device::run`] call (a QP's modification, before it), the QP's destruction, the device's
-    /// closing, the process's exit, or the I/O thread: a poll leaves a flush owed only while that
-    /// thread stands aside for the polling thread (it looks again within [`BUSY_SLEEP`] and does
-    /// not sleep while a flush is owed). Only one poll in a row: the next poll flushes.
+    /// a stream completes many at once) and made the engine owe packets (the request's ACK) but
+    /// no READ response (whose data is read from memory as it is built), the completions go to
+    /// the polling thread first and the flush waits: the thread's next post sends the ACK after
+    /// the post's own packets (`Qp::poll_transmit` lets a request go before a plain ACK), so the
+    /// reply leaves before the ACK of the request it answers (over UDP, in one `sendmmsg`, instead
+    /// of an ACK's `sendmsg` first). The next flush comes with the thread's next post or poll of
+    /// an empty CQ (before it receives), a [`Device::run`] call (a QP's modification, before it),
+    /// the QP's destruction, the device's closing, the process's exit, or the I/O thread: a poll
+    /// leaves a flush owed only while that thread stands aside for the polling thread, and it
+    /// flushes once no poll came for [`BUSY_WINDOW`], checked every [`BUSY_SLEEP`]. Only one poll
+    /// in a row: the next poll flushes.
     /// Returns the clock reading and whether anything happened (see [`Device::poll_empty`]).
     pub fn poll_progress(&self, st: &mut State, cq: CqId) -> (Instant, bool) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
+        // What the last poll left owed goes before what arrives now can change a QP's state (an
+        // error state drops queued ACKs).
+        self.flush_owed(st, now);
         let work = self.receive_at(st, now, false);
-        if work && !st.flush_owed && st.hca.cq_receives(cq) == 1 && self.io_aside.load(Ordering::Relaxed) {
+        if work
+            && st.hca.cq_receives(cq) == 1
+            && st.hca.has_transmit()
+            && !st.hca.owes_read_response()
+            && self.io_aside.load(Ordering::Relaxed)
+        {
             st.flush_owed = true;
             st.flushes_left_owed += 1;
             self.dispatch(st);
-        } else if work || st.flush_owed || st.link.congested() {
+        } else if work || st.link.congested() {
             self.flush(st, now);
         }
         (now, work)
@@ -1009,9 +1018,9 @@ impl Device {
                         if st.rx_hint.is_none() {
                             st.rx_hint = prev_hint.filter(|q| st.hca.rx_placement(*q).is_some());
                         }
-                        // One large datagram at a time goes with a flush each (or the next
-                        // poll's, see `poll_progress`): its ACK leaves before the next is taken,
-                        // as after a batch that did not fill.
+                        // One large datagram at a time goes with a flush each: its ACK leaves
+                        // before the next is taken (or with the next post, or before the next
+                        // receive: see `poll_progress`), as after a batch that did not fill.
                         if k < want || want == 1 {
                             break;
                         }
@@ -1197,6 +1206,8 @@ impl Device {
             let mut st = self.lock();
             st.link.sleep_done();
             let now = self.now();
+            // What a poll left owed goes before what arrives now can change a QP's state.
+            self.flush_owed(&mut st, now);
             self.progress_at(&mut st, now, true);
         }
     }
@@ -1286,8 +1297,13 @@ impl DeviceHandle {
         let dev = Arc::new(dev);
         {
             let mut running = RUNNING.lock().expect("device list");
-            running.retain(|d| d.strong_count() > 0);
-            running.push(Arc::downgrade(&dev));
+            let pid = std::process::id();
+            if running.0 != pid {
+                // The first device, or the first in a child forked from the process.
+                *running = (pid, Vec::new());
+            }
+            running.1.retain(|d| d.strong_count() > 0);
+            running.1.push(Arc::downgrade(&dev));
         }
         static AT_EXIT: std::sync::Once = std::sync::Once::new();
         // SAFETY: registers a function that takes no arguments and returns, as atexit requires.
@@ -1303,21 +1319,29 @@ impl DeviceHandle {
     }
 }
 
-/// The devices of this process: at its exit, what a poll left owed is sent (a program that takes
-/// its last completion and exits would otherwise leave the ACK of that request unsent, and its
-/// peer's send would end in a retry error).
-static RUNNING: Mutex<Vec<std::sync::Weak<Device>>> = Mutex::new(Vec::new());
+/// The devices of this process, with its process ID: at its exit, what a poll left owed is sent
+/// (a program that takes its last completion and exits would otherwise leave the ACK of that
+/// request unsent, and its peer's send would end in a retry error).
+static RUNNING: Mutex<(u32, Vec<std::sync::Weak<Device>>)> = Mutex::new((0, Vec::new()));
 
-/// See [`RUNNING`]. A device whose lock another thread holds (or a poisoned one) is skipped: exit
-/// must not wait.
+/// See [`RUNNING`]. Not in a child forked from the process (its copies of the devices are not its
+/// own). A device whose lock another thread keeps for a millisecond (or a poisoned one) is
+/// skipped: exit must not wait long.
 extern "C" fn flush_owed_at_exit() {
     let devices = match RUNNING.try_lock() {
-        Ok(d) => d.clone(),
-        Err(_) => return,
+        Ok(r) if r.0 == std::process::id() => r.1.clone(),
+        _ => return,
     };
     for dev in devices.iter().filter_map(std::sync::Weak::upgrade) {
-        if let Ok(mut st) = dev.state.try_lock() {
-            dev.flush_owed(&mut st, dev.now());
+        let start = std::time::Instant::now();
+        loop {
+            match dev.state.try_lock() {
+                Ok(mut st) => break dev.flush_owed(&mut st, dev.now()),
+                Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < Duration::from_millis(1) => {
+                    std::thread::yield_now()
+                }
+                Err(_) => break,
+            }
         }
     }
 }

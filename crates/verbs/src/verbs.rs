@@ -524,7 +524,8 @@ impl CompletionQueue {
 
     /// Move up to `max` completions into `out`; returns how many. An empty CQ first makes the
     /// device progress (receive, time out, send) on this thread, so busy polling does not wait for
-    /// the I/O thread.
+    /// the I/O thread; the ACK of a request whose completion it returns may wait for this thread's
+    /// next post or poll (see `Device::poll_progress`).
     ///
     /// In daemon mode this reads the CQ's ring in shared memory: no system call.
     pub fn poll(&self, max: usize, out: &mut Vec<WorkCompletion>) -> Result<usize> {

@@ -16,7 +16,7 @@ use common::Endpoint;
 use softrdma_verbs::{ConnectParams, DeviceBuilder, Gid, Psn, Qpn, RecvWr, SendOp, WcOpcode, WcStatus, WorkCompletion};
 use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::opcode::base;
-use softrdma_wire::{AethRepr, BthRepr, IbRepr, Opcode, QpType as WireQpType, Syndrome};
+use softrdma_wire::{AethRepr, BthRepr, IbRepr, NakCode, Opcode, QpType as WireQpType, Syndrome};
 
 const PEER_QPN: Qpn = Qpn::new(0x99);
 
@@ -57,9 +57,13 @@ impl Rig {
 
     /// The peer ACKs the device's requests up to `psn`.
     fn peer_ack(&self, psn: u32, msn: u32) {
+        self.peer_acknowledge(psn, Syndrome::Ack { credits: CREDITS_INVALID }, msn);
+    }
+
+    fn peer_acknowledge(&self, psn: u32, syndrome: Syndrome, msn: u32) {
         let bth = BthRepr::new(Opcode::of(WireQpType::Rc, base::ACKNOWLEDGE).unwrap(), self.ep.qp.qpn(), Psn::new(psn));
         let mut repr = IbRepr::new(bth);
-        repr.aeth = Some(AethRepr { syndrome: Syndrome::Ack { credits: CREDITS_INVALID }, msn });
+        repr.aeth = Some(AethRepr { syndrome, msn });
         self.peer_emit(&repr);
     }
 
@@ -168,14 +172,13 @@ fn a_reply_posted_after_the_completion_leaves_before_the_ack() {
         let owed = r.request();
         let got = r.reply();
         let (reply, ack) = ((base::SEND_ONLY, 0x10 + r.sent.get() - 1), (base::ACKNOWLEDGE, psn));
-        if owed {
+        if owed && got == [reply] {
             left_owed += 1;
-            assert_eq!(got, [reply], "request {psn}");
             assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some(ack), "request {psn}");
         } else {
-            // The I/O thread took this request in (the test thread was descheduled for a while):
-            // the ACK went at once, before the reply was posted.
-            assert_eq!(got, [ack, reply], "request {psn}");
+            // The I/O thread took this request in, or flushed the ACK a poll left owed before the
+            // reply was posted (the test thread was descheduled for a while): the ACK went first.
+            assert_eq!(got, [ack, reply], "request {psn} (left owed: {owed})");
         }
         if left_owed == 3 {
             return;
@@ -219,4 +222,38 @@ fn the_ack_leaves_when_the_qp_is_destroyed_at_once() {
         drop(ep.qp);
         assert_eq!(next_packet(&peer, Duration::from_secs(2)), Some((base::ACKNOWLEDGE, psn)));
     });
+}
+
+#[test]
+fn the_ack_leaves_before_an_error_that_arrives_next() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let r = Rig::new("ackord3", 7);
+    for _ in 0..ROUNDS {
+        r.warm_up();
+        // A SEND of the device's, which the peer will NAK.
+        let n = r.sent.get();
+        r.sent.set(n + 1);
+        r.ep.post(1000, SendOp::Send, 0, 8);
+        assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some((base::SEND_ONLY, 0x10 + n)));
+        let psn = r.received.get();
+        if !r.request() {
+            // The I/O thread took the request in and ACKed it at once: again.
+            assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some((base::ACKNOWLEDGE, psn)));
+            r.peer_ack(0x10 + n, n + 1);
+            continue;
+        }
+        // The NAK moves the QP to ERR, which drops queued responses: the owed ACK went before.
+        r.peer_acknowledge(0x10 + n, Syndrome::Nak(NakCode::RemoteAccessError), n);
+        let mut out = Vec::new();
+        let start = Instant::now();
+        while !out.iter().any(|wc: &WorkCompletion| wc.wr_id == 1000) {
+            r.ep.cq.poll(16, &mut out).unwrap();
+            assert!(start.elapsed() < Duration::from_secs(5), "no completion for the NAKed SEND: {out:?}");
+        }
+        let wc = out.iter().find(|wc| wc.wr_id == 1000).unwrap();
+        assert_eq!(wc.status, WcStatus::RemAccessErr);
+        assert_eq!(next_packet(&r.peer, Duration::from_secs(2)), Some((base::ACKNOWLEDGE, psn)));
+        return;
+    }
+    panic!("no poll left its ACK owed in {ROUNDS} rounds");
 }

@@ -426,7 +426,8 @@ impl Qp {
     /// the request to its responder), so nothing orders them; sending the request first puts the
     /// reply of a request-response exchange on the wire before the ACK of the request it answers
     /// (in one `sendmmsg`, the reply reaches the peer while the ACK is still being sent). One
-    /// packet at most: a stream of requests never holds an ACK back for longer.
+    /// packet of this QP at most: a stream of requests never holds an ACK back for longer (should
+    /// that packet end the QP's turn, the ACK waits for the other QPs' turns in the same flush).
     pub fn poll_transmit(&mut self, buf: &mut [u8], ctx: &mut Ctx<'_>) -> Option<Transmit> {
         if let Some(ack) = self.resp.ack_may_wait() {
             return self.request_before_ack(ack, buf, ctx);
