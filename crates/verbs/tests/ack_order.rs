@@ -1,6 +1,6 @@
 //! When a thread polling a CQ takes the completion of a received request, the ACK of that request
 //! leaves after what the thread posts next (its reply), and it always leaves: when the thread
-//! stops calling, when it destroys the QP right away.
+//! stops calling, when it destroys the QP right away, when what arrives next moves the QP to ERR.
 //!
 //! The peer is a plain UDP socket that speaks RoCEv2 by hand: it sends SENDs with AckReq to the
 //! device's QP and reads, in order, what the device sends back.
