@@ -875,7 +875,7 @@ impl Device {
         // What the last poll left owed goes before what arrives now can change a QP's state (an
         // error state drops queued ACKs).
         self.flush_owed(st, now);
-        let work = self.receive_at(st, now, false);
+        let work = self.receive_at(st, now, false, Some(cq));
         if work
             && st.hca.cq_receives(cq) == 1
             && st.hca.has_transmit()
@@ -923,17 +923,30 @@ impl Device {
     /// or every time while they keep delivering, or when `full` (the I/O thread woke up): remote
     /// peers and UDP-only devices are slowed by at most that period, never starved.
     fn progress_at(&self, st: &mut State, now: Instant, full: bool) {
-        self.receive_at(st, now, full);
+        self.receive_at(st, now, full, None);
         self.flush(st, now);
     }
 
     /// The receiving half of [`Device::progress_at`]: lanes, sockets, timers. Returns whether
     /// anything happened (a packet, a timer, a lane opened or closed).
-    fn receive_at(&self, st: &mut State, now: Instant, full: bool) -> bool {
+    ///
+    /// `polled`: the CQ a polling thread found empty (see [`Device::poll_progress`]). Once a receive
+    /// completed on it, an ACK next in a lane waits for the next call: in a request-response
+    /// exchange the peer publishes its reply and then the ACK of our request, and taking that ACK
+    /// in (completing our send) would only delay the reply's completion.
+    fn receive_at(&self, st: &mut State, now: Instant, full: bool, polled: Option<CqId>) -> bool {
         let mut work = st.link.maintain(now, full);
         if st.link.inbound_waiting() {
             let mut lanes = st.link.take_inbound();
-            work |= lanes.receive(|pkt, src, local| self.receive_local(st, now, pkt, src, local)) > 0;
+            // RC's opcodes are the base opcodes: an ACK (or NAK) starts with ACKNOWLEDGE.
+            let is_ack = |pkt: &[u8]| pkt.first() == Some(&softrdma_wire::opcode::base::ACKNOWLEDGE);
+            work |= lanes.receive(|pkt, src, local| {
+                if is_ack(pkt) && polled.is_some_and(|cq| st.hca.cq_receives(cq) > 0) {
+                    return false;
+                }
+                self.receive_local(st, now, pkt, src, local);
+                true
+            }) > 0;
             st.link.put_inbound(lanes);
         }
         if full || st.udp_busy || now >= st.udp_due || !st.link.receives_locally(now) {

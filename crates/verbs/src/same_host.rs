@@ -634,9 +634,10 @@ pub(crate) struct Lanes {
 }
 
 impl Lanes {
-    /// Hand every waiting inbound packet (up to a budget per lane) to `f(packet, src, local)`;
-    /// returns how many. Broken lanes are dropped.
-    pub fn receive(&mut self, mut f: impl FnMut(&[u8], SocketAddr, SocketAddr)) -> usize {
+    /// Hand every waiting inbound packet (up to a budget per lane) to `f(packet, src, local)`,
+    /// which returns false to leave that packet, and the rest of its lane, for the next call;
+    /// returns how many it took. Broken lanes are dropped.
+    pub fn receive(&mut self, mut f: impl FnMut(&[u8], SocketAddr, SocketAddr) -> bool) -> usize {
         let mut got = 0;
         for lane in &mut self.lanes {
             for _ in 0..LANE_BUDGET {
@@ -646,10 +647,12 @@ impl Lanes {
                 let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]) as usize;
                 match slot.get(SLOT_HEADER..).and_then(|p| p.get(..len)).filter(|_| len <= MAX_PACKET) {
                     Some(pkt) => {
+                        if !f(pkt, lane.src, lane.local) {
+                            break;
+                        }
                         self.stats.rx_pkts += 1;
                         self.stats.rx_bytes += len as u64;
                         got += 1;
-                        f(pkt, lane.src, lane.local);
                     }
                     None => self.stats.rx_malformed += 1,
                 }

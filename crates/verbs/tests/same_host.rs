@@ -312,3 +312,78 @@ fn a_hello_that_lies_is_refused() {
     assert_eq!(stats(&b).lanes_in, 1);
     write_read(&a, &b, 1000, 6);
 }
+
+/// Busy-poll `ep`'s CQ until a completion with `wr_id` came; returns everything polled on the way.
+fn poll_until(ep: &Endpoint, wr_id: u64) -> Vec<softrdma_verbs::WorkCompletion> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while !out.iter().any(|wc: &softrdma_verbs::WorkCompletion| wc.wr_id == wr_id) {
+        ep.cq.poll(16, &mut out).unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10), "no completion {wr_id}: {out:?}");
+    }
+    assert!(out.iter().all(|wc| wc.status == WcStatus::Success), "{out:?}");
+    out
+}
+
+/// In a request-response exchange over a lane the peer publishes its reply and then the ACK of our
+/// request: the poll that takes the reply's completion leaves the ACK in the lane, so our send's
+/// completion comes with the next poll. The peer is this test: it reads A's requests from a UDP
+/// socket and writes its answers into a lane of its own into A, with no doorbell (A's I/O thread
+/// sleeps through it; a round in which it woke for a timer and took both in does not count).
+#[test]
+fn an_ack_behind_a_reply_waits_for_the_next_poll() {
+    use softrdma_wire::opcode::base;
+    use softrdma_wire::{AethRepr, BthRepr, IbRepr, Opcode, QpType as WireQpType, Syndrome};
+    let (ia, peer_ip) = (ip(21, 1), ip(21, 2));
+    let port = free_port(&[ia, peer_ip]);
+    let peer = UdpSocket::bind((peer_ip, port)).unwrap();
+    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let a = Endpoint::new(open("sh21a", ia, port, true), 1 << 20, 64);
+    connect(&a, 0x99, peer_ip);
+    let a_addr = SocketAddr::new(IpAddr::V4(ia), port);
+    let slots = 16u32;
+    let shm = Shm::create("replies", ring_bytes(slots, SLOT_SIZE)).unwrap();
+    let ring = shm.ring(0, slots, SLOT_SIZE).unwrap();
+    ring.init();
+    let conn = lane_conn(a_addr);
+    let hello = format!("softrdma-lane/1 {peer_ip}:{port} {a_addr} {slots} {SLOT_SIZE}");
+    conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
+    eventually(Duration::from_secs(5), "A to accept the lane", || stats(&a).lanes_in == 1);
+    let mut lane = Producer::new(ring);
+    let mut publish = |repr: &IbRepr| {
+        let s = lane.slot_mut().unwrap();
+        let n = repr.emit(&mut s[8..]).unwrap();
+        s[..4].copy_from_slice(&(n as u32).to_le_bytes());
+        lane.publish_tagged();
+    };
+    let qpn = a.qp.qpn();
+    let mut left = 0;
+    for round in 0..200u32 {
+        a.qp.post_recv(softrdma_verbs::RecvWr { wr_id: 1 << 20, sgl: vec![a.sge(0, 64)].into() }).unwrap();
+        a.post(u64::from(round), SendOp::Send, 0, 8);
+        let mut buf = [0u8; 2048];
+        let (n, _) = peer.recv_from(&mut buf).expect("A's request");
+        let psn = softrdma_wire::IbPacket::new_checked(&buf[..n]).unwrap().bth().psn();
+        // The reply (the peer's PSN `round`), then the ACK of A's request.
+        let send = BthRepr::new(Opcode::of(WireQpType::Rc, base::SEND_ONLY).unwrap(), qpn, Psn::new(round));
+        let mut reply = IbRepr::new(BthRepr { ack_req: true, ..send });
+        reply.payload_len = 8;
+        publish(&reply);
+        let mut ack = IbRepr::new(BthRepr::new(Opcode::of(WireQpType::Rc, base::ACKNOWLEDGE).unwrap(), qpn, psn));
+        let syndrome = Syndrome::Ack { credits: softrdma_wire::aeth::CREDITS_INVALID };
+        ack.aeth = Some(AethRepr { syndrome, msn: round + 1 });
+        publish(&ack);
+        let first = poll_until(&a, 1 << 20);
+        if !first.iter().any(|wc| wc.wr_id == u64::from(round)) {
+            // The ACK waited in the lane: the next poll takes it in.
+            left += 1;
+            poll_until(&a, u64::from(round));
+        }
+        // A's ACK of the reply, over UDP.
+        peer.recv_from(&mut buf).expect("A's ACK");
+        if left == 3 {
+            return;
+        }
+    }
+    panic!("no poll left the ACK behind a reply in the lane in 200 rounds");
+}
