@@ -744,16 +744,18 @@ impl SvcDevice {
         // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
         let woken = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
         let mut svc = self.lock_svc();
-        // A sleep that ran out while a work ring had entries: a doorbell that should have woken us
-        // did not come (a ring nobody asked; none expected).
-        if woken == 0 && svc.has_waiting_work() {
-            svc.late_wakeups += 1;
-        }
         // Drain the doorbells (non-blocking eventfds; a read resets the count).
+        let mut rung = false;
         for c in svc.clients.values() {
             let mut b = [0u8; 8];
             // SAFETY: reading 8 bytes into a live buffer from our non-blocking eventfd.
-            unsafe { libc::read(c.doorbell.as_raw_fd(), b.as_mut_ptr() as *mut libc::c_void, 8) };
+            rung |= unsafe { libc::read(c.doorbell.as_raw_fd(), b.as_mut_ptr() as *mut libc::c_void, 8) } == 8;
+        }
+        // A sleep that ran out while a work ring had entries and no doorbell had rung: one that
+        // should have woken us did not come (a ring nobody asked; none expected). A doorbell rung
+        // as the sleep ran out for a timer is not one.
+        if woken == 0 && !rung && svc.has_waiting_work() {
+            svc.late_wakeups += 1;
         }
         drop(svc);
         self.dev.drain_wake();
