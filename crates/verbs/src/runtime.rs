@@ -930,18 +930,20 @@ impl Device {
     /// The receiving half of [`Device::progress_at`]: lanes, sockets, timers. Returns whether
     /// anything happened (a packet, a timer, a lane opened or closed).
     ///
-    /// `polled`: the CQ a polling thread found empty (see [`Device::poll_progress`]). Once a receive
-    /// completed on it, an ACK next in a lane waits for the next call: in a request-response
-    /// exchange the peer publishes its reply and then the ACK of our request, and taking that ACK
-    /// in (completing our send) would only delay the reply's completion.
+    /// `polled`: the CQ a polling thread found empty (see [`Device::poll_progress`]). In a
+    /// request-response exchange the peer publishes its reply and then the ACK of our request, and
+    /// taking that ACK in (completing our send) would only delay the reply's completion: an ACK
+    /// behind a packet this call took from the same lane waits for the next call when `polled`
+    /// holds one receive completion (a stream completes many). A lane's first packet in a call
+    /// is always taken, so no lane waits for more than one call, whatever the others carry.
     fn receive_at(&self, st: &mut State, now: Instant, full: bool, polled: Option<CqId>) -> bool {
         let mut work = st.link.maintain(now, full);
         if st.link.inbound_waiting() {
             let mut lanes = st.link.take_inbound();
             // RC's opcodes are the base opcodes: an ACK (or NAK) starts with ACKNOWLEDGE.
             let is_ack = |pkt: &[u8]| pkt.first() == Some(&softrdma_wire::opcode::base::ACKNOWLEDGE);
-            work |= lanes.receive(|pkt, src, local| {
-                if is_ack(pkt) && polled.is_some_and(|cq| st.hca.cq_receives(cq) > 0) {
+            work |= lanes.receive(|pkt, src, local, taken| {
+                if taken > 0 && is_ack(pkt) && polled.is_some_and(|cq| st.hca.cq_receives(cq) == 1) {
                     return false;
                 }
                 self.receive_local(st, now, pkt, src, local);

@@ -634,20 +634,21 @@ pub(crate) struct Lanes {
 }
 
 impl Lanes {
-    /// Hand every waiting inbound packet (up to a budget per lane) to `f(packet, src, local)`,
-    /// which returns false to leave that packet, and the rest of its lane, for the next call;
-    /// returns how many it took. Broken lanes are dropped.
-    pub fn receive(&mut self, mut f: impl FnMut(&[u8], SocketAddr, SocketAddr) -> bool) -> usize {
+    /// Hand every waiting inbound packet (up to a budget per lane) to `f(packet, src, local,
+    /// taken)`, `taken` being how many this call took from the packet's lane before it; `f`
+    /// returns false to leave that packet, and the rest of its lane, for the next call. Returns
+    /// how many it took. Broken lanes are dropped.
+    pub fn receive(&mut self, mut f: impl FnMut(&[u8], SocketAddr, SocketAddr, usize) -> bool) -> usize {
         let mut got = 0;
         for lane in &mut self.lanes {
-            for _ in 0..LANE_BUDGET {
+            for taken in 0..LANE_BUDGET {
                 // The slot's tag says whether it holds the next entry (one cache line for a small
                 // packet); the producer index is checked by `Link::maintain`.
                 let Some(slot) = lane.cons.front_tagged() else { break };
                 let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]) as usize;
                 match slot.get(SLOT_HEADER..).and_then(|p| p.get(..len)).filter(|_| len <= MAX_PACKET) {
                     Some(pkt) => {
-                        if !f(pkt, lane.src, lane.local) {
+                        if !f(pkt, lane.src, lane.local, taken) {
                             break;
                         }
                         self.stats.rx_pkts += 1;

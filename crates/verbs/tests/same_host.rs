@@ -339,18 +339,29 @@ fn an_ack_behind_a_reply_waits_for_the_next_poll() {
     let peer = UdpSocket::bind((peer_ip, port)).unwrap();
     peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let a = Endpoint::new(open("sh21a", ia, port, true), 1 << 20, 64);
-    connect(&a, 0x99, peer_ip);
+    // A long local ACK timeout (about a second): a stalled test thread must not make A retransmit.
+    let mut p = ConnectParams::new(Qpn::new(0x99), Psn::new(0), Gid::from_ip(IpAddr::V4(peer_ip)), Psn::new(0));
+    p.timeout = 18;
+    a.qp.connect(&a.pd, &p).unwrap();
     let a_addr = SocketAddr::new(IpAddr::V4(ia), port);
-    let slots = 16u32;
-    let shm = Shm::create("replies", ring_bytes(slots, SLOT_SIZE)).unwrap();
-    let ring = shm.ring(0, slots, SLOT_SIZE).unwrap();
-    ring.init();
-    let conn = lane_conn(a_addr);
-    let hello = format!("softrdma-lane/1 {peer_ip}:{port} {a_addr} {slots} {SLOT_SIZE}");
-    conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
+    // Lanes of the test's own into A, written by hand, announced as coming from `src`.
+    let shms = std::cell::RefCell::new(Vec::new());
+    let open_lane = |src: Ipv4Addr, name: &str| {
+        let slots = 16u32;
+        let shm = Shm::create(name, ring_bytes(slots, SLOT_SIZE)).unwrap();
+        let ring = shm.ring(0, slots, SLOT_SIZE).unwrap();
+        ring.init();
+        let conn = lane_conn(a_addr);
+        let hello = format!("softrdma-lane/1 {src}:{port} {a_addr} {slots} {SLOT_SIZE}");
+        conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
+        shms.borrow_mut().push((shm, conn));
+        Producer::new(ring)
+    };
+    let mut lane = open_lane(peer_ip, "replies");
     eventually(Duration::from_secs(5), "A to accept the lane", || stats(&a).lanes_in == 1);
-    let mut lane = Producer::new(ring);
-    let mut publish = |repr: &IbRepr| {
+    let mut other = open_lane(ip(21, 3), "other");
+    eventually(Duration::from_secs(5), "A to accept the second lane", || stats(&a).lanes_in == 2);
+    let publish = |lane: &mut Producer, repr: &IbRepr| {
         let s = lane.slot_mut().unwrap();
         let n = repr.emit(&mut s[8..]).unwrap();
         s[..4].copy_from_slice(&(n as u32).to_le_bytes());
@@ -358,32 +369,43 @@ fn an_ack_behind_a_reply_waits_for_the_next_poll() {
     };
     let qpn = a.qp.qpn();
     let mut left = 0;
+    // Three rounds in which the ACK waited behind the reply in its lane, then one with the ACK
+    // first in another lane: a lane's first packet is always taken, so it comes with the reply.
     for round in 0..200u32 {
         a.qp.post_recv(softrdma_verbs::RecvWr { wr_id: 1 << 20, sgl: vec![a.sge(0, 64)].into() }).unwrap();
         a.post(u64::from(round), SendOp::Send, 0, 8);
         let mut buf = [0u8; 2048];
-        let (n, _) = peer.recv_from(&mut buf).expect("A's request");
-        let psn = softrdma_wire::IbPacket::new_checked(&buf[..n]).unwrap().bth().psn();
+        let mut next = |want: u8| loop {
+            let (n, _) = peer.recv_from(&mut buf).expect("a packet from A");
+            let pkt = softrdma_wire::IbPacket::new_checked(&buf[..n]).unwrap();
+            if pkt.bth().opcode().base() == want {
+                return pkt.bth().psn();
+            }
+        };
+        let psn = next(base::SEND_ONLY);
         // The reply (the peer's PSN `round`), then the ACK of A's request.
         let send = BthRepr::new(Opcode::of(WireQpType::Rc, base::SEND_ONLY).unwrap(), qpn, Psn::new(round));
         let mut reply = IbRepr::new(BthRepr { ack_req: true, ..send });
         reply.payload_len = 8;
-        publish(&reply);
+        publish(&mut lane, &reply);
         let mut ack = IbRepr::new(BthRepr::new(Opcode::of(WireQpType::Rc, base::ACKNOWLEDGE).unwrap(), qpn, psn));
         let syndrome = Syndrome::Ack { credits: softrdma_wire::aeth::CREDITS_INVALID };
         ack.aeth = Some(AethRepr { syndrome, msn: round + 1 });
-        publish(&ack);
+        let last = left == 3;
+        publish(if last { &mut other } else { &mut lane }, &ack);
         let first = poll_until(&a, 1 << 20);
-        if !first.iter().any(|wc| wc.wr_id == u64::from(round)) {
+        let with_reply = first.iter().any(|wc| wc.wr_id == u64::from(round));
+        if last {
+            assert!(with_reply, "the ACK first in its lane waited: {first:?}");
+            return;
+        }
+        if !with_reply {
             // The ACK waited in the lane: the next poll takes it in.
             left += 1;
             poll_until(&a, u64::from(round));
         }
         // A's ACK of the reply, over UDP.
-        peer.recv_from(&mut buf).expect("A's ACK");
-        if left == 3 {
-            return;
-        }
+        next(base::ACKNOWLEDGE);
     }
     panic!("no poll left the ACK behind a reply in the lane in 200 rounds");
 }
