@@ -134,6 +134,18 @@ fn programs_whose_buffers_are_moved_onto_shared_memory() {
 
 /// A server and a client of an rdmacm-utils program, two processes on the one daemon device.
 fn run_cm_shared(d: &Daemon, prog: &str, server: &[&str], client: &[&str]) -> (String, String) {
+    run_cm_shared_when(d, prog, server, client, || true)
+}
+
+/// [`run_cm_shared`], the client started once `ready()` (checked for up to 10 s) and half a second
+/// have passed since the server started.
+fn run_cm_shared_when(
+    d: &Daemon,
+    prog: &str,
+    server: &[&str],
+    client: &[&str],
+    ready: impl Fn() -> bool,
+) -> (String, String) {
     let prog = program(prog).unwrap();
     let cmd = |args: &[&str]| {
         let mut c = on_daemon(d, &prog);
@@ -141,6 +153,10 @@ fn run_cm_shared(d: &Daemon, prog: &str, server: &[&str], client: &[&str]) -> (S
         c
     };
     let server = cmd(server).spawn().expect("server");
+    let start = std::time::Instant::now();
+    while !ready() && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     std::thread::sleep(Duration::from_millis(500));
     let client = cmd(client).spawn().expect("client");
     let (c, ck) = wait_limit(client, Duration::from_secs(60));
@@ -211,11 +227,19 @@ fn mckey_through_one_daemon_device() {
         return;
     }
     let d = start_daemon("mckey");
-    let (s, c) = run_cm_shared(
+    // The sender starts once the receiver's QP is attached: the daemon's socket for the group is
+    // bound then (a loaded machine can take longer than the half second the others wait).
+    let group = format!("{:02X}{:02X}{:02X}{:02X}:{:04X}", 4, 2, 1, 239, d.udp);
+    let joined = || {
+        std::fs::read_to_string("/proc/thread-self/net/udp")
+            .is_ok_and(|t| t.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some(group.as_str())))
+    };
+    let (s, c) = run_cm_shared_when(
         &d,
         "mckey",
         &["-m", "239.1.2.4", "-b", "127.0.0.9", "-C", "40"],
         &["-m", "239.1.2.4", "-b", "127.0.0.9", "-s", "-C", "40"],
+        joined,
     );
     for out in [&s, &c] {
         for want in ["mckey: joined dgid: ::ffff:239.1.2.4", "data transfers complete", "return status 0"] {
