@@ -842,7 +842,7 @@ fn check(wc: &WorkCompletion) -> Result<(), String> {
     } else {
         Err(format!(
             " Completion with error at {}:\n Failed status {}: wr_id {} syndrom 0x{:x}",
-            if matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) { "server" } else { "client" },
+            if wc.opcode.is_receive() { "server" } else { "client" },
             wc.status as u32,
             wc.wr_id,
             0

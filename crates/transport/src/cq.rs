@@ -97,6 +97,14 @@ pub enum WcOpcode {
     RecvRdmaWithImm = 129,
 }
 
+impl WcOpcode {
+    /// The completion of a receive WQE (`IBV_WC_RECV` or `IBV_WC_RECV_RDMA_WITH_IMM`): the
+    /// receive-side opcodes, from 128 on.
+    pub fn is_receive(self) -> bool {
+        matches!(self, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
+    }
+}
+
 /// Completion flags (verbs `IBV_WC_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WcFlags(u32);

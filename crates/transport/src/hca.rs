@@ -6,7 +6,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::attr::{AddressVector, ModifyQp, QpInit};
 use crate::config::Config;
-use crate::cq::{WcOpcode, WcStatus, WorkCompletion};
+use crate::cq::{WcStatus, WorkCompletion};
 use crate::error::VerbsError;
 use crate::memory::MemoryAccess;
 use crate::qp::{Qp, QpInfo};
@@ -541,9 +541,7 @@ impl Hca {
     /// How many of the completions CQ `cq` holds, not yet polled, are of receives that succeeded (0
     /// for a CQ that does not exist).
     pub fn cq_receives(&self, cq: CqId) -> usize {
-        let is_recv = |w: &&WorkCompletion| {
-            w.status == WcStatus::Success && matches!(w.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
-        };
+        let is_recv = |w: &&WorkCompletion| w.status == WcStatus::Success && w.opcode.is_receive();
         self.queues.cqs.get(&cq).map_or(0, |q| q.entries.iter().filter(is_recv).count())
     }
 

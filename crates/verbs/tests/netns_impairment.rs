@@ -516,7 +516,7 @@ impl Side<'_> {
         self.ep.cq.poll(64, &mut wcs).unwrap();
         for wc in wcs {
             assert_eq!(wc.status, WcStatus::Success, "completion {wc:?} (status {})", wc.status.description());
-            if matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+            if wc.opcode.is_receive() {
                 self.recvs_done.push(wc);
             } else {
                 self.sends_done.push(wc);

@@ -9,7 +9,6 @@
 mod completer;
 mod requester;
 mod responder;
-use responder::WaitingAck;
 mod rtt;
 
 use std::collections::VecDeque;
@@ -26,6 +25,7 @@ use softrdma_wire::{IbPacket, Psn, Qpn};
 
 use requester::SendQueue;
 pub(crate) use responder::Responder;
+use responder::WaitingAck;
 
 /// The QP's timers, in a fixed table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,7 +38,7 @@ use softrdma_device::registry::{Registry, RegistryError};
 use softrdma_device::{netdev, DeviceConfig, DeviceInfo};
 use softrdma_transport::{
     wr::Payload, Access, AsyncEvent, CqId, ModifyQp, PdId, QpCap, QpInit, QpState, SendOp, SendWr, Sge, SrqId,
-    VerbsError, WcOpcode, WcStatus, WorkCompletion,
+    VerbsError, WcStatus, WorkCompletion,
 };
 use softrdma_wire::Qpn;
 
@@ -643,10 +643,6 @@ fn spin_time() -> Duration {
     Duration::from_micros(us)
 }
 
-fn is_recv(op: WcOpcode) -> bool {
-    matches!(op, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
-}
-
 impl SvcDevice {
     fn lock_svc(&self) -> MutexGuard<'_, SvcState> {
         self.svc.lock().expect("service state poisoned")
@@ -993,7 +989,7 @@ impl SvcDevice {
                         q.counters.error_completions += 1;
                     }
                 }
-                notify |= wc.status != WcStatus::Success || is_recv(wc.opcode);
+                notify |= wc.status != WcStatus::Success || wc.opcode.is_receive();
             }
             fence(Ordering::SeqCst);
             let flags = c.ring.ring().flags();
