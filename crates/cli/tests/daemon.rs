@@ -1266,6 +1266,61 @@ fn nopoll_role(ctx: &Context) {
     std::process::exit(1);
 }
 
+/// Rounds of a UD QP that posts its unsignaled SENDs and is destroyed at once (as `mckey -s` does
+/// before it exits): every datagram posted before the destroy arrives, exactly once, at a QP of
+/// the same device.
+fn lastwords_role(ctx: &Context) {
+    const ROUNDS: usize = 40;
+    const N: usize = 16;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(1024, None).unwrap();
+    let cap = QpCap { max_send_wr: N as u32, max_recv_wr: 1024, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
+    fn attr(cq: &CompletionQueue, cap: QpCap) -> QpInitAttr<'_> {
+        QpInitAttr { qp_type: QpType::Ud, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false }
+    }
+    let rx = pd.create_qp(&attr(&cq, cap)).unwrap();
+    rx.bring_up_ud(0x77, Psn::new(0)).unwrap();
+    let mr = pd.reg_mr(ROUNDS * N * 64, Access::LOCAL_WRITE).unwrap();
+    for i in 0..ROUNDS * N {
+        rx.post_recv(RecvWr { wr_id: i as u64, sgl: vec![mr.sge(i * 64, 64).unwrap()].into() }).unwrap();
+    }
+    let ah = pd.create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
+    let scq = ctx.create_cq(16, None).unwrap();
+    for round in 0..ROUNDS {
+        let tx = pd.create_qp(&attr(&scq, cap)).unwrap();
+        tx.bring_up_ud(0x77, Psn::new(0)).unwrap();
+        // Idle past the device loop's spin, so that it sleeps when the requests are posted.
+        std::thread::sleep(Duration::from_millis(2));
+        for i in 0..N {
+            let wr = SendWr {
+                wr_id: i as u64,
+                op: SendOp::Send,
+                payload: Payload::Inline((round * N + i).to_le_bytes().to_vec()),
+                flags: SendFlags::INLINE,
+                ud: Some(ah.ud(rx.qpn(), 0x77)),
+            };
+            tx.post_send(wr).unwrap();
+        }
+        drop(tx);
+    }
+    let mut wcs = Vec::new();
+    let t = Instant::now();
+    while wcs.len() < ROUNDS * N && t.elapsed() < Duration::from_secs(10) {
+        cq.poll(ROUNDS * N - wcs.len(), &mut wcs).unwrap();
+        std::thread::yield_now();
+    }
+    let mut seen = vec![0u32; ROUNDS * N];
+    for wc in &wcs {
+        assert_eq!((wc.status, wc.opcode, wc.byte_len), (WcStatus::Success, WcOpcode::Recv, 48), "{wc:?}");
+        let b = mr.to_vec(wc.wr_id as usize * 64 + 40, 8).unwrap();
+        seen[usize::from_le_bytes(b.try_into().unwrap())] += 1;
+    }
+    let lost: Vec<usize> = (0..ROUNDS * N).filter(|&i| seen[i] == 0).collect();
+    assert!(lost.is_empty(), "{} of {} datagrams lost: {lost:?}", lost.len(), ROUNDS * N);
+    assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+    out("OK");
+}
+
 /// Wait for the port to go down and come back.
 fn portwatch_role(ctx: &Context) {
     out("READY");
@@ -1303,6 +1358,7 @@ fn child() {
         "ordered" => ordered_role(&ctx),
         "readonly" => readonly_role(&ctx),
         "nopoll" => nopoll_role(&ctx),
+        "lastwords" => lastwords_role(&ctx),
         "portwatch" => portwatch_role(&ctx),
         "cmserver" => cm_server_role(&ctx),
         "cmclient" => cm_client_role(&ctx),
@@ -1447,6 +1503,16 @@ fn many_processes_share_one_device() {
     d.wait_idle();
     assert!(d.counter("sent_pkts") > 0);
     assert_eq!(d.counter("same_host_enabled"), u64::from(std::env::var("SOFTRDMA_SAME_HOST").as_deref() != Ok("0")));
+}
+
+/// Work requests posted just before their QP is destroyed are carried out: the daemon takes what
+/// the QP's send ring holds before it destroys the QP, whether or not its device loop got to them.
+#[test]
+fn sends_posted_before_a_destroy_go_out() {
+    let dir = Daemon::dir("lastwords", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18979, None);
+    assert_eq!(Client::spawn(&d, "lastwords", false).finish(), "OK");
+    d.wait_idle();
 }
 
 /// A process killed with SIGKILL mid-transfer: its peer gets error completions, another pair

@@ -487,6 +487,95 @@ struct QpEntry {
     _shm: Shm,
 }
 
+impl QpEntry {
+    /// Take the work requests of the QP's send ring into the engine, as many as it takes (with
+    /// `read_ahead`, only those the pass read ahead for); returns whether any was taken and how
+    /// many ring entries were malformed.
+    fn take_sends(
+        &mut self,
+        qpn: Qpn,
+        pid: u32,
+        st: &mut crate::runtime::State,
+        now: softrdma_transport::Instant,
+        buf: &mut Vec<u8>,
+        read_ahead: bool,
+    ) -> (bool, u64) {
+        if self.broken {
+            return (false, 0);
+        }
+        let (mut work, mut bad) = (false, 0);
+        self.sq_blocked = false;
+        let mut left = if read_ahead { self.sq_read_ahead } else { u32::MAX };
+        loop {
+            if left == 0 {
+                break;
+            }
+            left -= 1;
+            // The ring's next entry, decoded by the read-ahead or now.
+            let decoded = match self.sq_decoded.pop_front() {
+                Some(d) => d,
+                None => {
+                    buf.resize(self.sq.ring().slot_size() as usize, 0);
+                    match self.sq.peek(buf) {
+                        Ok(false) => break,
+                        Err(e) => {
+                            log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
+                            self.broken = true;
+                            break;
+                        }
+                        Ok(true) => {}
+                    }
+                    slot::decode_send(buf, self.cap.max_send_sge, self.cap.max_inline_data)
+                }
+            };
+            let wr = match decoded {
+                Ok(wr) => wr,
+                Err(e) => {
+                    self.sq.advance();
+                    self.counters.bad_wqes += 1;
+                    bad += 1;
+                    log!("client pid {pid}: QP {qpn}: {e}; QP to ERR");
+                    let _ = st.hca.modify_qp(
+                        qpn,
+                        &ModifyQp { state: Some(QpState::Err), ..Default::default() },
+                        now,
+                        &mut st.mem,
+                    );
+                    work = true;
+                    continue;
+                }
+            };
+            match st.hca.post_send(qpn, wr, now, &mut st.mem) {
+                Ok(()) => {
+                    self.counters.send_wrs += 1;
+                    if let Some(m) = st.hca.take_direct() {
+                        // Executed at once, to another QP of this device: one packet each way.
+                        st.link.executed_directly(now, 1);
+                        if let Some(table) = st.qp_traffic.as_mut() {
+                            table.count_direct(&m);
+                        }
+                    }
+                }
+                Err(VerbsError::QueueFull) => {
+                    self.sq_blocked = true;
+                    break;
+                }
+                Err(e) => {
+                    self.counters.rejected_wrs += 1;
+                    if self.counters.rejected_wrs == 1 {
+                        log!("client pid {pid}: QP {qpn}: send WR refused: {e}");
+                    }
+                }
+            }
+            self.sq.advance();
+            work = true;
+        }
+        // What was not taken (the engine's queue is full) is decoded again next time.
+        self.sq_decoded.clear();
+        (work, bad)
+    }
+}
+
 struct SrqEntry {
     client: u64,
     max_sge: u32,
@@ -886,78 +975,10 @@ impl SvcDevice {
             st.mem.serve_remote_reads(true);
         }
         for (qpn, q) in svc.qps.iter_mut() {
-            if q.broken {
-                continue;
-            }
             let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
-            q.sq_blocked = false;
-            let mut left = if read_ahead { q.sq_read_ahead } else { u32::MAX };
-            loop {
-                if left == 0 {
-                    break;
-                }
-                left -= 1;
-                // The ring's next entry, decoded by the read-ahead or now.
-                let decoded = match q.sq_decoded.pop_front() {
-                    Some(d) => d,
-                    None => {
-                        sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
-                        match q.sq.peek(&mut sc.buf) {
-                            Ok(false) => break,
-                            Err(e) => {
-                                log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
-                                q.broken = true;
-                                break;
-                            }
-                            Ok(true) => {}
-                        }
-                        slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data)
-                    }
-                };
-                let wr = match decoded {
-                    Ok(wr) => wr,
-                    Err(e) => {
-                        q.sq.advance();
-                        q.counters.bad_wqes += 1;
-                        svc.bad_wqes += 1;
-                        log!("client pid {pid}: QP {qpn}: {e}; QP to ERR");
-                        let _ = st.hca.modify_qp(
-                            *qpn,
-                            &ModifyQp { state: Some(QpState::Err), ..Default::default() },
-                            now,
-                            &mut st.mem,
-                        );
-                        work = true;
-                        continue;
-                    }
-                };
-                match st.hca.post_send(*qpn, wr, now, &mut st.mem) {
-                    Ok(()) => {
-                        q.counters.send_wrs += 1;
-                        if let Some(m) = st.hca.take_direct() {
-                            // Executed at once, to another QP of this device: one packet each way.
-                            st.link.executed_directly(now, 1);
-                            if let Some(table) = st.qp_traffic.as_mut() {
-                                table.count_direct(&m);
-                            }
-                        }
-                    }
-                    Err(VerbsError::QueueFull) => {
-                        q.sq_blocked = true;
-                        break;
-                    }
-                    Err(e) => {
-                        q.counters.rejected_wrs += 1;
-                        if q.counters.rejected_wrs == 1 {
-                            log!("client pid {pid}: QP {qpn}: send WR refused: {e}");
-                        }
-                    }
-                }
-                q.sq.advance();
-                work = true;
-            }
-            // What was not taken (the engine's queue is full) is decoded again next time.
-            q.sq_decoded.clear();
+            let (taken, bad) = q.take_sends(*qpn, pid, st, now, &mut sc.buf, read_ahead);
+            work |= taken;
+            svc.bad_wqes += bad;
         }
         st.mem.serve_remote_reads(false);
         // Network and timers.
@@ -1704,7 +1725,25 @@ impl Session {
                 if svc.qps.get(&qpn).map(|q| q.client) != Some(me) {
                     return Err(nso());
                 }
-                dev.dev.lock().destroy_qp(qpn).map_err(Refusal::Verbs)?;
+                // What the client posted before it asked is carried out first, whether or not
+                // the device loop got to it (a sender that posts and destroys at once, as
+                // `mckey -s` does, would lose its last requests).
+                let pid = svc.clients.get(&me).map_or(0, |c| c.pid);
+                let mut guard = dev.dev.lock();
+                let st = &mut *guard;
+                let now = dev.dev.now();
+                if let Some(q) = svc.qps.get_mut(&qpn) {
+                    let (taken, bad) = q.take_sends(qpn, pid, st, now, &mut Vec::new(), false);
+                    svc.bad_wqes += bad;
+                    if taken {
+                        dev.dev.flush(st, now);
+                        // Their completions, and those of the QPs of this device they went to, go
+                        // to the CQ rings in the device loop's next pass.
+                        let _ = dev.dev.wake();
+                    }
+                }
+                st.destroy_qp(qpn).map_err(Refusal::Verbs)?;
+                drop(guard);
                 svc.qps.remove(&qpn);
                 count(svc, -1);
                 ok(Response::Ok)
