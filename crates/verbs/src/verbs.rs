@@ -785,8 +785,8 @@ impl Drop for QpImp {
     fn drop(&mut self) {
         if let QpImp::Embedded { h, qpn } = self {
             let mut st = h.dev.lock();
-            // Its ACKs a poll left owed leave before it goes.
-            h.dev.flush_owed(&mut st, h.dev.now());
+            // What it posted (a corked post) and the ACKs a poll left owed leave before it goes.
+            h.dev.flush(&mut st, h.dev.now());
             let _ = st.destroy_qp(*qpn);
         }
     }

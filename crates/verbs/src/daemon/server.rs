@@ -576,6 +576,26 @@ impl QpEntry {
     }
 }
 
+/// Take what QP `qpn`'s send ring holds into the engine, for a verb the client calls on the QP
+/// to act after every request it posted before (the device loop may not have got to them yet).
+/// What they produce is sent by the caller ([`Device::run`] flushes after); their completions, and
+/// those of the QPs of this device they reach, go to the CQ rings in the loop's next pass.
+fn take_posted(
+    dev: &SvcDevice,
+    svc: &mut SvcState,
+    qpn: Qpn,
+    st: &mut crate::runtime::State,
+    now: softrdma_transport::Instant,
+) {
+    let Some(q) = svc.qps.get_mut(&qpn) else { return };
+    let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
+    let (taken, bad) = q.take_sends(qpn, pid, st, now, &mut Vec::new(), false);
+    svc.bad_wqes += bad;
+    if taken {
+        let _ = dev.dev.wake();
+    }
+}
+
 struct SrqEntry {
     client: u64,
     max_sge: u32,
@@ -1706,7 +1726,8 @@ impl Session {
                 }
                 dev.dev
                     .run(|st, now| {
-                        let st = &mut *st;
+                        // A drain (SQD) includes them, as do the flush completions of ERR.
+                        take_posted(dev, svc, qpn, st, now);
                         st.hca.modify_qp(qpn, &m, now, &mut st.mem)
                     })
                     .map_err(Refusal::Verbs)?;
@@ -1725,25 +1746,15 @@ impl Session {
                 if svc.qps.get(&qpn).map(|q| q.client) != Some(me) {
                     return Err(nso());
                 }
-                // What the client posted before it asked is carried out first, whether or not
-                // the device loop got to it (a sender that posts and destroys at once, as
-                // `mckey -s` does, would lose its last requests).
-                let pid = svc.clients.get(&me).map_or(0, |c| c.pid);
-                let mut guard = dev.dev.lock();
-                let st = &mut *guard;
-                let now = dev.dev.now();
-                if let Some(q) = svc.qps.get_mut(&qpn) {
-                    let (taken, bad) = q.take_sends(qpn, pid, st, now, &mut Vec::new(), false);
-                    svc.bad_wqes += bad;
-                    if taken {
+                // A sender that posts and destroys at once (as `mckey -s` does) loses nothing.
+                dev.dev
+                    .run(|st, now| {
+                        take_posted(dev, svc, qpn, st, now);
+                        // Their packets are built from the QP: before it goes.
                         dev.dev.flush(st, now);
-                        // Their completions, and those of the QPs of this device they went to, go
-                        // to the CQ rings in the device loop's next pass.
-                        let _ = dev.dev.wake();
-                    }
-                }
-                st.destroy_qp(qpn).map_err(Refusal::Verbs)?;
-                drop(guard);
+                        st.destroy_qp(qpn)
+                    })
+                    .map_err(Refusal::Verbs)?;
                 svc.qps.remove(&qpn);
                 count(svc, -1);
                 ok(Response::Ok)
