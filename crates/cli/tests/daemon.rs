@@ -1267,8 +1267,8 @@ fn nopoll_role(ctx: &Context) {
 }
 
 /// Rounds of a UD QP that posts its unsignaled SENDs and is destroyed at once (as `mckey -s` does
-/// before it exits): every datagram posted before the destroy arrives, exactly once, at a QP of
-/// the same device.
+/// before it exits), each right after the receives for them were posted to a QP of the same
+/// device: every datagram posted before the destroy arrives there, exactly once.
 fn lastwords_role(ctx: &Context) {
     const ROUNDS: usize = 40;
     const N: usize = 16;
@@ -1281,9 +1281,6 @@ fn lastwords_role(ctx: &Context) {
     let rx = pd.create_qp(&attr(&cq, cap)).unwrap();
     rx.bring_up_ud(0x77, Psn::new(0)).unwrap();
     let mr = pd.reg_mr(ROUNDS * N * 64, Access::LOCAL_WRITE).unwrap();
-    for i in 0..ROUNDS * N {
-        rx.post_recv(RecvWr { wr_id: i as u64, sgl: vec![mr.sge(i * 64, 64).unwrap()].into() }).unwrap();
-    }
     let ah = pd.create_ah(&AhAttr::new(ctx.query_gid(1, 1).unwrap(), 1)).unwrap();
     let scq = ctx.create_cq(16, None).unwrap();
     for round in 0..ROUNDS {
@@ -1291,6 +1288,10 @@ fn lastwords_role(ctx: &Context) {
         tx.bring_up_ud(0x77, Psn::new(0)).unwrap();
         // Idle past the device loop's spin, so that it sleeps when the requests are posted.
         std::thread::sleep(Duration::from_millis(2));
+        // The receives are posted just before the SENDs, so the destroy must take them in first.
+        for i in round * N..(round + 1) * N {
+            rx.post_recv(RecvWr { wr_id: i as u64, sgl: vec![mr.sge(i * 64, 64).unwrap()].into() }).unwrap();
+        }
         for i in 0..N {
             let wr = SendWr {
                 wr_id: i as u64,

@@ -576,10 +576,16 @@ impl QpEntry {
     }
 }
 
-/// Take what QP `qpn`'s send ring holds into the engine, for a verb the client calls on the QP
-/// to act after every request it posted before (the device loop may not have got to them yet).
-/// What they produce is sent by the caller ([`Device::run`] flushes after); their completions, and
-/// those of the QPs of this device they reach, go to the CQ rings in the loop's next pass.
+/// Rounds of taking and sending [`take_posted`] makes at most (each one frees room in the
+/// engine's queue for UD requests and whatever RC requests were acknowledged meanwhile).
+const TAKE_POSTED_ROUNDS: usize = 16;
+
+/// Carry out what QP `qpn`'s client posted to it, for a verb the client calls on the QP to act
+/// after every request it posted before (the device loop may not have got to them yet): the
+/// receive rings first, as the loop's passes take them (a SEND to a QP of this device finds the
+/// receive its client posted before), then the QP's send ring, sending what the requests produce,
+/// for as long as the engine takes more. Their completions, and those of the QPs of this device
+/// they reach, go to the CQ rings in the loop's next pass.
 fn take_posted(
     dev: &SvcDevice,
     svc: &mut SvcState,
@@ -587,11 +593,26 @@ fn take_posted(
     st: &mut crate::runtime::State,
     now: softrdma_transport::Instant,
 ) {
-    let Some(q) = svc.qps.get_mut(&qpn) else { return };
-    let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
-    let (taken, bad) = q.take_sends(qpn, pid, st, now, &mut Vec::new(), false);
-    svc.bad_wqes += bad;
-    if taken {
+    let mut buf = Vec::new();
+    let mut work = svc.take_recvs(st, now, &mut buf);
+    for _ in 0..TAKE_POSTED_ROUNDS {
+        let Some(q) = svc.qps.get_mut(&qpn) else { break };
+        let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
+        let (taken, bad) = q.take_sends(qpn, pid, st, now, &mut buf, false);
+        svc.bad_wqes += bad;
+        work |= taken;
+        // A flush stops short when a same-host lane is full or its budget is spent.
+        for _ in 0..TAKE_POSTED_ROUNDS {
+            if !st.hca.has_transmit() {
+                break;
+            }
+            dev.dev.flush(st, now);
+        }
+        if !taken || q.sq.pending().is_ok_and(|n| n == 0) {
+            break;
+        }
+    }
+    if work {
         let _ = dev.dev.wake();
     }
 }
@@ -715,6 +736,84 @@ impl SvcState {
                     .chain(q.rq.iter().map(move |r| (r, q.rq_blocked || q.broken)))
             })
             .chain(self.srqs.values().map(|s| (&s.ring, s.blocked || s.broken)))
+    }
+    /// Take the work requests of every receive ring and SRQ ring into the engine, as many as it
+    /// takes; true if any was taken.
+    fn take_recvs(
+        &mut self,
+        st: &mut crate::runtime::State,
+        now: softrdma_transport::Instant,
+        buf: &mut Vec<u8>,
+    ) -> bool {
+        let mut work = false;
+        for (qpn, q) in self.qps.iter_mut() {
+            if q.broken {
+                continue;
+            }
+            q.rq_blocked = false;
+            let pid = self.clients.get(&q.client).map_or(0, |c| c.pid);
+            let Some(rq) = q.rq.as_mut() else { continue };
+            loop {
+                buf.resize(rq.ring().slot_size() as usize, 0);
+                match rq.peek(buf) {
+                    Ok(false) => break,
+                    Err(e) => {
+                        log!("client pid {pid}: QP {qpn} receive ring: {e}; ignoring the ring from now on");
+                        q.broken = true;
+                        break;
+                    }
+                    Ok(true) => {}
+                }
+                match slot::decode_recv(buf, q.cap.max_recv_sge) {
+                    Ok(wr) => match st.hca.post_recv(*qpn, wr, now, &mut st.mem) {
+                        Ok(()) => q.counters.recv_wrs += 1,
+                        Err(VerbsError::QueueFull) => {
+                            q.rq_blocked = true;
+                            break;
+                        }
+                        Err(_) => q.counters.rejected_wrs += 1,
+                    },
+                    Err(e) => {
+                        q.counters.bad_wqes += 1;
+                        self.bad_wqes += 1;
+                        log!("client pid {pid}: QP {qpn}: {e}");
+                    }
+                }
+                rq.advance();
+                work = true;
+            }
+        }
+        for (id, s) in self.srqs.iter_mut() {
+            if s.broken {
+                continue;
+            }
+            s.blocked = false;
+            loop {
+                buf.resize(s.ring.ring().slot_size() as usize, 0);
+                match s.ring.peek(buf) {
+                    Ok(false) => break,
+                    Err(_) => {
+                        s.broken = true;
+                        break;
+                    }
+                    Ok(true) => {}
+                }
+                match slot::decode_recv(buf, s.max_sge) {
+                    Ok(wr) => match st.hca.post_srq_recv(*id, wr) {
+                        Ok(()) => {}
+                        Err(VerbsError::QueueFull) => {
+                            s.blocked = true;
+                            break;
+                        }
+                        Err(_) => {}
+                    },
+                    Err(_) => self.bad_wqes += 1,
+                }
+                s.ring.advance();
+                work = true;
+            }
+        }
+        work
     }
 
     /// Whether a work ring the device loop takes from has entries waiting.
@@ -878,78 +977,11 @@ impl SvcDevice {
         let mut guard = self.dev.lock();
         let st = &mut *guard;
         let now = self.dev.now();
-        let mut work = false;
 
         // Work requests: from the rings into the engine, while the engine takes them. Receives
         // first: a SEND between two QPs of this device is executed when it is taken (transport
         // hca/direct.rs) if its receive is already in the engine.
-        for (qpn, q) in svc.qps.iter_mut() {
-            if q.broken {
-                continue;
-            }
-            q.rq_blocked = false;
-            let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
-            let Some(rq) = q.rq.as_mut() else { continue };
-            loop {
-                sc.buf.resize(rq.ring().slot_size() as usize, 0);
-                match rq.peek(&mut sc.buf) {
-                    Ok(false) => break,
-                    Err(e) => {
-                        log!("client pid {pid}: QP {qpn} receive ring: {e}; ignoring the ring from now on");
-                        q.broken = true;
-                        break;
-                    }
-                    Ok(true) => {}
-                }
-                match slot::decode_recv(&sc.buf, q.cap.max_recv_sge) {
-                    Ok(wr) => match st.hca.post_recv(*qpn, wr, now, &mut st.mem) {
-                        Ok(()) => q.counters.recv_wrs += 1,
-                        Err(VerbsError::QueueFull) => {
-                            q.rq_blocked = true;
-                            break;
-                        }
-                        Err(_) => q.counters.rejected_wrs += 1,
-                    },
-                    Err(e) => {
-                        q.counters.bad_wqes += 1;
-                        svc.bad_wqes += 1;
-                        log!("client pid {pid}: QP {qpn}: {e}");
-                    }
-                }
-                rq.advance();
-                work = true;
-            }
-        }
-        for (id, s) in svc.srqs.iter_mut() {
-            if s.broken {
-                continue;
-            }
-            s.blocked = false;
-            loop {
-                sc.buf.resize(s.ring.ring().slot_size() as usize, 0);
-                match s.ring.peek(&mut sc.buf) {
-                    Ok(false) => break,
-                    Err(_) => {
-                        s.broken = true;
-                        break;
-                    }
-                    Ok(true) => {}
-                }
-                match slot::decode_recv(&sc.buf, s.max_sge) {
-                    Ok(wr) => match st.hca.post_srq_recv(*id, wr) {
-                        Ok(()) => {}
-                        Err(VerbsError::QueueFull) => {
-                            s.blocked = true;
-                            break;
-                        }
-                        Err(_) => {}
-                    },
-                    Err(_) => svc.bad_wqes += 1,
-                }
-                s.ring.advance();
-                work = true;
-            }
-        }
+        let mut work = svc.take_recvs(st, now, &mut sc.buf);
         // Payloads in clients' own memory (reached by a system call per access) are read ahead
         // for the work requests the send rings hold now, one call per client (client_io.rs); the
         // pass then takes only those requests.
@@ -1750,8 +1782,6 @@ impl Session {
                 dev.dev
                     .run(|st, now| {
                         take_posted(dev, svc, qpn, st, now);
-                        // Their packets are built from the QP: before it goes.
-                        dev.dev.flush(st, now);
                         st.destroy_qp(qpn)
                     })
                     .map_err(Refusal::Verbs)?;
