@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 mod demo;
 mod devinfo;
+mod exchange;
 mod pcap;
 mod perf;
 mod pingpong;

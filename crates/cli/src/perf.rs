@@ -1762,8 +1762,7 @@ fn perf(a: &PerfArgs) -> Result<(), String> {
         }
         None => {
             let ctx = open_ctx(a, &name, a.bind)?;
-            let listener = TcpListener::bind(("0.0.0.0", a.port))
-                .map_err(|e| format!("Couldn't listen to port {}: {e}", a.port))?;
+            let listener = crate::exchange::listen(a.port)?;
             println!();
             println!("************************************");
             println!("* Waiting for client to connect... *");

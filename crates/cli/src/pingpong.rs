@@ -6,7 +6,7 @@
 //! first IPv4 address of the device).
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -218,8 +218,7 @@ fn pingpong(args: &PingpongArgs) -> Result<(), String> {
             rem
         }
         None => {
-            let listener = TcpListener::bind(("0.0.0.0", args.port))
-                .map_err(|e| format!("Couldn't listen to port {}: {e}", args.port))?;
+            let listener = crate::exchange::listen(args.port)?;
             let (mut stream, _) = listener.accept().map_err(|e| format!("accept() failed: {e}"))?;
             let mut buf = [0u8; Dest::WIRE_LEN];
             stream.read_exact(&mut buf).map_err(|_| "Couldn't read remote address".to_string())?;

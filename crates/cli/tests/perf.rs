@@ -214,7 +214,7 @@ fn server_and_client_processes() {
     let tcp = free_port().to_string();
     let bin = env!("CARGO_BIN_EXE_softrdma");
     let common = ["--udp-port", "47315", "-n", "300", "-p", &tcp];
-    let server = Command::new(bin)
+    let mut server = Command::new(bin)
         .args(["perf", "write-bw", "--bind", "127.0.78.1", "-d", "srv0"])
         .args(common)
         .stdout(Stdio::piped())
@@ -225,9 +225,14 @@ fn server_and_client_processes() {
     let client = Command::new(bin)
         .args(["perf", "write-bw", "--bind", "127.0.78.2", "-d", "cli0"])
         .args(common)
-        .arg("127.0.0.1")
+        // The TCP exchange over IPv6 (the devices are IPv4's): the server listens on both.
+        .arg("::1")
         .output()
         .unwrap();
+    if !client.status.success() {
+        // A client that could not connect leaves the server waiting for it.
+        let _ = server.kill();
+    }
     let server = server.wait_with_output().unwrap();
     let (cout, sout) = (text(&client.stdout), text(&server.stdout));
     assert!(client.status.success(), "{cout}\n{}", text(&client.stderr));

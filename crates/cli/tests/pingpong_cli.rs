@@ -168,8 +168,9 @@ fn check_output(o: &Output, size: u64, iters: u64) -> Report {
     Report { local, remote }
 }
 
-/// One server and one client; both exit 0 and print the same addresses crosswise.
-fn run_pair(tag: u8, extra: &[&str], size: u64, iters: u64) {
+/// One server and one client, which connects to `host` for the exchange of addresses; both exit
+/// 0 and print the same addresses crosswise.
+fn run_pair(tag: u8, extra: &[&str], size: u64, iters: u64, host: &str) {
     let (a, b) = (format!("127.0.12.{}", 2 * tag + 1), format!("127.0.12.{}", 2 * tag + 2));
     let (_dir, conf) = config(&[("pa", &a), ("pb", &b)]);
     let udp = free_udp_port();
@@ -179,9 +180,8 @@ fn run_pair(tag: u8, extra: &[&str], size: u64, iters: u64) {
     common.extend_from_slice(extra);
     let mut server = Proc(Some(pingpong(&conf, udp, &[&["-d", "pa"][..], &common[..]].concat()).spawn().unwrap()));
     wait_listening(tcp.parse().unwrap(), &mut server);
-    let client = Proc(Some(
-        pingpong(&conf, udp, &[&["-d", "pb"][..], &common[..], &["127.0.0.1"][..]].concat()).spawn().unwrap(),
-    ));
+    let client =
+        Proc(Some(pingpong(&conf, udp, &[&["-d", "pb"][..], &common[..], &[host][..]].concat()).spawn().unwrap()));
     let c = client.finish(Duration::from_secs(20));
     let s = server.finish(Duration::from_secs(20));
     let (rs, rc) = (check_output(&s, size, iters), check_output(&c, size, iters));
@@ -193,17 +193,17 @@ fn run_pair(tag: u8, extra: &[&str], size: u64, iters: u64) {
 
 #[test]
 fn pingpong_polling_4k_mtu_1024() {
-    run_pair(0, &[], 4096, 200);
+    run_pair(0, &[], 4096, 200, "127.0.0.1");
 }
 
 #[test]
-fn pingpong_events_one_byte() {
-    run_pair(1, &["-e"], 1, 200);
+fn pingpong_events_one_byte_exchange_over_ipv6() {
+    run_pair(1, &["-e"], 1, 200, "::1");
 }
 
 #[test]
 fn pingpong_multi_packet_mtu_4096() {
-    run_pair(2, &["-m", "4096"], 100_000, 50);
+    run_pair(2, &["-m", "4096"], 100_000, 50, "127.0.0.1");
 }
 
 /// Run to completion; must fail with a message on stderr; returns it.
