@@ -1438,19 +1438,43 @@ struct SideCpu {
     user: Duration,
     sys: Duration,
     device: Option<Duration>,
+    /// The GID of the device whose loop `device` is: two sides on one softrdmad device count its
+    /// loop once. (The addresses the sides exchange do not tell: with `-g` they are groups.)
+    device_gid: Option<Gid>,
 }
 
 impl SideCpu {
-    /// `<user ns> <system ns> <device ns, or ->`.
+    /// Fields in [`SideCpu::encode`].
+    const FIELDS: usize = 4;
+
+    /// `<user ns> <system ns> <device ns, or -> <device GID in hex, or ->`.
     fn encode(&self) -> String {
         let device = self.device.map_or("-".to_string(), |d| d.as_nanos().to_string());
-        format!("{} {} {device}", self.user.as_nanos(), self.sys.as_nanos())
+        let gid = self.device_gid.map_or("-".to_string(), |g| g.0.iter().map(|b| format!("{b:02x}")).collect());
+        format!("{} {} {device} {gid}", self.user.as_nanos(), self.sys.as_nanos())
     }
 
-    /// The three fields of [`SideCpu::encode`]; a missing or garbled one reads as none.
+    /// The fields of [`SideCpu::encode`]; a missing or garbled one reads as none.
     fn decode(f: &[&str]) -> SideCpu {
         let time = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).map(Duration::from_nanos);
-        SideCpu { user: time(0).unwrap_or_default(), sys: time(1).unwrap_or_default(), device: time(2) }
+        let gid = f.get(3).filter(|x| x.len() == 32).and_then(|x| {
+            let mut g = [0u8; 16];
+            for (k, b) in g.iter_mut().enumerate() {
+                *b = u8::from_str_radix(x.get(2 * k..2 * k + 2)?, 16).ok()?;
+            }
+            Some(Gid(g))
+        });
+        SideCpu {
+            user: time(0).unwrap_or_default(),
+            sys: time(1).unwrap_or_default(),
+            device: time(2),
+            device_gid: gid,
+        }
+    }
+
+    /// Whether this side and `peer` timed the same softrdmad device's loop.
+    fn same_device(&self, peer: &SideCpu) -> bool {
+        self.device.is_some() && self.device_gid.is_some() && self.device_gid == peer.device_gid
     }
 }
 
@@ -1573,8 +1597,9 @@ fn run_side(
     for d in &theirs {
         print_dest(out, plan, role, "remote", d);
     }
-    // Both sides on one device (of softrdmad: one device loop does the work of both).
-    let same_device = mine.first().map(|d| d.gid) == theirs.first().map(|d| d.gid);
+    // The device this side's loop time is of (softrdmad: one device loop does the work of both
+    // sides on it).
+    let device_gid = side.ctx.query_gid(1, usize::from(plan.gid_index)).ok();
     // Everything this side (and, in one process, the peer: it connected before answering) created
     // for its QPs is in place now: PD, CQs, QPs in RTS, the tool's own per-QP bookkeeping.
     let rss1 = vm_rss();
@@ -1652,7 +1677,7 @@ fn run_side(
             (Some(a), Some(b)) if count_cpu => Some(b.saturating_sub(a)),
             _ => None,
         };
-        let mine = SideCpu { user: du, sys: ds, device };
+        let mine = SideCpu { user: du, sys: ds, device, device_gid };
         // Results: each side sends its CPU times (the server first); the client also sends its row
         // (the passive server of WRITE/READ/atomic bandwidth prints the client's figures, as
         // perftest's does).
@@ -1660,12 +1685,13 @@ fn run_side(
             Role::Server => {
                 ctl.send(&format!("RESULT {}", mine.encode()))?;
                 let l = ctl.expect("ROW")?;
-                // ROW <bytes> <user> <system> <device> <row text>
-                let f: Vec<&str> = l.splitn(6, ' ').collect();
+                // ROW <bytes> <the client's SideCpu fields> <row text>
+                let f: Vec<&str> = l.splitn(SideCpu::FIELDS + 3, ' ').collect();
                 if plan.bw && plan.verb != Verb::Send {
-                    row = Some(f.get(5).unwrap_or(&"").to_string());
+                    row = Some(f.get(SideCpu::FIELDS + 2).unwrap_or(&"").to_string());
                 }
-                (SideCpu::decode(f.get(2..5).unwrap_or_default()), f.get(1).and_then(|b| b.parse().ok()).unwrap_or(0))
+                let cpu = SideCpu::decode(f.get(2..SideCpu::FIELDS + 2).unwrap_or_default());
+                (cpu, f.get(1).and_then(|b| b.parse().ok()).unwrap_or(0))
             }
             Role::Client => {
                 let l = ctl.expect("RESULT")?;
@@ -1673,7 +1699,7 @@ fn run_side(
                 (SideCpu::decode(&l.split(' ').skip(1).collect::<Vec<_>>()), bytes)
             }
         };
-        let device = match (mine.device, peer.device.filter(|_| !same_device)) {
+        let device = match (mine.device, peer.device.filter(|_| !mine.same_device(&peer))) {
             (None, None) => None,
             (a, b) => Some(a.unwrap_or_default() + b.unwrap_or_default()),
         };
@@ -1827,6 +1853,27 @@ pub fn run(args: PerfArgs) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two sides on one softrdmad device count its loop once; with `-g` (the exchanged addresses
+    /// are groups, so unlike) as well.
+    #[test]
+    fn a_shared_device_loop_is_told_by_the_device_gid() {
+        let g = |last: u8| Some(Gid([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, last]));
+        let ms = |n| Some(Duration::from_millis(n));
+        let side =
+            |device, device_gid| SideCpu { user: Duration::from_nanos(7), sys: Duration::ZERO, device, device_gid };
+        let a = side(ms(30), g(1));
+        let wire = a.encode();
+        assert_eq!(wire, "7 0 30000000 00000000000000000000ffff7f000001");
+        let back = SideCpu::decode(&wire.split(' ').collect::<Vec<_>>());
+        assert_eq!((back.user, back.sys, back.device, back.device_gid), (a.user, a.sys, a.device, a.device_gid));
+        assert!(a.same_device(&back));
+        assert!(!a.same_device(&side(ms(30), g(2))));
+        // Embedded devices have no loop to share; a peer that sends no GID shares none.
+        assert!(!side(None, g(1)).same_device(&side(None, g(1))));
+        assert!(!a.same_device(&SideCpu::decode(&["7", "0", "30000000"])));
+        assert_eq!(SideCpu::decode(&["7", "0", "-", "-"]).device_gid, None);
+    }
 
     #[test]
     fn dest_line_round_trips_in_perftest_format() {
