@@ -693,10 +693,12 @@ fn a_qp_leaves_the_transmit_list_with_its_last_packet() {
 
 /// `Hca::owed_reads` names what each queued READ response still has to read, as its packets go:
 /// the rkey, the address of the next packet's data and the bytes left; nothing once sent.
+/// `Hca::owes_read_response` says whether there is any.
 #[test]
 fn owed_reads_follow_the_read_responses_as_they_go() {
     let mut r = Rig::new();
     assert_eq!(r.hca.owed_reads(8).count(), 0);
+    assert!(!r.hca.owes_read_response());
     // Two READs (MTU 256): 600 bytes from 0x2000, then 100 from 0x3000.
     let a = request(&r, base::READ_REQUEST, EPSN, true, Some((0x2000, 600)), 0, 0);
     r.hca.handle_packet(r.now, &a, &RxInfo { grh: [0; 40] }, &mut r.mem);
@@ -707,9 +709,11 @@ fn owed_reads_follow_the_read_responses_as_they_go() {
     let mut buf = vec![0u8; 4096 + 64];
     assert!(r.hca.poll_transmit(r.now, &mut r.mem, &mut buf).is_some());
     assert_eq!(r.hca.owed_reads(8).collect::<Vec<_>>(), [(1, 0x2100, 344), (1, 0x3000, 100)]);
+    assert!(r.hca.owes_read_response());
     let sent = r.recv();
     assert_eq!(sent.len(), 3, "the rest of the first response and the second: {sent:?}");
     assert_eq!(r.hca.owed_reads(8).count(), 0);
+    assert!(!r.hca.owes_read_response());
 }
 
 /// A UD QP in PD 1 on `cq`, brought up to RTS with Q_Key `qkey`.

@@ -879,8 +879,8 @@ impl Device {
         if work
             && st.hca.cq_receives(cq) == 1
             && st.hca.has_transmit()
-            && !st.hca.owes_read_response()
             && self.io_aside.load(Ordering::Relaxed)
+            && !st.hca.owes_read_response()
         {
             st.flush_owed = true;
             st.flushes_left_owed += 1;

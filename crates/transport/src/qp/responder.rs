@@ -148,6 +148,11 @@ impl Responder {
         })
     }
 
+    /// Whether a READ response is queued.
+    pub(crate) fn owes_read(&self) -> bool {
+        self.out.iter().any(|r| matches!(r, Response::Read { .. }))
+    }
+
     /// The plain ACK (not a NAK) at the head of the responses, when it may still let a request
     /// packet go first (see [`Qp::poll_transmit`]).
     pub(super) fn ack_may_wait(&self) -> Option<WaitingAck> {
