@@ -36,6 +36,8 @@ use softrdma_verbs::{
     SendOp, SendWr, SgeList, WcOpcode, WcStatus, WorkCompletion,
 };
 
+mod cm;
+
 /// Request payloads from this many bytes on leave from registered memory (the devices'
 /// `defer_payload_min`, crates/verbs runtime): `sendmsg` gathers them from the region itself.
 pub const IN_PLACE_FROM: u64 = 1024;
@@ -221,8 +223,8 @@ pub struct PerfArgs {
     /// Report max/average bandwidth in Gbit/s instead of MB/s.
     #[arg(long = "report_gbits")]
     report_gbits: bool,
-    /// Connect QPs with rdma_cm: not supported yet by this tool (softrdma_verbs::cm is the API to use); the TCP
-    /// exchange is used instead.
+    /// Connect the QPs with rdma_cm (on the port of -p, at the server device's address) instead of
+    /// trading QP numbers over TCP.
     #[arg(short = 'R', long = "rdma_cm")]
     rdma_cm: bool,
     /// Post a list of N work requests at a time (one lock and batched sends per list).
@@ -275,6 +277,8 @@ struct Plan {
     size_given: bool,
     /// `-a`.
     all: bool,
+    /// `-R`: the QPs are connected with rdma_cm on this port.
+    rdma_cm: Option<u16>,
 }
 
 /// perftest's default multicast group (`MCG_GID`, ff01:0:2:c985::) with link-local scope instead
@@ -405,6 +409,7 @@ impl Plan {
             mcast,
             size_given: a.size.is_some(),
             all: a.all,
+            rdma_cm: a.rdma_cm.then_some(a.port),
         })
     }
 
@@ -433,10 +438,11 @@ impl Plan {
     /// What the client sends first; the server refuses a mismatch instead of hanging on it.
     fn hello(&self) -> String {
         format!(
-            "HELLO softrdma-perf-1 {} {:?}{} qps={} sizes={:?} iters={} duration={:?}",
+            "HELLO softrdma-perf-1 {} {:?}{}{} qps={} sizes={:?} iters={} duration={:?}",
             self.test.name(),
             self.conn,
             if self.mcast.is_some() { " multicast" } else { "" },
+            if self.rdma_cm.is_some() { " rdma_cm" } else { "" },
             self.qps,
             self.sizes,
             self.iters,
@@ -756,22 +762,27 @@ impl Side {
         if remote.len() != self.qps.len() {
             return Err(format!("the peer has {} QPs, this side {}", remote.len(), self.qps.len()));
         }
-        for ((qp, &psn), r) in self.qps.iter().zip(&self.psns).zip(&remote) {
-            match plan.conn {
-                QpType::Ud => {
-                    let ah = self
-                        .pd
-                        .create_ah(&AhAttr::new(r.gid, plan.gid_index))
-                        .map_err(|e| format!("Failed to create AH: {e}"))?;
-                    self.ahs.push(ah);
-                }
-                _ => {
-                    let mut p = ConnectParams::new(Qpn::new(r.qpn), Psn::new(r.psn), r.gid, Psn::new(psn));
-                    p.mtu = self.mtu;
-                    p.sgid_index = plan.gid_index;
-                    p.rd_atomic = plan.outs.min(r.out_reads.min(255) as u8).max(1);
-                    qp.connect(&self.pd, &p).map_err(|e| format!("Failed to modify QP to RTR/RTS: {e}"))?;
-                }
+        if plan.conn != QpType::Ud {
+            for ((qp, &psn), r) in self.qps.iter().zip(&self.psns).zip(&remote) {
+                let mut p = ConnectParams::new(Qpn::new(r.qpn), Psn::new(r.psn), r.gid, Psn::new(psn));
+                p.mtu = self.mtu;
+                p.sgid_index = plan.gid_index;
+                p.rd_atomic = plan.outs.min(r.out_reads.min(255) as u8).max(1);
+                qp.connect(&self.pd, &p).map_err(|e| format!("Failed to modify QP to RTR/RTS: {e}"))?;
+            }
+        }
+        self.set_remote(plan, remote)
+    }
+
+    /// Take `remote` as the peer's QPs, the QPs connected to them (UD: an address handle each).
+    fn set_remote(&mut self, plan: &Plan, remote: Vec<Dest>) -> Result<(), String> {
+        if plan.conn == QpType::Ud {
+            for r in &remote {
+                let ah = self
+                    .pd
+                    .create_ah(&AhAttr::new(r.gid, plan.gid_index))
+                    .map_err(|e| format!("Failed to create AH: {e}"))?;
+                self.ahs.push(ah);
             }
         }
         self.remote = remote;
@@ -1397,7 +1408,7 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
     } else {
         out.line(" Max inline data : 0[B]");
     }
-    out.line(" rdma_cm QPs\t : OFF");
+    out.line(if plan.rdma_cm.is_some() { " rdma_cm QPs\t : ON" } else { " rdma_cm QPs\t : OFF" });
     out.line(" Data ex. method : Ethernet");
     out.line(RESULT_LINE);
 }
@@ -1556,10 +1567,19 @@ fn run_side(
         side.fill_receives(plan)?;
     }
     print_banner(out, plan, role, &side);
-    let mine = side.dests(plan)?;
+    let mut mine = side.dests(plan)?;
     // Client first, as perftest's exchange: client sends, server answers.
-    let theirs = match role {
-        Role::Client => {
+    let mut _cm_links = None;
+    let theirs = match (role, plan.rdma_cm) {
+        (Role::Client, Some(port)) => {
+            ctl.send(&plan.hello())?;
+            ctl.expect("OK")?;
+            let (theirs, links) = cm::connect(&mut side, plan, role, &mut ctl, &mut mine, port)?;
+            side.set_remote(plan, theirs.clone())?;
+            _cm_links = Some(links);
+            theirs
+        }
+        (Role::Client, None) => {
             ctl.send(&plan.hello())?;
             ctl.expect("OK")?;
             for d in &mine {
@@ -1572,7 +1592,7 @@ fn run_side(
             side.connect(plan, r.clone())?;
             r
         }
-        Role::Server => {
+        (Role::Server, port) => {
             let hello = ctl.recv()?;
             if hello != plan.hello() {
                 let msg = format!("the client runs a different test: {hello:?}, this side {:?}", plan.hello());
@@ -1580,15 +1600,22 @@ fn run_side(
                 return Err(msg);
             }
             ctl.send("OK")?;
-            let mut r = Vec::new();
-            for _ in 0..mine.len() {
-                r.push(Dest::from_line(&ctl.recv()?).ok_or("Couldn't parse the remote address")?);
+            if let Some(port) = port {
+                let (theirs, links) = cm::connect(&mut side, plan, role, &mut ctl, &mut mine, port)?;
+                side.set_remote(plan, theirs.clone())?;
+                _cm_links = Some(links);
+                theirs
+            } else {
+                let mut r = Vec::new();
+                for _ in 0..mine.len() {
+                    r.push(Dest::from_line(&ctl.recv()?).ok_or("Couldn't parse the remote address")?);
+                }
+                side.connect(plan, r.clone())?;
+                for d in &mine {
+                    ctl.send(&d.to_line())?;
+                }
+                r
             }
-            side.connect(plan, r.clone())?;
-            for d in &mine {
-                ctl.send(&d.to_line())?;
-            }
-            r
         }
     };
     for d in &mine {
@@ -1766,11 +1793,6 @@ fn open_ctx(a: &PerfArgs, name: &str, ip: Option<IpAddr>) -> Result<Context, Str
 
 fn perf(a: &PerfArgs) -> Result<(), String> {
     let plan = Plan::from_args(a)?;
-    if a.rdma_cm {
-        eprintln!(
-            " rdma_cm (-R) is not supported yet by softrdma perf (to be built on softrdma_verbs::cm); using the TCP exchange"
-        );
-    }
     if a.loopback {
         return loopback(a, &plan);
     }

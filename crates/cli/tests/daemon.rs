@@ -2047,6 +2047,33 @@ fn perf_between_two_clients_of_one_device() {
     assert_eq!(d.counter("late_wakeups"), 0);
 }
 
+/// `softrdma perf -R` between two clients of one softrdmad device: the daemon's CM connects the
+/// QPs (both IDs on its device), and the WRITEs go to the region named in the private data.
+#[test]
+fn perf_with_rdma_cm_through_the_daemon() {
+    let dir = Daemon::dir("perfcm", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18980, None);
+    let args = ["perf", "write-bw", "-R", "-q", "2", "-d", "rxe0", "-n", "500", "-p", "18981"];
+    let server = softrdma()
+        .args(args)
+        .env("SOFTRDMA_SOCKET", d.socket())
+        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let (ok, out, err) = d.cli(&[&args[..], &["127.0.0.1"]].concat());
+    let server = server.wait_with_output().unwrap();
+    assert!(ok, "{out}\n{err}");
+    assert!(server.status.success(), "{}", String::from_utf8_lossy(&server.stderr));
+    assert!(out.contains("\n rdma_cm QPs\t : ON\n"), "{out}");
+    let row = out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no row:\n{out}"));
+    // 500 WRITEs on each of the two QPs.
+    assert_eq!(row.split_whitespace().nth(1), Some("1000"), "{row}");
+    d.wait_idle();
+}
+
 /// Multicast through softrdmad: `softrdma perf send-bw -g` between two clients of one daemon
 /// device. The server's QP is attached to the group through the daemon, which joins it on the
 /// device's interface; the client's SENDs to the group leave over UDP and come back through the

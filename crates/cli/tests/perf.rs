@@ -199,9 +199,13 @@ fn flags_refused_or_noted() {
     let o = run(&["perf", "write-bw", "-c", "UD", "--loopback"]);
     assert!(!o.status.success());
     assert!(text(&o.stderr).contains("UD connection only possible in SEND verb"), "{}", text(&o.stderr));
+    // -R in one process: both devices' CMs connect the QPs.
     let o = run(&["perf", "write-bw", "-R", "--loopback", "--udp-port", "47314", "-n", "50"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stderr).contains("rdma_cm (-R) is not supported yet"), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("\n rdma_cm QPs\t : ON\n"), "{}", text(&o.stdout));
+    let o = run(&["perf", "send-bw", "-g", "-R", "--loopback"]);
+    assert!(!o.status.success());
+    assert!(text(&o.stderr).contains("doesn't support Multicast with rdma_cm"), "{}", text(&o.stderr));
 }
 
 /// A free TCP port on loopback (a race with other processes is possible but unlikely).
@@ -242,6 +246,82 @@ fn server_and_client_processes() {
     // The passive server prints the client's figures, as perftest does.
     assert_eq!(row_after(&cout, BW_HEADER, 5), row_after(&sout, BW_HEADER, 5));
     assert!(cout.contains("\tDevice         : cli0\n") && sout.contains("\tDevice         : srv0\n"));
+}
+
+/// `softrdma perf` server and client of `args` in two processes, devices at 127.0.78.`s` and
+/// 127.0.78.`s + 1`, the client connecting over TCP to 127.0.0.1; both must succeed. Returns
+/// (server's output, client's output).
+fn two_processes(args: &[&str], s: u8, udp: u16) -> (String, String) {
+    let tcp = free_port().to_string();
+    let udp = udp.to_string();
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let side = |last: u8, dev: &str| {
+        let mut c = Command::new(bin);
+        c.arg("perf").args(args).args(["-p", &tcp, "--udp-port", &udp, "-d", dev]);
+        c.args(["--bind", &format!("127.0.78.{last}")]);
+        c
+    };
+    let mut server = side(s, "srv0").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let client = side(s + 1, "cli0").arg("127.0.0.1").output().unwrap();
+    if !client.status.success() {
+        let _ = server.kill();
+    }
+    let server = server.wait_with_output().unwrap();
+    let (cout, sout) = (text(&client.stdout), text(&server.stdout));
+    assert!(client.status.success(), "{args:?}: {cout}\n{}", text(&client.stderr));
+    assert!(server.status.success(), "{args:?}: {sout}\n{}", text(&server.stderr));
+    (sout, cout)
+}
+
+/// The `(QPN, PSN)` of each `side` ("local" or "remote") address line of a perf output.
+fn addresses(out: &str, side: &str) -> Vec<(String, String)> {
+    let prefix = format!(" {side} address: LID 0000 QPN ");
+    out.lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[0].to_string(), f[2].to_string())
+        })
+        .collect()
+}
+
+/// `-R`: the QPs are connected with rdma_cm (the region's address and rkey in the private data):
+/// RC WRITEs on two QPs, UC SENDs, UD SENDs on two QPs (SIDR) and UD send-lat (the server reaches
+/// the client's QP). Each side's remote addresses are the other's local ones, PSNs included,
+/// which the CM picked.
+#[test]
+fn qps_connected_with_rdma_cm() {
+    for (k, args) in [
+        &["write-bw", "-R", "-q", "2", "-n", "300"][..],
+        &["send-lat", "-R", "-c", "UC", "-n", "300"],
+        &["send-bw", "-R", "-c", "UD", "-q", "2", "-n", "300"],
+        &["send-lat", "-R", "-c", "UD", "-n", "300"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (sout, cout) = two_processes(args, 10 + 2 * k as u8, 47330 + k as u16);
+        for out in [&sout, &cout] {
+            assert!(out.contains("\n rdma_cm QPs\t : ON\n"), "{args:?}: {out}");
+        }
+        let header = if args[0].ends_with("-bw") { BW_HEADER } else { LAT_HEADER };
+        row_after(&cout, header, if args[0].ends_with("-bw") { 5 } else { 9 });
+        let (cl, cr, sl, sr) = (
+            addresses(&cout, "local"),
+            addresses(&cout, "remote"),
+            addresses(&sout, "local"),
+            addresses(&sout, "remote"),
+        );
+        assert_eq!(cl.len(), if args.contains(&"2") { 2 } else { 1 }, "{args:?}: {cout}");
+        if args.contains(&"UD") {
+            // UD carries no PSN to the peer: the QP numbers match.
+            let qpns = |v: &[(String, String)]| v.iter().map(|a| a.0.clone()).collect::<Vec<_>>();
+            assert_eq!((qpns(&cr), qpns(&sr)), (qpns(&sl), qpns(&cl)), "{args:?}:\n{sout}\n{cout}");
+        } else {
+            assert_eq!((&cr, &sr), (&sl, &cl), "{args:?}:\n{sout}\n{cout}");
+        }
+    }
 }
 
 /// `softrdma perf` with `args`, in a network namespace of its own with its loopback up (packets

@@ -341,7 +341,10 @@ impl CmState {
         while let Some(o) = self.agent.poll_output() {
             match o {
                 Output::Qp(cmd) => {
-                    let (qpn, m) = modify_for(cmd);
+                    let (qpn, mut m) = modify_for(cmd);
+                    if hca.query_qp(qpn).is_ok_and(|q| q.qp_type == softrdma_transport::QpType::Uc) {
+                        m = for_uc(m);
+                    }
                     // A QP the application destroyed or left in RESET: the peer's retries or
                     // timeouts end the connection; nothing else to do here.
                     let _ = hca.modify_qp(qpn, &m, now, mem);
@@ -423,6 +426,21 @@ fn modify_for(cmd: QpCommand) -> (Qpn, ModifyQp) {
             },
         ),
         QpCommand::Err { qpn } => (qpn, ModifyQp { state: Some(QpState::Err), ..Default::default() }),
+    }
+}
+
+/// A CM modify for a UC QP: without the READ/atomic depths, the RNR timer and the ACK timeout
+/// and retries, which a UC QP's transitions do not take (the kernel's rdma_cm masks its QP
+/// attributes by type the same way).
+fn for_uc(m: ModifyQp) -> ModifyQp {
+    ModifyQp {
+        max_dest_rd_atomic: None,
+        min_rnr_timer: None,
+        timeout: None,
+        retry_cnt: None,
+        rnr_retry: None,
+        max_rd_atomic: None,
+        ..m
     }
 }
 
