@@ -52,12 +52,25 @@ pub(super) fn connect(
         }
     };
     let mut theirs = theirs;
-    // The PSNs the CM picked, to print: each side's send PSN is the other's expected one.
+    // The PSNs the CM picked, to print: each side's send PSN is the other's expected one. The
+    // path MTU is the CM's too (the route's; an RTS QP's cannot change).
     if plan.conn != QpType::Ud {
+        let mut path_mtu = side.mtu;
         for ((qp, me), peer) in side.qps.iter().zip(mine.iter_mut()).zip(theirs.iter_mut()) {
             let info = qp.query().map_err(|e| format!("Couldn't query the QP: {e}"))?;
             me.psn = info.sq_psn.value();
             peer.psn = info.rq_psn.value();
+            path_mtu = info.path_mtu;
+        }
+        if path_mtu != side.mtu {
+            if let Some(m) = plan.mtu {
+                eprintln!(
+                    " -m {} is not applied with -R: rdma_cm connected the QPs with MTU {}",
+                    m.bytes(),
+                    path_mtu.bytes()
+                );
+            }
+            side.mtu = path_mtu;
         }
     }
     Ok((theirs, CmLinks { _ids: ids, _listener: listener, _channel: channel }))
