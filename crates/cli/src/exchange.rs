@@ -7,13 +7,11 @@ use std::net::{Ipv4Addr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// A listener on TCP `port` of every local address: one IPv6 socket that also takes IPv4 clients
-/// (`IPV6_V6ONLY` off, whatever the host's default), or an IPv4 one where the host has no IPv6.
+/// (`IPV6_V6ONLY` off, whatever the host's default), or, where that cannot be had (no IPv6, a
+/// policy against it, the port held by an IPv6-only socket), an IPv4 one as before.
 pub fn listen(port: u16) -> Result<TcpListener, String> {
     dual_stack(port)
-        .or_else(|e| match e.raw_os_error() {
-            Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL) => TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)),
-            _ => Err(e),
-        })
+        .or_else(|_| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))
         .map_err(|e| format!("Couldn't listen to port {port}: {e}"))
 }
 

@@ -438,7 +438,7 @@ impl Plan {
     /// What the client sends first; the server refuses a mismatch instead of hanging on it.
     fn hello(&self) -> String {
         format!(
-            "HELLO softrdma-perf-1 {} {:?}{}{} qps={} sizes={:?} iters={} duration={:?}",
+            "HELLO softrdma-perf-2 {} {:?}{}{} qps={} sizes={:?} iters={} duration={:?}",
             self.test.name(),
             self.conn,
             if self.mcast.is_some() { " multicast" } else { "" },
@@ -1409,7 +1409,7 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
         out.line(" Max inline data : 0[B]");
     }
     out.line(if plan.rdma_cm.is_some() { " rdma_cm QPs\t : ON" } else { " rdma_cm QPs\t : OFF" });
-    out.line(" Data ex. method : Ethernet");
+    out.line(if plan.rdma_cm.is_some() { " Data ex. method : rdma_cm" } else { " Data ex. method : Ethernet" });
     out.line(RESULT_LINE);
 }
 
@@ -1753,7 +1753,7 @@ fn run_side(
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
         eprintln!(
-            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}",
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}; CM IDs {}",
             side.dev_name,
             c.sent_pkts,
             c.rcvd_pkts,
@@ -1765,7 +1765,8 @@ fn run_side(
             v.recovered,
             v.bad,
             side.ctx.corked_posts(),
-            side.ctx.rx_placed()
+            side.ctx.rx_placed(),
+            side.ctx.cm_id_count().unwrap_or(0)
         );
     }
     Ok(())

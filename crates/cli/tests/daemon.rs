@@ -2054,20 +2054,35 @@ fn perf_with_rdma_cm_through_the_daemon() {
     let dir = Daemon::dir("perfcm", "rxe0 netdev lo addr 127.0.0.1\n");
     let d = Daemon::start(&dir, 18980, None);
     let args = ["perf", "write-bw", "-R", "-q", "2", "-d", "rxe0", "-n", "500", "-p", "18981"];
-    let server = softrdma()
-        .args(args)
-        .env("SOFTRDMA_SOCKET", d.socket())
-        .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let on_daemon = |extra: &[&str]| {
+        let mut c = softrdma();
+        c.args(args)
+            .args(extra)
+            .env("SOFTRDMA_SOCKET", d.socket())
+            .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
+            .env("SOFTRDMA_PERF_DEBUG", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    let mut server = on_daemon(&[]).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let (ok, out, err) = d.cli(&[&args[..], &["127.0.0.1"]].concat());
+    let client = on_daemon(&["127.0.0.1"]).output().unwrap();
+    if !client.status.success() {
+        let _ = server.kill();
+    }
     let server = server.wait_with_output().unwrap();
-    assert!(ok, "{out}\n{err}");
+    let (out, err) = (String::from_utf8_lossy(&client.stdout), String::from_utf8_lossy(&client.stderr));
+    assert!(client.status.success(), "{out}\n{err}");
     assert!(server.status.success(), "{}", String::from_utf8_lossy(&server.stderr));
     assert!(out.contains("\n rdma_cm QPs\t : ON\n"), "{out}");
+    // The device's CM IDs as the client finished: its own two at least (the server's may be gone).
+    let ids: u32 = err
+        .split("; CM IDs ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no CM ID count:\n{err}"));
+    assert!(ids >= 2, "{err}");
     let row = out.lines().find(|l| l.trim_start().starts_with("65536")).unwrap_or_else(|| panic!("no row:\n{out}"));
     // 500 WRITEs on each of the two QPs.
     assert_eq!(row.split_whitespace().nth(1), Some("1000"), "{row}");

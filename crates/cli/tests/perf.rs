@@ -75,7 +75,9 @@ fn copies_over_udp_with_the_same_host_link_off() {
         let err = text(&o.stderr);
         let placed: u64 = err
             .lines()
-            .filter_map(|l| l.rsplit_once("received in place ").and_then(|(_, n)| n.trim().parse::<u64>().ok()))
+            .filter_map(|l| {
+                l.split_once("received in place ").and_then(|(_, n)| n.split(';').next()?.trim().parse::<u64>().ok())
+            })
             .sum();
         assert_eq!(placed > 0, place == "1" && size == "65536", "{err}");
     }
@@ -250,7 +252,8 @@ fn server_and_client_processes() {
 
 /// `softrdma perf` server and client of `args` in two processes, devices at 127.0.78.`s` and
 /// 127.0.78.`s + 1`, the client connecting over TCP to 127.0.0.1; both must succeed. Returns
-/// (server's output, client's output).
+/// (server's output, client's output), each with its standard error (`SOFTRDMA_PERF_DEBUG`'s
+/// counters) after it.
 fn two_processes(args: &[&str], s: u8, udp: u16) -> (String, String) {
     let tcp = free_port().to_string();
     let udp = udp.to_string();
@@ -258,7 +261,7 @@ fn two_processes(args: &[&str], s: u8, udp: u16) -> (String, String) {
     let side = |last: u8, dev: &str| {
         let mut c = Command::new(bin);
         c.arg("perf").args(args).args(["-p", &tcp, "--udp-port", &udp, "-d", dev]);
-        c.args(["--bind", &format!("127.0.78.{last}")]);
+        c.args(["--bind", &format!("127.0.78.{last}")]).env("SOFTRDMA_PERF_DEBUG", "1");
         c
     };
     let mut server = side(s, "srv0").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
@@ -271,7 +274,7 @@ fn two_processes(args: &[&str], s: u8, udp: u16) -> (String, String) {
     let (cout, sout) = (text(&client.stdout), text(&server.stdout));
     assert!(client.status.success(), "{args:?}: {cout}\n{}", text(&client.stderr));
     assert!(server.status.success(), "{args:?}: {sout}\n{}", text(&server.stderr));
-    (sout, cout)
+    (sout + &text(&server.stderr), cout + &text(&client.stderr))
 }
 
 /// The `(QPN, PSN)` of each `side` ("local" or "remote") address line of a perf output.
@@ -303,8 +306,12 @@ fn qps_connected_with_rdma_cm() {
     {
         let (sout, cout) = two_processes(args, 10 + 2 * k as u8, 47330 + k as u16);
         for out in [&sout, &cout] {
-            assert!(out.contains("\n rdma_cm QPs\t : ON\n"), "{args:?}: {out}");
+            assert!(out.contains("\n rdma_cm QPs\t : ON\n Data ex. method : rdma_cm\n"), "{args:?}: {out}");
         }
+        // The CM's IDs were there through the test: one per QP, and the server's listener.
+        let qps = if args.contains(&"2") { 2 } else { 1 };
+        assert!(cout.contains(&format!("; CM IDs {qps}\n")), "{args:?}: {cout}");
+        assert!(sout.contains(&format!("; CM IDs {}\n", qps + 1)), "{args:?}: {sout}");
         let header = if args[0].ends_with("-bw") { BW_HEADER } else { LAT_HEADER };
         row_after(&cout, header, if args[0].ends_with("-bw") { 5 } else { 9 });
         let (cl, cr, sl, sr) = (
@@ -313,7 +320,7 @@ fn qps_connected_with_rdma_cm() {
             addresses(&sout, "local"),
             addresses(&sout, "remote"),
         );
-        assert_eq!(cl.len(), if args.contains(&"2") { 2 } else { 1 }, "{args:?}: {cout}");
+        assert_eq!(cl.len(), qps, "{args:?}: {cout}");
         if args.contains(&"UD") {
             // UD carries no PSN to the peer: the QP numbers match.
             let qpns = |v: &[(String, String)]| v.iter().map(|a| a.0.clone()).collect::<Vec<_>>();

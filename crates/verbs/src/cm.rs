@@ -562,7 +562,8 @@ impl CmId {
     /// Move `qp` to `state` with [`CmId::init_qp_attr`]'s attributes (`rdma_init_qp_attr` then
     /// `ibv_modify_qp`).
     pub fn modify_qp(&self, qp: &crate::QueuePair, state: QpAttrState) -> Result<()> {
-        qp.modify(&modify_for_attr(&self.init_qp_attr(state)?))
+        let m = modify_for_attr(&self.init_qp_attr(state)?);
+        qp.modify(&if qp.query()?.qp_type == softrdma_transport::QpType::Uc { for_uc(m) } else { m })
     }
 
     /// Listen (`rdma_listen`).

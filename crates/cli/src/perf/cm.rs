@@ -43,6 +43,9 @@ pub(super) fn connect(
         }
         Role::Client => {
             let line = ctl.recv()?;
+            if let Some(why) = line.strip_prefix("ERR ") {
+                return Err(format!("the server: {why}"));
+            }
             let at = line
                 .strip_prefix("CM ")
                 .and_then(|a| a.parse::<SocketAddr>().ok())
@@ -86,9 +89,20 @@ fn accept_all(
     mine: &[Dest],
     at: SocketAddr,
 ) -> Result<(Vec<Dest>, Vec<CmId>, CmId), String> {
-    let listener = side.ctx.create_cm_id(channel, ps).map_err(|e| format!("rdma_cm: Couldn't create an ID: {e}"))?;
-    listener.bind_addr(at).map_err(|e| format!("rdma_cm: Couldn't bind to {at}: {e}"))?;
-    listener.listen(mine.len() as u32).map_err(|e| format!("rdma_cm: Couldn't listen on {at}: {e}"))?;
+    let listening =
+        side.ctx.create_cm_id(channel, ps).map_err(|e| format!("rdma_cm: Couldn't create an ID: {e}")).and_then(|l| {
+            l.bind_addr(at).map_err(|e| format!("rdma_cm: Couldn't bind to {at}: {e}"))?;
+            l.listen(mine.len() as u32).map_err(|e| format!("rdma_cm: Couldn't listen on {at}: {e}"))?;
+            Ok(l)
+        });
+    // The client waits for the address: it hears of a failure too.
+    let listener = match listening {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = ctl.send(&format!("ERR {e}"));
+            return Err(e);
+        }
+    };
     ctl.send(&format!("CM {at}"))?;
     let n = mine.len();
     let (mut theirs, mut ids) = (Vec::with_capacity(n), Vec::with_capacity(n));
