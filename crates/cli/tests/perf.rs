@@ -217,32 +217,8 @@ fn free_port() -> u16 {
 
 #[test]
 fn server_and_client_processes() {
-    let tcp = free_port().to_string();
-    let bin = env!("CARGO_BIN_EXE_softrdma");
-    let common = ["--udp-port", "47315", "-n", "300", "-p", &tcp];
-    let mut server = Command::new(bin)
-        .args(["perf", "write-bw", "--bind", "127.0.78.1", "-d", "srv0"])
-        .args(common)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    let client = Command::new(bin)
-        .args(["perf", "write-bw", "--bind", "127.0.78.2", "-d", "cli0"])
-        .args(common)
-        // The TCP exchange over IPv6 (the devices are IPv4's): the server listens on both.
-        .arg("::1")
-        .output()
-        .unwrap();
-    if !client.status.success() {
-        // A client that could not connect leaves the server waiting for it.
-        let _ = server.kill();
-    }
-    let server = server.wait_with_output().unwrap();
-    let (cout, sout) = (text(&client.stdout), text(&server.stdout));
-    assert!(client.status.success(), "{cout}\n{}", text(&client.stderr));
-    assert!(server.status.success(), "{sout}\n{}", text(&server.stderr));
+    // The TCP exchange over IPv6 (the devices are IPv4's): the server listens on both.
+    let (sout, cout) = two_processes(&["write-bw", "-n", "300"], 1, 47315, "::1");
     assert!(sout.contains("* Waiting for client to connect... *"), "{sout}");
     assert!(cout.contains(" TX depth        : 128\n") && !sout.contains(" TX depth"), "{cout}\n{sout}");
     // The passive server prints the client's figures, as perftest does.
@@ -251,10 +227,10 @@ fn server_and_client_processes() {
 }
 
 /// `softrdma perf` server and client of `args` in two processes, devices at 127.0.78.`s` and
-/// 127.0.78.`s + 1`, the client connecting over TCP to 127.0.0.1; both must succeed. Returns
+/// 127.0.78.`s + 1`, the client connecting over TCP to `host`; both must succeed. Returns
 /// (server's output, client's output), each with its standard error (`SOFTRDMA_PERF_DEBUG`'s
 /// counters) after it.
-fn two_processes(args: &[&str], s: u8, udp: u16) -> (String, String) {
+fn two_processes(args: &[&str], s: u8, udp: u16, host: &str) -> (String, String) {
     let tcp = free_port().to_string();
     let udp = udp.to_string();
     let bin = env!("CARGO_BIN_EXE_softrdma");
@@ -266,7 +242,7 @@ fn two_processes(args: &[&str], s: u8, udp: u16) -> (String, String) {
     };
     let mut server = side(s, "srv0").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    let client = side(s + 1, "cli0").arg("127.0.0.1").output().unwrap();
+    let client = side(s + 1, "cli0").arg(host).output().unwrap();
     if !client.status.success() {
         let _ = server.kill();
     }
@@ -304,7 +280,7 @@ fn qps_connected_with_rdma_cm() {
     .into_iter()
     .enumerate()
     {
-        let (sout, cout) = two_processes(args, 10 + 2 * k as u8, 47330 + k as u16);
+        let (sout, cout) = two_processes(args, 10 + 2 * k as u8, 47330 + k as u16, "127.0.0.1");
         for out in [&sout, &cout] {
             assert!(out.contains("\n rdma_cm QPs\t : ON\n Data ex. method : rdma_cm\n"), "{args:?}: {out}");
         }
