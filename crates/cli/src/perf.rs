@@ -1411,6 +1411,11 @@ fn print_banner(out: &Out, plan: &Plan, role: Role, side: &Side) {
     out.line(if plan.rdma_cm.is_some() { " rdma_cm QPs\t : ON" } else { " rdma_cm QPs\t : OFF" });
     out.line(if plan.rdma_cm.is_some() { " Data ex. method : rdma_cm" } else { " Data ex. method : Ethernet" });
     out.line(RESULT_LINE);
+    if plan.rdma_cm.is_some() && role == Role::Server {
+        out.line(" Waiting for client rdma_cm QP to connect");
+        out.line(" Please run the same command with the IB/RoCE interface IP");
+        out.line(RESULT_LINE);
+    }
 }
 
 /// One address line pair. With `-g`, the GID line of the server's own address and of the
@@ -1422,10 +1427,11 @@ fn print_dest(out: &Out, plan: &Plan, role: Role, side: &str, d: &Dest) {
         hash_hex(u64::from(d.qpn), 6),
         hash_hex(u64::from(d.psn), 6)
     );
-    if plan.verb == Verb::Read {
+    // With -R the region went in the CM's private data, and perftest prints only the QP.
+    if plan.verb == Verb::Read && plan.rdma_cm.is_none() {
         s += &format!(" OUT {}", hash_hex(u64::from(d.out_reads), 4));
     }
-    if matches!(plan.verb, Verb::Read | Verb::Write) {
+    if matches!(plan.verb, Verb::Read | Verb::Write) && plan.rdma_cm.is_none() {
         s += &format!(" RKey {} VAddr {}", hash_hex(u64::from(d.rkey), 8), hash_hex(d.vaddr, 16));
     }
     out.line(&s);

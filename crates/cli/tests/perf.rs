@@ -281,9 +281,15 @@ fn qps_connected_with_rdma_cm() {
     .enumerate()
     {
         let (sout, cout) = two_processes(args, 10 + 2 * k as u8, 47330 + k as u16, "127.0.0.1");
+        // perftest's -R layout (golden tool-output/23-ib_write_bw-rxe0-rdmacm.txt): the server
+        // says it waits for the CM, and the address lines name only the QPs.
         for out in [&sout, &cout] {
             assert!(out.contains("\n rdma_cm QPs\t : ON\n Data ex. method : rdma_cm\n"), "{args:?}: {out}");
+            assert!(!out.contains(" RKey "), "{args:?}: {out}");
         }
+        let waiting =
+            "\n Waiting for client rdma_cm QP to connect\n Please run the same command with the IB/RoCE interface IP\n";
+        assert!(sout.contains(waiting) && !cout.contains(waiting), "{args:?}: {sout}");
         // The CM's IDs were there through the test: one per QP, and the server's listener.
         let qps = if args.contains(&"2") { 2 } else { 1 };
         assert!(cout.contains(&format!("; CM IDs {qps}\n")), "{args:?}: {cout}");
