@@ -1778,7 +1778,14 @@ fn run_side(
     Ok(())
 }
 
+/// The device the test runs on, with the port of `-i` checked (a soft device has port 1 only).
 fn open_ctx(a: &PerfArgs, name: &str, ip: Option<IpAddr>) -> Result<Context, String> {
+    let ctx = open_named(a, name, ip)?;
+    ctx.query_port(a.ib_port).map_err(|e| format!(" Unable to query port {} attributes: {e}", a.ib_port))?;
+    Ok(ctx)
+}
+
+fn open_named(a: &PerfArgs, name: &str, ip: Option<IpAddr>) -> Result<Context, String> {
     match ip {
         Some(ip) => {
             let mut b = DeviceBuilder::new(name, &a.netdev).addr(ip);

@@ -205,6 +205,10 @@ fn flags_refused_or_noted() {
     let o = run(&["perf", "write-bw", "-R", "--loopback", "--udp-port", "47314", "-n", "50"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert!(text(&o.stdout).contains("\n rdma_cm QPs\t : ON\n"), "{}", text(&o.stdout));
+    // -i names the port: a soft device has port 1 only.
+    let o = run(&["perf", "write-bw", "-i", "2", "--loopback", "--udp-port", "47314"]);
+    assert!(!o.status.success());
+    assert!(text(&o.stderr).contains(" Unable to query port 2 attributes: "), "{}", text(&o.stderr));
     let o = run(&["perf", "send-bw", "-g", "-R", "--loopback"]);
     assert!(!o.status.success());
     assert!(text(&o.stderr).contains("doesn't support Multicast with rdma_cm"), "{}", text(&o.stderr));
