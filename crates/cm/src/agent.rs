@@ -86,6 +86,9 @@ struct Id {
     retry_count: u8,
     /// Flow label of the path (the REQ's).
     flow_label: u32,
+    /// The connection's QPs are UC (the kernel's `qp_type` of the ID): the REQ says so, and
+    /// the QP attributes leave out what only RC takes.
+    uc: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -122,6 +125,7 @@ impl Id {
             rnr_retry: 0,
             retry_count: 0,
             flow_label: 0,
+            uc: false,
         }
     }
 
@@ -467,6 +471,14 @@ impl CmAgent {
         id.deadline = Some(deadline);
     }
 
+    /// Whether the ID's connection is UC (the kernel's `qp_type` of the ID; the device tells it
+    /// from the QP before [`CmAgent::connect`]): its REQ says UC, and [`CmAgent::init_qp_attr`]
+    /// leaves out what only RC QPs take. A passive side learns it from the REQ.
+    pub fn set_uc(&mut self, h: IdHandle, uc: bool) -> Result<(), CmError> {
+        self.id(h)?.uc = uc;
+        Ok(())
+    }
+
     /// Connect (`rdma_connect`): REQ (RC/UC) or SIDR_REQ (UD).
     pub fn connect(&mut self, h: IdHandle, param: ConnParam, now: Instant) -> Result<(), CmError> {
         self.deadline_memo.set(None);
@@ -515,7 +527,7 @@ impl CmAgent {
                 responder_resources: param.responder_resources,
                 initiator_depth: param.initiator_depth,
                 remote_cm_response_timeout: timeout,
-                transport: 0,
+                transport: u8::from(id.uc),
                 e2e_flow_control: false,
                 starting_psn: psn,
                 local_cm_response_timeout: timeout,
@@ -797,6 +809,7 @@ impl CmAgent {
         id.rnr_retry = r.rnr_retry_count;
         id.retry_count = r.retry_count;
         id.flow_label = r.primary.flow_label;
+        id.uc = r.transport == 1;
         id.local = Some(SocketAddr::new(local_ip, lport));
         id.remote = remote_addr;
         id.route = Some(route);
@@ -965,18 +978,22 @@ impl CmAgent {
                 a.path_mtu = Some(route.mtu);
                 a.dest_qpn = Some(id.remote_qpn);
                 a.rq_psn = Some(id.remote_psn);
-                a.max_dest_rd_atomic = Some(id.resp_res);
-                a.min_rnr_timer = Some(0);
+                if !id.uc {
+                    a.max_dest_rd_atomic = Some(id.resp_res);
+                    a.min_rnr_timer = Some(0);
+                }
             }
             QpAttrState::Rts => {
                 if !known {
                     return Err(CmError::InvalidState("init_qp_attr(RTS) before the peer answered"));
                 }
                 a.sq_psn = Some(id.local_psn);
-                a.timeout = Some(ACK_TIMEOUT);
-                a.retry_cnt = Some(id.retry_count);
-                a.rnr_retry = Some(id.rnr_retry);
-                a.max_rd_atomic = Some(id.init_depth);
+                if !id.uc {
+                    a.timeout = Some(ACK_TIMEOUT);
+                    a.retry_cnt = Some(id.retry_count);
+                    a.rnr_retry = Some(id.rnr_retry);
+                    a.max_rd_atomic = Some(id.init_depth);
+                }
             }
         }
         Ok(a)

@@ -451,6 +451,55 @@ fn application_owned_qp_connect_response_and_establish() {
     assert!(p.s[0].qp.is_empty() && p.s[1].qp.is_empty(), "{:?} {:?}", p.s[0].qp, p.s[1].qp);
 }
 
+/// A UC connection, as the kernel's CM makes one: the REQ's transport says UC, and on both sides
+/// the QP attributes leave out what only RC takes (READ/atomic depths, RNR timer, ACK timeout
+/// and retries).
+#[test]
+fn uc_connection_says_so_and_gets_uc_attributes() {
+    use crate::QpAttrState;
+    let mut p = Pair::new();
+    let l = p.s[1].agent.create_id(PortSpace::Tcp);
+    p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
+    p.s[1].agent.listen(l, 4).unwrap();
+    let c = p.s[0].agent.create_id(PortSpace::Tcp);
+    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    p.s[0].agent.resolve_route(c).unwrap();
+    p.events(0);
+    p.s[0].agent.set_uc(c, true).unwrap();
+    let mut param = ConnParam::new(Qpn::new(0x21));
+    param.drive_qp = false;
+    p.s[0].agent.connect(c, param, p.now).unwrap();
+    p.pump();
+    let (_, req) = p.mads.iter().find(|(i, _)| *i == 0).expect("a REQ");
+    let Ok((_, CmMessage::Req(r))) = CmMessage::parse(&req[..]) else { panic!("not a REQ") };
+    assert_eq!(r.transport, 1, "UC");
+    let ev = p.events(1);
+    let s = ev[0].0;
+    let rc_only = |a: &crate::QpAttr| {
+        (a.max_dest_rd_atomic, a.min_rnr_timer, a.timeout, a.retry_cnt, a.rnr_retry, a.max_rd_atomic)
+    };
+    let rtr = p.s[1].agent.init_qp_attr(s, QpAttrState::Rtr).unwrap();
+    let rts = p.s[1].agent.init_qp_attr(s, QpAttrState::Rts).unwrap();
+    assert_eq!((rtr.dest_qpn, rtr.path_mtu), (Some(Qpn::new(0x21)), Some(Mtu::M1024)));
+    assert!(rtr.rq_psn.is_some() && rts.sq_psn.is_some());
+    assert_eq!(
+        (rc_only(&rtr), rc_only(&rts)),
+        ((None, None, None, None, None, None), (None, None, None, None, None, None))
+    );
+    let mut acc = ConnParam::new(Qpn::new(0x31));
+    acc.drive_qp = false;
+    p.s[1].agent.accept(s, acc, p.now).unwrap();
+    p.pump();
+    let crts = p.s[0].agent.init_qp_attr(c, QpAttrState::Rts).unwrap();
+    assert_eq!(rc_only(&crts), (None, None, None, None, None, None));
+    // An RC connection keeps them (and its REQ says RC).
+    let mut q = Pair::new();
+    let (_, _, srv) = connect(&mut q, b"");
+    let Ok((_, CmMessage::Req(r))) = CmMessage::parse(&q.mads[0].1[..]) else { panic!("not a REQ") };
+    assert_eq!(r.transport, 0);
+    assert!(q.s[1].agent.init_qp_attr(srv, QpAttrState::Rts).unwrap().timeout.is_some());
+}
+
 /// Address and route errors with the kernel's statuses.
 #[test]
 fn addr_and_route_errors() {

@@ -429,6 +429,19 @@ fn modify_for(cmd: QpCommand) -> (Qpn, ModifyQp) {
     }
 }
 
+/// `rdma_connect` on the device's agent: the connection is UC when the QP it names is a UC QP of
+/// the device (the REQ says so, as the kernel's does from the ID's QP type).
+pub(crate) fn connect_id(
+    st: &mut crate::runtime::State,
+    h: IdHandle,
+    param: ConnParam,
+    now: Instant,
+) -> core::result::Result<(), CmError> {
+    let uc = st.hca.query_qp(param.qpn).is_ok_and(|q| q.qp_type == softrdma_transport::QpType::Uc);
+    st.cm.agent.set_uc(h, uc)?;
+    st.cm.agent.connect(h, param, now)
+}
+
 /// A CM modify for a UC QP: without the READ/atomic depths, the RNR timer and the ACK timeout
 /// and retries, which a UC QP's transitions do not take (the kernel's rdma_cm masks its QP
 /// attributes by type the same way).
@@ -574,8 +587,10 @@ impl CmId {
     /// Connect (`rdma_connect`); ESTABLISHED (CONNECT_RESPONSE when [`ConnParam::drive_qp`] is
     /// false), REJECTED or UNREACHABLE follows.
     pub fn connect(&self, param: ConnParam) -> Result<()> {
-        let p = param.clone();
-        self.run(|a, id, now| a.connect(id, param, now), |id| Request::CmConnect { id, param: p })
+        match &self.imp {
+            IdImp::Embedded { h, id } => h.dev.run(|st, now| connect_id(st, *id, param, now)).map_err(cm_err),
+            IdImp::Daemon { s, id } => s.call(&Request::CmConnect { id: *id, param }, &[]).map(|_| ()),
+        }
     }
 
     /// Accept a connection request (`rdma_accept`). With [`ConnParam::drive_qp`] false the QP is

@@ -1920,7 +1920,9 @@ fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: 
             if param.drive_qp && !own_qp(svc, param.qpn) {
                 return Err(nso());
             }
-            run(dev, |a, now| a.connect(h, param, now))?;
+            dev.dev
+                .run(|st, now| crate::cm::connect_id(st, h, param, now))
+                .map_err(|e| Refusal::InvalidArgument(format!("rdma_cm: {e}")))?;
             ok(Response::Ok)
         }
         Request::CmAccept { id, param } => {
