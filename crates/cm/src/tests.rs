@@ -99,15 +99,22 @@ fn addr(i: u8, port: u16) -> SocketAddr {
     SocketAddr::new(ip(i), port)
 }
 
-/// Server (side 1) listens on port 7174; client (side 0) resolves and connects.
-fn connect(p: &mut Pair, private: &[u8]) -> (IdHandle, IdHandle, IdHandle) {
-    let l = p.s[1].agent.create_id(PortSpace::Tcp);
-    p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
+/// Side 1 listens on `port` in `ps`; side 0 has an ID of `ps` resolved to it (its events taken).
+/// Returns (listener, client ID).
+fn listening_and_resolved(p: &mut Pair, ps: PortSpace, port: u16) -> (IdHandle, IdHandle) {
+    let l = p.s[1].agent.create_id(ps);
+    p.s[1].agent.bind(l, addr(2, port)).unwrap();
     p.s[1].agent.listen(l, 4).unwrap();
-    let c = p.s[0].agent.create_id(PortSpace::Tcp);
-    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
+    let c = p.s[0].agent.create_id(ps);
+    p.s[0].agent.resolve_addr(c, None, addr(2, port)).unwrap();
     p.s[0].agent.resolve_route(c).unwrap();
     assert_eq!(p.events(0), vec![(c, EventKind::AddrResolved), (c, EventKind::RouteResolved)]);
+    (l, c)
+}
+
+/// Server (side 1) listens on port 7174; client (side 0) resolves and connects.
+fn connect(p: &mut Pair, private: &[u8]) -> (IdHandle, IdHandle, IdHandle) {
+    let (l, c) = listening_and_resolved(p, PortSpace::Tcp, 7174);
     let mut param = ConnParam::new(Qpn::new(0x20));
     param.private_data = private.to_vec();
     p.s[0].agent.connect(c, param, p.now).unwrap();
@@ -301,13 +308,7 @@ fn stale_connection_is_rejected() {
 #[test]
 fn ud_sidr_resolves_qpn_and_qkey() {
     let mut p = Pair::new();
-    let l = p.s[1].agent.create_id(PortSpace::Udp);
-    p.s[1].agent.bind(l, addr(2, 5000)).unwrap();
-    p.s[1].agent.listen(l, 1).unwrap();
-    let c = p.s[0].agent.create_id(PortSpace::Udp);
-    p.s[0].agent.resolve_addr(c, None, addr(2, 5000)).unwrap();
-    p.s[0].agent.resolve_route(c).unwrap();
-    p.events(0);
+    let (l, c) = listening_and_resolved(&mut p, PortSpace::Udp, 5000);
     p.s[0].agent.connect(c, ConnParam::new(Qpn::new(0x21)), p.now).unwrap();
     p.pump();
     let ev = p.events(1);
@@ -458,13 +459,7 @@ fn application_owned_qp_connect_response_and_establish() {
 fn uc_connection_says_so_and_gets_uc_attributes() {
     use crate::QpAttrState;
     let mut p = Pair::new();
-    let l = p.s[1].agent.create_id(PortSpace::Tcp);
-    p.s[1].agent.bind(l, addr(2, 7174)).unwrap();
-    p.s[1].agent.listen(l, 4).unwrap();
-    let c = p.s[0].agent.create_id(PortSpace::Tcp);
-    p.s[0].agent.resolve_addr(c, None, addr(2, 7174)).unwrap();
-    p.s[0].agent.resolve_route(c).unwrap();
-    p.events(0);
+    let (_, c) = listening_and_resolved(&mut p, PortSpace::Tcp, 7174);
     p.s[0].agent.set_uc(c, true).unwrap();
     let mut param = ConnParam::new(Qpn::new(0x21));
     param.drive_qp = false;
