@@ -797,7 +797,12 @@ fn a_multicast_send_reaches_every_attached_qp_that_passes_its_checks() {
     let parsed = IbPacket::new_checked(&pkt[..]).unwrap();
     let mut grh = [0u8; 40];
     grh[24..].copy_from_slice(&group);
-    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem);
+    // Each member as it is done with its copy, and the drops counted so far: each drop is its.
+    let mut done = Vec::new();
+    hca.handle_multicast_each(now, &parsed, &RxInfo { grh }, &group, &mut mem, |q, c| {
+        done.push((q, c.drop_qkey, c.drop_no_recv))
+    });
+    assert_eq!(done, vec![(a, 0, 0), (b, 0, 0), (wrong_qkey, 1, 0), (no_recv, 1, 1)]);
     let mut wcs = Vec::new();
     hca.poll_cq(cq, 16, &mut wcs).unwrap();
     let got: Vec<_> = wcs.iter().map(|w| (w.qp_num, w.wr_id, w.status, w.opcode, w.byte_len)).collect();

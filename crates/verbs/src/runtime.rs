@@ -61,13 +61,13 @@ impl Receiver<'_> {
         let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
         let rx = RxInfo { grh };
         if let Some(mgid) = multicast::group_of(&local) {
-            let mut table = self.qp_traffic.as_mut();
-            if let Some(t) = table.as_mut() {
-                t.begin(self.hca.counters());
-            }
-            self.hca.handle_multicast(now, ib, &rx, &mgid, self.mem);
-            if let Some(t) = table {
-                t.count_multicast(self.hca.mcast_recipients(ib, &mgid), payload.len(), self.hca.counters());
+            match self.qp_traffic.as_mut() {
+                None => self.hca.handle_multicast(now, ib, &rx, &mgid, self.mem),
+                Some(t) => {
+                    t.begin(self.hca.counters());
+                    let len = payload.len();
+                    self.hca.handle_multicast_each(now, ib, &rx, &mgid, self.mem, |qpn, c| t.count_member(qpn, len, c));
+                }
             }
             return;
         }

@@ -11,6 +11,7 @@ use super::Hca;
 use crate::error::VerbsError;
 use crate::hca::RxInfo;
 use crate::memory::MemoryAccess;
+use crate::stats::Counters;
 use crate::time::Instant;
 use softrdma_wire::{IbPacket, Qpn};
 use std::collections::BTreeMap;
@@ -119,6 +120,22 @@ impl Hca {
         mgid: &[u8; 16],
         mem: &mut dyn MemoryAccess,
     ) {
+        self.handle_multicast_each(now, pkt, rx, mgid, mem, |_, _| {});
+    }
+
+    /// [`Hca::handle_multicast`], calling `after(qpn, counters)` as each member QP is done with
+    /// its copy, with the device's counters as they stand then: what changed since the call
+    /// before (or since the packet came in) is that member's doing (a copy dropped for its Q_Key,
+    /// or for want of a receive).
+    pub fn handle_multicast_each(
+        &mut self,
+        now: Instant,
+        pkt: &IbPacket<&[u8]>,
+        rx: &RxInfo,
+        mgid: &[u8; 16],
+        mem: &mut dyn MemoryAccess,
+        mut after: impl FnMut(Qpn, &Counters),
+    ) {
         self.stats.rcvd_pkts += 1;
         // (A group has at least one QP: it ends with its last.)
         if self.mcast_recipients(pkt, mgid).is_empty() {
@@ -132,6 +149,7 @@ impl Hca {
             if let Some(qp) = qps.get_mut(qpn) {
                 qp.handle_packet(pkt, &rx.grh, &mut ctx);
                 book.sync(qp);
+                after(*qpn, ctx.stats);
             }
         }
         if let Some(qps) = self.groups.members.get_mut(mgid) {
