@@ -4,6 +4,8 @@
 //!
 //! ```text
 //!   0  magic u32, version u32, capacity u32, slot_size u32   (written once by the creator)
+//!  16  producer's CPU + 1 (AtomicU32, 0: not said; written by the producer when it changes:
+//!      same-host lanes, see `Ring::producer_cpu`)
 //!  64  producer index  (AtomicU32, written only by the producer)
 //! 128  consumer index  (AtomicU32, written only by the consumer)
 //! 192  consumer flags  (AtomicU32, written by the consumer, cleared by the producer)
@@ -37,6 +39,7 @@ pub const HEADER_LEN: usize = 256;
 const PRODUCER: usize = 64;
 const CONSUMER: usize = 128;
 const FLAGS: usize = 192;
+const PRODUCER_CPU: usize = 16;
 
 /// How many entries ahead of the one it writes the producer asks for slots' lines (see
 /// [`Producer::prefetch_ahead`]).
@@ -121,6 +124,7 @@ impl Ring {
         self.word(PRODUCER).store(0, Ordering::Relaxed);
         self.word(CONSUMER).store(0, Ordering::Relaxed);
         self.word(FLAGS).store(0, Ordering::Relaxed);
+        self.word(PRODUCER_CPU).store(0, Ordering::Relaxed);
         fence(Ordering::Release);
     }
 
@@ -154,6 +158,19 @@ impl Ring {
     /// The consumer flag word.
     pub fn flags(&self) -> &AtomicU32 {
         self.word(FLAGS)
+    }
+
+    /// The CPU the producer's side said its polling thread runs on, if it said one. A hint, in a
+    /// line that is written rarely: the consumer of a same-host lane, finding nothing to take,
+    /// gives up its core at once when the thread that should answer shares it.
+    pub fn producer_cpu(&self) -> Option<u32> {
+        self.word(PRODUCER_CPU).load(Ordering::Relaxed).checked_sub(1)
+    }
+
+    /// Say that the producer's polling thread runs on `cpu` (the producer's side; only when it
+    /// changes, so that the line stays shared).
+    pub fn set_producer_cpu(&self, cpu: u32) {
+        self.word(PRODUCER_CPU).store(cpu.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// The 4-byte word at byte `at` of slot `index`, as an atomic.
@@ -469,6 +486,22 @@ mod tests {
             }
             assert!(!c.pop(&mut out).unwrap());
         }
+    }
+
+    /// The producer's CPU: none until said (CPU 0 included), then what was said last; the
+    /// header's other words are untouched.
+    #[test]
+    fn the_producer_says_its_cpu() {
+        let mut mem = Mem([0; 256 + 128]);
+        ring(&mut mem).init();
+        let p = Producer::new(ring(&mut mem));
+        let c = Consumer::new(ring(&mut mem));
+        assert_eq!(c.ring().producer_cpu(), None);
+        for cpu in [0, 1, 63, 1000] {
+            p.ring().set_producer_cpu(cpu);
+            assert_eq!(c.ring().producer_cpu(), Some(cpu));
+        }
+        assert!(c.ring().header_ok());
     }
 
     /// `peek_at` sees the k-th waiting entry without consuming anything, across the wrap, and

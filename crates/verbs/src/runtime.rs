@@ -868,10 +868,19 @@ impl Device {
     /// leaves a flush owed only while that thread stands aside for the polling thread, and it
     /// flushes once no poll came for [`BUSY_WINDOW`], checked every [`BUSY_SLEEP`]. Only one poll
     /// in a row: the next poll flushes.
-    /// Returns the clock reading and whether anything happened (see [`Device::poll_empty`]).
-    pub fn poll_progress(&self, st: &mut State, cq: CqId) -> (Instant, bool) {
+    ///
+    /// The polling thread's CPU goes into the device's outbound lanes, for the peers' pollers; a
+    /// poll that finds nothing while a peer's poller runs on this CPU says so, and the caller gives
+    /// up the core at once (see [`Device::poll_empty`]).
+    /// Returns the clock reading, whether anything happened, and whether a peer's poller shares
+    /// this thread's CPU.
+    pub fn poll_progress(&self, st: &mut State, cq: CqId) -> (Instant, bool, bool) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
+        let cpu = this_cpu();
+        if let Some(c) = cpu {
+            st.link.poller_at(c);
+        }
         // What the last poll left owed goes before what arrives now can change a QP's state (an
         // error state drops queued ACKs).
         self.flush_owed(st, now);
@@ -888,7 +897,11 @@ impl Device {
         } else if work || st.link.congested() {
             self.flush(st, now);
         }
-        (now, work)
+        let shared = !work && cpu.is_some_and(|c| st.link.peer_polls_on(c));
+        if shared {
+            st.link.stats.poller_yields += 1;
+        }
+        (now, work, shared)
     }
 
     /// A busy poll of this thread found completions or made progress (see [`Device::poll_empty`]).
@@ -903,7 +916,9 @@ impl Device {
     /// otherwise each spin away its whole time slice (milliseconds) before the other can answer:
     /// 0.02–0.04 Mpps instead of 1–2 for 64-byte writes. With no other thread runnable on the core
     /// the yield returns at once.
-    pub fn poll_empty(&self, now: Instant) {
+    /// `peer_here`: the thread that should answer shares this thread's CPU (see
+    /// [`Device::poll_progress`]): yield at once.
+    pub fn poll_empty(&self, now: Instant, peer_here: bool) {
         // On the monotonic clock rather than this device's: a thread may poll several devices.
         let now = now.as_nanos().wrapping_add(self.epoch);
         let yield_now = EMPTY_SINCE.with(|since| {
@@ -911,7 +926,7 @@ impl Device {
             since.set(start);
             y
         });
-        if yield_now {
+        if yield_now || peer_here {
             // SAFETY: no arguments, no memory.
             unsafe { libc::sched_yield() };
         }
@@ -1248,6 +1263,13 @@ impl Device {
         let mut buf = [0u8; 64];
         while self.wake_rx.recv(&mut buf).is_ok() {}
     }
+}
+
+/// The CPU this thread runs on now (`sched_getcpu`, which glibc answers from the rseq area
+/// without a system call), if the kernel says.
+fn this_cpu() -> Option<u32> {
+    // SAFETY: no arguments.
+    u32::try_from(unsafe { libc::sched_getcpu() }).ok()
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds (the clock of `std::time::Instant`), read without

@@ -148,6 +148,9 @@ pub struct SameHostStats {
     /// Messages between two of the device's QPs executed when posted, with no packet (crates/
     /// transport `hca/direct.rs`).
     pub loopback_direct: u64,
+    /// Busy polls that found nothing and gave up the core at once, a peer's polling thread
+    /// (which sends to us on a lane) running on the same CPU ([`Link::peer_polls_on`]).
+    pub poller_yields: u64,
 }
 
 /// The counters of [`SameHostStats`] under the names softrdmad exports them (`same_host_` + field).
@@ -192,7 +195,8 @@ same_host_counters!(
     loopback_pkts,
     loopback_placed,
     loopback_budget_stops,
-    loopback_direct
+    loopback_direct,
+    poller_yields
 );
 
 /// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
@@ -274,6 +278,9 @@ pub(crate) struct Link {
     looped_at: Option<Instant>,
     /// The last flush left packets to the device itself in the engine ([`Link::loop_budget_used`]).
     loop_backlog: bool,
+    /// The CPU our polling thread last said it runs on, in every outbound lane
+    /// ([`Link::poller_at`]).
+    poller_cpu: Option<u32>,
     pub stats: SameHostStats,
 }
 
@@ -354,6 +361,9 @@ impl Link {
         o.retry_at = now + RETRY;
         match connect(src, dst, self.slots) {
             Ok(lane) => {
+                if let Some(cpu) = self.poller_cpu {
+                    lane.prod.ring().set_producer_cpu(cpu);
+                }
                 o.lane = Some(lane);
                 self.stats.connects += 1;
                 self.stats.lanes_out += 1;
@@ -364,6 +374,25 @@ impl Link {
                 None
             }
         }
+    }
+
+    /// A thread polling this device for completions runs on `cpu`: say so in every outbound lane
+    /// when it changed, for the peers' pollers ([`Link::peer_polls_on`]).
+    pub fn poller_at(&mut self, cpu: u32) {
+        if self.poller_cpu != Some(cpu) {
+            self.poller_cpu = Some(cpu);
+            for l in self.outbound.iter().filter_map(|o| o.lane.as_ref()) {
+                l.prod.ring().set_producer_cpu(cpu);
+            }
+        }
+    }
+
+    /// Whether a peer that sends to us on a lane said its polling thread runs on `cpu`. Two busy
+    /// pollers waiting for each other on one core (the kernel places a process woken by another
+    /// on the waker's CPU, and may take milliseconds to spread them) get nowhere until the
+    /// waiting one gives up the core.
+    pub fn peer_polls_on(&self, cpu: u32) -> bool {
+        self.inbound.iter().any(|l| l.cons.ring().producer_cpu() == Some(cpu))
     }
 
     /// Where to build the next packet: the free slot (packet area) of the lane the last one went to.

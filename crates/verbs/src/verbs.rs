@@ -542,13 +542,13 @@ impl CompletionQueue {
             }
             return Ok(n);
         }
-        let (now, work) = dev.poll_progress(&mut st, id);
+        let (now, work, peer_here) = dev.poll_progress(&mut st, id);
         let n = st.hca.poll_cq(id, max, out)?;
         drop(st);
         if n > 0 || work {
             dev.poll_found();
         } else {
-            dev.poll_empty(now);
+            dev.poll_empty(now, peer_here);
         }
         Ok(n)
     }

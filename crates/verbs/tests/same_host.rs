@@ -409,3 +409,86 @@ fn an_ack_behind_a_reply_waits_for_the_next_poll() {
     }
     panic!("no poll left the ACK behind a reply in the lane in 200 rounds");
 }
+
+/// Pin this thread to `cpu`; false where that is not allowed.
+fn pin(cpu: usize) -> bool {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET writes inside it; sched_setaffinity(0) acts on
+    // this thread and reads the set given.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// `rounds` SEND ping-pongs between `a` (on `cpus.0`) and `b` (on `cpus.1`), each side
+/// busy-polling its CQ on a thread pinned to its CPU; false if pinning was refused.
+fn ping_pong_on(a: &Endpoint, b: &Endpoint, cpus: (usize, usize), rounds: u64) -> bool {
+    let recv = |ep: &Endpoint, id: u64| {
+        ep.qp.post_recv(softrdma_verbs::RecvWr { wr_id: id, sgl: vec![ep.sge(8192, 64)].into() }).unwrap()
+    };
+    // Busy-poll until the receive completes (the SENDs' own completions pass by).
+    let wait_recv = |ep: &Endpoint| {
+        let mut out = Vec::new();
+        let t = Instant::now();
+        loop {
+            out.clear();
+            ep.cq.poll(4, &mut out).unwrap();
+            if out.iter().any(|w| w.opcode == softrdma_verbs::WcOpcode::Recv) {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(20), "no receive");
+        }
+    };
+    recv(a, 0);
+    recv(b, 0);
+    std::thread::scope(|s| {
+        let pong = s.spawn(|| {
+            if !pin(cpus.1) {
+                return false;
+            }
+            for i in 0..rounds {
+                wait_recv(b);
+                recv(b, i + 1);
+                b.post(i, SendOp::Send, 0, 8);
+            }
+            true
+        });
+        let ping = s.spawn(|| {
+            if !pin(cpus.0) {
+                return false;
+            }
+            for i in 0..rounds {
+                a.post(i, SendOp::Send, 0, 8);
+                wait_recv(a);
+                recv(a, i + 1);
+            }
+            true
+        });
+        ping.join().unwrap() & pong.join().unwrap()
+    })
+}
+
+/// Two busy pollers of one lane's two ends on one CPU (the kernel puts a process woken by
+/// another on the waker's CPU, and may take milliseconds to spread them): each says its CPU in
+/// its outbound lane, and an empty poll that finds the peer's poller on its own CPU gives up the
+/// core at once instead of spinning first. On two CPUs nobody yields for that.
+#[test]
+fn pollers_on_one_cpu_give_it_up_at_once() {
+    let (a, b, _) = pair(42, [true, true]);
+    if !ping_pong_on(&a, &b, (0, 0), 300) {
+        eprintln!("skipped: threads cannot be pinned here");
+        return;
+    }
+    let (sa, sb) = (stats(&a), stats(&b));
+    assert!(sa.rx_pkts > 0 && sb.rx_pkts > 0, "{sa:?} {sb:?}");
+    assert!(sa.poller_yields > 0 && sb.poller_yields > 0, "{sa:?} {sb:?}");
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        return;
+    }
+    let (c, d, _) = pair(43, [true, true]);
+    assert!(ping_pong_on(&c, &d, (0, 1), 300));
+    let (sc, sd) = (stats(&c), stats(&d));
+    assert!(sc.rx_pkts > 0, "{sc:?}");
+    assert_eq!((sc.poller_yields, sd.poller_yields), (0, 0), "{sc:?} {sd:?}");
+}
