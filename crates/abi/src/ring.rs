@@ -6,6 +6,7 @@
 //!   0  magic u32, version u32, capacity u32, slot_size u32   (written once by the creator)
 //!  16  producer's CPU + 1 (AtomicU32, 0: not said; written by the producer when it changes:
 //!      same-host lanes, see `Ring::producer_cpu`)
+//!  20  the thread id of that poller (AtomicU32)
 //!  64  producer index  (AtomicU32, written only by the producer)
 //! 128  consumer index  (AtomicU32, written only by the consumer)
 //! 192  consumer flags  (AtomicU32, written by the consumer, cleared by the producer)
@@ -40,6 +41,7 @@ const PRODUCER: usize = 64;
 const CONSUMER: usize = 128;
 const FLAGS: usize = 192;
 const PRODUCER_CPU: usize = 16;
+const PRODUCER_TID: usize = 20;
 
 /// How many entries ahead of the one it writes the producer asks for slots' lines (see
 /// [`Producer::prefetch_ahead`]).
@@ -125,6 +127,7 @@ impl Ring {
         self.word(CONSUMER).store(0, Ordering::Relaxed);
         self.word(FLAGS).store(0, Ordering::Relaxed);
         self.word(PRODUCER_CPU).store(0, Ordering::Relaxed);
+        self.word(PRODUCER_TID).store(0, Ordering::Relaxed);
         fence(Ordering::Release);
     }
 
@@ -160,17 +163,20 @@ impl Ring {
         self.word(FLAGS)
     }
 
-    /// The CPU the producer's side said its polling thread runs on, if it said one. A hint, in a
-    /// line that is written rarely: the consumer of a same-host lane, finding nothing to take,
-    /// gives up its core at once when the thread that should answer shares it.
-    pub fn producer_cpu(&self) -> Option<u32> {
-        self.word(PRODUCER_CPU).load(Ordering::Relaxed).checked_sub(1)
+    /// The CPU the producer's side said its polling thread runs on, and that thread's id, if it
+    /// said. A hint, in a line that is written rarely: the consumer of a same-host lane, finding
+    /// nothing to take, gives up its core at once when the thread that should answer shares it.
+    pub fn producer_cpu(&self) -> Option<(u32, u32)> {
+        let cpu = self.word(PRODUCER_CPU).load(Ordering::Relaxed).checked_sub(1)?;
+        Some((cpu, self.word(PRODUCER_TID).load(Ordering::Relaxed)))
     }
 
-    /// Say that the producer's polling thread runs on `cpu` (the producer's side; only when it
-    /// changes, so that the line stays shared).
-    pub fn set_producer_cpu(&self, cpu: u32) {
-        self.word(PRODUCER_CPU).store(cpu.wrapping_add(1), Ordering::Relaxed);
+    /// Say that the producer's polling thread `tid` runs on `cpu`, or with `None` that no thread
+    /// polls (the producer's side; only when it changes, so that the line stays shared).
+    pub fn set_producer_cpu(&self, poller: Option<(u32, u32)>) {
+        let (cpu, tid) = poller.map_or((0, 0), |(cpu, tid)| (cpu.wrapping_add(1), tid));
+        self.word(PRODUCER_TID).store(tid, Ordering::Relaxed);
+        self.word(PRODUCER_CPU).store(cpu, Ordering::Relaxed);
     }
 
     /// The 4-byte word at byte `at` of slot `index`, as an atomic.
@@ -488,8 +494,8 @@ mod tests {
         }
     }
 
-    /// The producer's CPU: none until said (CPU 0 included), then what was said last; the
-    /// header's other words are untouched.
+    /// The producer's CPU and poller: none until said (CPU 0 included), then what was said last,
+    /// none again once withdrawn; the header's other words are untouched.
     #[test]
     fn the_producer_says_its_cpu() {
         let mut mem = Mem([0; 256 + 128]);
@@ -498,9 +504,11 @@ mod tests {
         let c = Consumer::new(ring(&mut mem));
         assert_eq!(c.ring().producer_cpu(), None);
         for cpu in [0, 1, 63, 1000] {
-            p.ring().set_producer_cpu(cpu);
-            assert_eq!(c.ring().producer_cpu(), Some(cpu));
+            p.ring().set_producer_cpu(Some((cpu, 4242 + cpu)));
+            assert_eq!(c.ring().producer_cpu(), Some((cpu, 4242 + cpu)));
         }
+        p.ring().set_producer_cpu(None);
+        assert_eq!(c.ring().producer_cpu(), None);
         assert!(c.ring().header_ok());
     }
 

@@ -877,9 +877,9 @@ impl Device {
     pub fn poll_progress(&self, st: &mut State, cq: CqId) -> (Instant, bool, bool) {
         let now = self.now();
         self.app_progress.store(now.as_nanos(), Ordering::Relaxed);
-        let cpu = this_cpu();
-        if let Some(c) = cpu {
-            st.link.poller_at(c);
+        let me = this_cpu().map(|cpu| (cpu, this_tid()));
+        if me.is_some() {
+            st.link.poller_at(me);
         }
         // What the last poll left owed goes before what arrives now can change a QP's state (an
         // error state drops queued ACKs).
@@ -897,7 +897,7 @@ impl Device {
         } else if work || st.link.congested() {
             self.flush(st, now);
         }
-        let shared = !work && cpu.is_some_and(|c| st.link.peer_polls_on(c));
+        let shared = !work && me.is_some_and(|(cpu, tid)| st.link.peer_polls_on(cpu, tid));
         if shared {
             st.link.stats.poller_yields += 1;
         }
@@ -1235,6 +1235,10 @@ impl Device {
             while self.wake_rx.recv(&mut buf).is_ok() {}
             let mut st = self.lock();
             st.link.sleep_done();
+            // No thread polls now: the peers' pollers are told (they would yield for nobody).
+            if !self.app_polling() {
+                st.link.poller_at(None);
+            }
             let now = self.now();
             // What a poll left owed goes before what arrives now can change a QP's state.
             self.flush_owed(&mut st, now);
@@ -1270,6 +1274,19 @@ impl Device {
 fn this_cpu() -> Option<u32> {
     // SAFETY: no arguments.
     u32::try_from(unsafe { libc::sched_getcpu() }).ok()
+}
+
+thread_local! {
+    /// This thread's id (`gettid`), asked once.
+    static TID: u32 = {
+        // SAFETY: no arguments.
+        unsafe { libc::gettid() as u32 }
+    };
+}
+
+/// This thread's id.
+fn this_tid() -> u32 {
+    TID.with(|t| *t)
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds (the clock of `std::time::Instant`), read without

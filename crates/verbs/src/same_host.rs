@@ -278,9 +278,9 @@ pub(crate) struct Link {
     looped_at: Option<Instant>,
     /// The last flush left packets to the device itself in the engine ([`Link::loop_budget_used`]).
     loop_backlog: bool,
-    /// The CPU our polling thread last said it runs on, in every outbound lane
-    /// ([`Link::poller_at`]).
-    poller_cpu: Option<u32>,
+    /// The CPU our polling thread last said it runs on, and its thread id, in every outbound
+    /// lane ([`Link::poller_at`]).
+    poller_cpu: Option<(u32, u32)>,
     pub stats: SameHostStats,
 }
 
@@ -361,9 +361,7 @@ impl Link {
         o.retry_at = now + RETRY;
         match connect(src, dst, self.slots) {
             Ok(lane) => {
-                if let Some(cpu) = self.poller_cpu {
-                    lane.prod.ring().set_producer_cpu(cpu);
-                }
+                lane.prod.ring().set_producer_cpu(self.poller_cpu);
                 o.lane = Some(lane);
                 self.stats.connects += 1;
                 self.stats.lanes_out += 1;
@@ -376,23 +374,25 @@ impl Link {
         }
     }
 
-    /// A thread polling this device for completions runs on `cpu`: say so in every outbound lane
-    /// when it changed, for the peers' pollers ([`Link::peer_polls_on`]).
-    pub fn poller_at(&mut self, cpu: u32) {
-        if self.poller_cpu != Some(cpu) {
-            self.poller_cpu = Some(cpu);
+    /// Thread `tid`, polling this device for completions, runs on `cpu` (`None`: no thread polls
+    /// now, the I/O thread does the work): say so in every outbound lane when it changed, for the
+    /// peers' pollers ([`Link::peer_polls_on`]).
+    pub fn poller_at(&mut self, poller: Option<(u32, u32)>) {
+        if self.poller_cpu != poller {
+            self.poller_cpu = poller;
             for l in self.outbound.iter().filter_map(|o| o.lane.as_ref()) {
-                l.prod.ring().set_producer_cpu(cpu);
+                l.prod.ring().set_producer_cpu(poller);
             }
         }
     }
 
-    /// Whether a peer that sends to us on a lane said its polling thread runs on `cpu`. Two busy
-    /// pollers waiting for each other on one core (the kernel places a process woken by another
-    /// on the waker's CPU, and may take milliseconds to spread them) get nowhere until the
+    /// Whether a peer that sends to us on a lane said its polling thread runs on `cpu`, and is
+    /// not thread `tid` itself (a thread that polls both ends of a lane waits for nobody). Two
+    /// busy pollers waiting for each other on one core (the kernel places a process woken by
+    /// another on the waker's CPU, and may take milliseconds to spread them) get nowhere until the
     /// waiting one gives up the core.
-    pub fn peer_polls_on(&self, cpu: u32) -> bool {
-        self.inbound.iter().any(|l| l.cons.ring().producer_cpu() == Some(cpu))
+    pub fn peer_polls_on(&self, cpu: u32, tid: u32) -> bool {
+        self.inbound.iter().any(|l| l.cons.ring().producer_cpu().is_some_and(|(c, t)| c == cpu && t != tid))
     }
 
     /// Where to build the next packet: the free slot (packet area) of the lane the last one went to.
