@@ -157,9 +157,9 @@ fn is_recv_of_8(wc: &WorkCompletion) {
 /// The tests busy-poll: one at a time, so that the I/O threads find their polling threads busy.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// Rounds a test may take to see three (or one) polls leave their ACK owed: on a loaded machine
+/// Rounds a test may take to see two (or one) polls leave their ACK owed: on a loaded machine
 /// the I/O thread takes some requests in instead.
-const ROUNDS: u32 = 200;
+const ROUNDS: u32 = 1000;
 
 #[test]
 fn a_reply_posted_after_the_completion_leaves_before_the_ack() {
@@ -182,7 +182,7 @@ fn a_reply_posted_after_the_completion_leaves_before_the_ack() {
             // reply was posted (the test thread was descheduled for a while): the ACK went first.
             assert_eq!(got, [ack, reply], "request {psn} (left owed: {owed})");
         }
-        if left_owed == 3 {
+        if left_owed == 2 {
             return;
         }
     }
