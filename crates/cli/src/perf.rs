@@ -1574,20 +1574,32 @@ fn run_side(
     }
     print_banner(out, plan, role, &side);
     let mut mine = side.dests(plan)?;
-    // Client first, as perftest's exchange: client sends, server answers.
-    let mut _cm_links = None;
-    let theirs = match (role, plan.rdma_cm) {
-        (Role::Client, Some(port)) => {
+    // The client says which test it runs; the server refuses a mismatch.
+    match role {
+        Role::Client => {
             ctl.send(&plan.hello())?;
             ctl.expect("OK")?;
+        }
+        Role::Server => {
+            let hello = ctl.recv()?;
+            if hello != plan.hello() {
+                let msg = format!("the client runs a different test: {hello:?}, this side {:?}", plan.hello());
+                let _ = ctl.send(&format!("ERR {msg}"));
+                return Err(msg);
+            }
+            ctl.send("OK")?;
+        }
+    }
+    // The QPs' addresses: with -R the CM trades them (its IDs live as long as the test); else,
+    // as perftest's exchange, the client sends its own and the server answers with its.
+    let mut _cm_links = None;
+    let theirs = match (role, plan.rdma_cm) {
+        (_, Some(port)) => {
             let (theirs, links) = cm::connect(&mut side, plan, role, &mut ctl, &mut mine, port)?;
-            side.set_remote(plan, theirs.clone())?;
             _cm_links = Some(links);
             theirs
         }
         (Role::Client, None) => {
-            ctl.send(&plan.hello())?;
-            ctl.expect("OK")?;
             for d in &mine {
                 ctl.send(&d.to_line())?;
             }
@@ -1598,30 +1610,16 @@ fn run_side(
             side.connect(plan, r.clone())?;
             r
         }
-        (Role::Server, port) => {
-            let hello = ctl.recv()?;
-            if hello != plan.hello() {
-                let msg = format!("the client runs a different test: {hello:?}, this side {:?}", plan.hello());
-                let _ = ctl.send(&format!("ERR {msg}"));
-                return Err(msg);
+        (Role::Server, None) => {
+            let mut r = Vec::new();
+            for _ in 0..mine.len() {
+                r.push(Dest::from_line(&ctl.recv()?).ok_or("Couldn't parse the remote address")?);
             }
-            ctl.send("OK")?;
-            if let Some(port) = port {
-                let (theirs, links) = cm::connect(&mut side, plan, role, &mut ctl, &mut mine, port)?;
-                side.set_remote(plan, theirs.clone())?;
-                _cm_links = Some(links);
-                theirs
-            } else {
-                let mut r = Vec::new();
-                for _ in 0..mine.len() {
-                    r.push(Dest::from_line(&ctl.recv()?).ok_or("Couldn't parse the remote address")?);
-                }
-                side.connect(plan, r.clone())?;
-                for d in &mine {
-                    ctl.send(&d.to_line())?;
-                }
-                r
+            side.connect(plan, r.clone())?;
+            for d in &mine {
+                ctl.send(&d.to_line())?;
             }
+            r
         }
     };
     for d in &mine {

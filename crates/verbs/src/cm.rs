@@ -519,8 +519,17 @@ impl CmId {
         f: impl FnOnce(&mut CmAgent, IdHandle, Instant) -> core::result::Result<(), CmError>,
         req: impl FnOnce(u32) -> Request,
     ) -> Result<()> {
+        self.run_state(|st, id, now| f(&mut st.cm.agent, id, now), req)
+    }
+
+    /// [`CmId::run`] for work that needs more of the embedded device than its agent.
+    fn run_state(
+        &self,
+        f: impl FnOnce(&mut crate::runtime::State, IdHandle, Instant) -> core::result::Result<(), CmError>,
+        req: impl FnOnce(u32) -> Request,
+    ) -> Result<()> {
         match &self.imp {
-            IdImp::Embedded { h, id } => h.dev.run(|st, now| f(&mut st.cm.agent, *id, now)).map_err(cm_err),
+            IdImp::Embedded { h, id } => h.dev.run(|st, now| f(st, *id, now)).map_err(cm_err),
             IdImp::Daemon { s, id } => s.call(&req(*id), &[]).map(|_| ()),
         }
     }
@@ -587,10 +596,8 @@ impl CmId {
     /// Connect (`rdma_connect`); ESTABLISHED (CONNECT_RESPONSE when [`ConnParam::drive_qp`] is
     /// false), REJECTED or UNREACHABLE follows.
     pub fn connect(&self, param: ConnParam) -> Result<()> {
-        match &self.imp {
-            IdImp::Embedded { h, id } => h.dev.run(|st, now| connect_id(st, *id, param, now)).map_err(cm_err),
-            IdImp::Daemon { s, id } => s.call(&Request::CmConnect { id: *id, param }, &[]).map(|_| ()),
-        }
+        let p = param.clone();
+        self.run_state(|st, id, now| connect_id(st, id, param, now), |id| Request::CmConnect { id, param: p })
     }
 
     /// Accept a connection request (`rdma_accept`). With [`ConnParam::drive_qp`] false the QP is

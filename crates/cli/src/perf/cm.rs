@@ -23,8 +23,9 @@ pub(super) struct CmLinks {
     _channel: CmEventChannel,
 }
 
-/// Connect this side's QPs (whose addresses are `mine`) to the peer's with rdma_cm on `port`;
-/// returns the peer's QPs, as the TCP exchange would have.
+/// Connect this side's QPs (whose addresses are `mine`) to the peer's with rdma_cm on `port`,
+/// and take the peer's QPs as their remote ends ([`Side::set_remote`]); returns those, as the
+/// TCP exchange would have.
 pub(super) fn connect(
     side: &mut Side,
     plan: &Plan,
@@ -36,7 +37,7 @@ pub(super) fn connect(
     let channel = CmEventChannel::new().map_err(|e| format!("rdma_cm: Couldn't create an event channel: {e}"))?;
     let ps = if plan.conn == QpType::Ud { PortSpace::Udp } else { PortSpace::Tcp };
     let own = mine.first().ok_or("no QPs")?.gid.to_ip();
-    let (theirs, ids, listener) = match role {
+    let (mut theirs, ids, listener) = match role {
         Role::Server => {
             let (theirs, ids, listener) = accept_all(side, plan, ctl, &channel, ps, mine, SocketAddr::new(own, port))?;
             (theirs, ids, Some(listener))
@@ -54,7 +55,6 @@ pub(super) fn connect(
             (theirs, ids, None)
         }
     };
-    let mut theirs = theirs;
     // The PSNs the CM picked, to print: each side's send PSN is the other's expected one. The
     // path MTU is the CM's too (the route's; an RTS QP's cannot change).
     if plan.conn != QpType::Ud {
@@ -76,6 +76,7 @@ pub(super) fn connect(
             side.mtu = path_mtu;
         }
     }
+    side.set_remote(plan, theirs.clone())?;
     Ok((theirs, CmLinks { _ids: ids, _listener: listener, _channel: channel }))
 }
 

@@ -1854,7 +1854,14 @@ fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: 
         dev: &SvcDevice,
         f: impl FnOnce(&mut CmAgent, softrdma_transport::Instant) -> Result<R, CmError>,
     ) -> Result<R, Refusal> {
-        dev.dev.run(|st, now| f(&mut st.cm.agent, now)).map_err(|e| Refusal::InvalidArgument(format!("rdma_cm: {e}")))
+        run_state(dev, |st, now| f(&mut st.cm.agent, now))
+    }
+    /// [`run`] for work that needs more of the device than its agent.
+    fn run_state<R>(
+        dev: &SvcDevice,
+        f: impl FnOnce(&mut crate::runtime::State, softrdma_transport::Instant) -> Result<R, CmError>,
+    ) -> Result<R, Refusal> {
+        dev.dev.run(f).map_err(|e| Refusal::InvalidArgument(format!("rdma_cm: {e}")))
     }
     match req {
         Request::CmCreateChannel => {
@@ -1920,9 +1927,7 @@ fn cm_verb(dev: &SvcDevice, svc: &mut SvcState, me: u64, req: Request, mut fds: 
             if param.drive_qp && !own_qp(svc, param.qpn) {
                 return Err(nso());
             }
-            dev.dev
-                .run(|st, now| crate::cm::connect_id(st, h, param, now))
-                .map_err(|e| Refusal::InvalidArgument(format!("rdma_cm: {e}")))?;
+            run_state(dev, |st, now| crate::cm::connect_id(st, h, param, now))?;
             ok(Response::Ok)
         }
         Request::CmAccept { id, param } => {
