@@ -538,11 +538,16 @@ impl Hca {
         Ok(n)
     }
 
-    /// How many of the completions CQ `cq` holds, not yet polled, are of receives that succeeded (0
-    /// for a CQ that does not exist).
-    pub fn cq_receives(&self, cq: CqId) -> usize {
-        let is_recv = |w: &&WorkCompletion| w.status == WcStatus::Success && w.opcode.is_receive();
-        self.queues.cqs.get(&cq).map_or(0, |q| q.entries.iter().filter(is_recv).count())
+    /// Whether CQ `cq` holds no completion at all, or one successful receive completion (besides
+    /// any of sends): what a thread polling it in a request-response exchange finds when the
+    /// peer's request arrived (its receive completion, or nothing when an RDMA WRITE only changed
+    /// memory the thread watches), as against a stream's many receive completions. True for a CQ
+    /// that does not exist.
+    pub fn cq_awaits_one(&self, cq: CqId) -> bool {
+        self.queues.cqs.get(&cq).is_none_or(|q| {
+            let is_recv = |w: &&WorkCompletion| w.status == WcStatus::Success && w.opcode.is_receive();
+            q.entries.is_empty() || q.entries.iter().filter(is_recv).count() == 1
+        })
     }
 
     /// Ask for a completion event on the next completion (only solicited or error ones if

@@ -857,12 +857,13 @@ impl Device {
     /// faster: see docs/PERFORMANCE.md.)
     ///
     /// When what arrived completed one receive on `cq` (a request of a request-response exchange;
-    /// a stream completes many at once) and made the engine owe packets (the request's ACK) but
-    /// no READ response (whose data is read from memory as it is built), the completions go to
-    /// the polling thread first and the flush waits: the thread's next post sends the ACK after
-    /// the post's own packets (`Qp::poll_transmit` lets a request go before a plain ACK), so the
-    /// reply leaves before the ACK of the request it answers (over UDP, in one `sendmmsg`, instead
-    /// of an ACK's `sendmsg` first). The next flush comes with the thread's next post or poll of
+    /// a stream completes many at once), or nothing on it at all (an RDMA WRITE that changed
+    /// memory the thread watches, as a `write-lat` peer does), and made the engine owe packets
+    /// (the request's ACK) but no READ response (whose data is read from memory as it is built),
+    /// the completions go to the polling thread first and the flush waits: the thread's next post
+    /// sends the ACK after the post's own packets (`Qp::poll_transmit` lets a request go before a
+    /// plain ACK), so the reply leaves before the ACK of the request it answers (over UDP, in one
+    /// `sendmmsg`, instead of an ACK's `sendmsg` first). The next flush comes with the thread's next post or poll of
     /// an empty CQ (before it receives), a [`Device::run`] call (a QP's modification, before it),
     /// the QP's destruction, the device's closing, the process's exit, or the I/O thread: a poll
     /// leaves a flush owed only while that thread stands aside for the polling thread, and it
@@ -886,7 +887,7 @@ impl Device {
         self.flush_owed(st, now);
         let work = self.receive_at(st, now, false, Some(cq));
         if work
-            && st.hca.cq_receives(cq) == 1
+            && st.hca.cq_awaits_one(cq)
             && st.hca.has_transmit()
             && self.io_aside.load(Ordering::Relaxed)
             && !st.hca.owes_read_response()
@@ -947,20 +948,26 @@ impl Device {
     ///
     /// `polled`: the CQ a polling thread found empty (see [`Device::poll_progress`]). In a
     /// request-response exchange the peer publishes its reply and then the ACK of our request, and
-    /// taking that ACK in (completing our send) would only delay the reply's completion: an ACK
-    /// behind a packet this call took from the same lane waits for the next call when `polled`
-    /// holds one receive completion (a stream completes many). A lane's first packet in a call
-    /// is always taken, so no lane waits for more than one call, whatever the others carry.
+    /// taking that ACK in (completing our send) would only delay the reply's completion (or, for
+    /// an RDMA WRITE, the thread's look at the memory it changed): an ACK right behind a request
+    /// this call took from the same lane waits for the next call when `polled` holds one receive
+    /// completion or none (`Hca::cq_awaits_one`; a stream completes many, and ACKs behind ACKs are
+    /// all taken). A lane's first packet in a call is always taken, so no lane waits for more than
+    /// one call, whatever the others carry.
     fn receive_at(&self, st: &mut State, now: Instant, full: bool, polled: Option<CqId>) -> bool {
         let mut work = st.link.maintain(now, full);
         if st.link.inbound_waiting() {
             let mut lanes = st.link.take_inbound();
             // RC's opcodes are the base opcodes: an ACK (or NAK) starts with ACKNOWLEDGE.
             let is_ack = |pkt: &[u8]| pkt.first() == Some(&softrdma_wire::opcode::base::ACKNOWLEDGE);
+            // Whether the packet taken before this one (from its lane: `taken` > 0) was no ACK.
+            let mut after_request = false;
             work |= lanes.receive(|pkt, src, local, taken| {
-                if taken > 0 && is_ack(pkt) && polled.is_some_and(|cq| st.hca.cq_receives(cq) == 1) {
+                let ack = is_ack(pkt);
+                if taken > 0 && ack && after_request && polled.is_some_and(|cq| st.hca.cq_awaits_one(cq)) {
                     return false;
                 }
+                after_request = !ack;
                 self.receive_local(st, now, pkt, src, local);
                 true
             }) > 0;

@@ -1,5 +1,6 @@
-//! When a thread polling a CQ takes the completion of a received request, the ACK of that request
-//! leaves after what the thread posts next (its reply), and it always leaves: when the thread
+//! When a thread polling a CQ takes the completion of a received request (or takes in an RDMA
+//! WRITE, which completes nothing, while it watches memory), the ACK of that request leaves after
+//! what the thread posts next (its reply), and it always leaves: when the thread
 //! stops calling, when it destroys the QP right away, when what arrives next moves the QP to ERR.
 //!
 //! The peer is a plain UDP socket that speaks RoCEv2 by hand: it sends SENDs with AckReq to the
@@ -16,7 +17,7 @@ use common::Endpoint;
 use softrdma_verbs::{ConnectParams, DeviceBuilder, Gid, Psn, Qpn, RecvWr, SendOp, WcOpcode, WcStatus, WorkCompletion};
 use softrdma_wire::aeth::CREDITS_INVALID;
 use softrdma_wire::opcode::base;
-use softrdma_wire::{AethRepr, BthRepr, IbRepr, NakCode, Opcode, QpType as WireQpType, Syndrome};
+use softrdma_wire::{AethRepr, BthRepr, IbRepr, NakCode, Opcode, QpType as WireQpType, RethRepr, Syndrome};
 
 const PEER_QPN: Qpn = Qpn::new(0x99);
 
@@ -53,6 +54,21 @@ impl Rig {
         let mut repr = IbRepr::new(BthRepr { ack_req: true, ..bth });
         repr.payload_len = 8;
         self.peer_emit(&repr);
+    }
+
+    /// The peer writes 8 bytes of `value` with an RDMA WRITE ONLY with AckReq at `psn` to the
+    /// start of the device's region.
+    fn peer_write(&self, psn: u32, value: u8) {
+        let bth = BthRepr::new(Opcode::of(WireQpType::Rc, base::WRITE_ONLY).unwrap(), self.ep.qp.qpn(), Psn::new(psn));
+        let mut repr = IbRepr::new(BthRepr { ack_req: true, ..bth });
+        repr.reth = Some(RethRepr { va: self.ep.mr.addr(), rkey: self.ep.mr.rkey(), dma_len: 8 });
+        repr.payload_len = 8;
+        let mut pkt = vec![0u8; repr.buffer_len()];
+        let n = repr.emit(&mut pkt).unwrap();
+        pkt[repr.payload_range()].fill(value);
+        pkt.truncate(n);
+        softrdma_wire::roce::seal_udp_payload(self.peer.local_addr().unwrap(), self.dev, &mut pkt).unwrap();
+        self.peer.send_to(&pkt, self.dev).unwrap();
     }
 
     /// The peer ACKs the device's requests up to `psn`.
@@ -117,6 +133,30 @@ impl Rig {
         let wc = self.poll_recv();
         is_recv_of_8(&wc);
         self.ep.qp.post_recv(RecvWr { wr_id: wc.wr_id, sgl: vec![self.ep.sge(0, 64)].into() }).unwrap();
+        self.ep.ctx.flushes_left_owed() > before
+    }
+
+    /// The peer's next request is an RDMA WRITE, which the device's thread notices in its region
+    /// while it busy-polls its CQ (finding nothing: a WRITE completes no receive), as a
+    /// `write-lat` peer does. Returns whether the poll that took it in left its ACK owed.
+    fn write_request(&self) -> bool {
+        let before = self.ep.ctx.flushes_left_owed();
+        let psn = self.received.get();
+        self.received.set(psn + 1);
+        let value = (psn % 255) as u8 + 1;
+        self.peer_write(psn, value);
+        let mut out = Vec::new();
+        let mut byte = [0u8];
+        let start = Instant::now();
+        loop {
+            self.ep.cq.poll(1, &mut out).unwrap();
+            self.ep.mr.read(7, &mut byte).unwrap();
+            if byte[0] == value {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "the peer's WRITE did not arrive");
+        }
+        assert!(out.iter().all(|wc| (wc.status, wc.opcode) == (WcStatus::Success, WcOpcode::Send)), "{out:?}");
         self.ep.ctx.flushes_left_owed() > before
     }
 
@@ -187,6 +227,31 @@ fn a_reply_posted_after_the_completion_leaves_before_the_ack() {
         }
     }
     panic!("{left_owed} of {ROUNDS} polls left their ACK to the reply's flush");
+}
+
+#[test]
+fn a_reply_posted_after_a_write_arrived_leaves_before_its_ack() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let r = Rig::new("ackord4", 9);
+    let mut left_owed = 0;
+    for _ in 0..ROUNDS {
+        r.warm_up();
+        let psn = r.received.get();
+        let owed = r.write_request();
+        let got = r.reply();
+        let (reply, ack) = ((base::SEND_ONLY, 0x10 + r.sent.get() - 1), (base::ACKNOWLEDGE, psn));
+        if owed && got == [reply] {
+            left_owed += 1;
+            assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some(ack), "WRITE {psn}");
+        } else {
+            // Taken in by the I/O thread, or the thread was descheduled: the ACK went first.
+            assert_eq!(got, [ack, reply], "WRITE {psn} (left owed: {owed})");
+        }
+        if left_owed == 2 {
+            return;
+        }
+    }
+    panic!("{left_owed} of {ROUNDS} polls left the ACK of a WRITE to the reply's flush");
 }
 
 /// Runs `check` with the ACK of the peer's request `psn` owed, on a rig whose polling thread took
