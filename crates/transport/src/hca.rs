@@ -1,7 +1,7 @@
 //! The HCA endpoint: owns queue pairs, SRQs and CQs, demultiplexes packets by destination QPN,
 //! and exposes the engine's inputs and outputs.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::attr::{AddressVector, ModifyQp, QpInit};
@@ -280,6 +280,9 @@ impl Hasher for QpnHasher {
     }
 }
 
+/// QPs by number.
+type QpMap = HashMap<Qpn, Qp, BuildHasherDefault<QpnHasher>>;
+
 /// QPs that may have something to send, in turn order, each at most once. Marking a QP ready and
 /// taking the next one cost O(1) whatever the number of QPs (with 10,000 QPs, a list scan per
 /// packet would dominate).
@@ -418,7 +421,9 @@ impl Bookkeeping<'_> {
 /// A sans-IO HCA.
 pub struct Hca {
     config: Config,
-    qps: BTreeMap<Qpn, Qp>,
+    /// The QPs by number (looked up several times per packet and per verb: a hash map costs the
+    /// same with 10,000 QPs as with one).
+    qps: QpMap,
     queues: Queues,
     events: VecDeque<AsyncEvent>,
     stats: Counters,
@@ -443,7 +448,7 @@ impl Hca {
     pub fn new(config: Config) -> Hca {
         Hca {
             config,
-            qps: BTreeMap::new(),
+            qps: QpMap::default(),
             queues: Queues::default(),
             events: VecDeque::new(),
             stats: Counters::default(),
@@ -474,11 +479,7 @@ impl Hca {
         &mut self.stats
     }
 
-    fn ctx<'a>(
-        &'a mut self,
-        now: Instant,
-        mem: &'a mut dyn MemoryAccess,
-    ) -> (&'a mut BTreeMap<Qpn, Qp>, Bookkeeping<'a>, Ctx<'a>) {
+    fn ctx<'a>(&'a mut self, now: Instant, mem: &'a mut dyn MemoryAccess) -> (&'a mut QpMap, Bookkeeping<'a>, Ctx<'a>) {
         let Hca { config, qps, queues, events, stats, ready, timers, busy_qps, inflight, held, .. } = self;
         let (share, device_full) = match config.device_inflight_packets {
             u32::MAX => (u32::MAX, false),
@@ -751,7 +752,8 @@ impl Hca {
         cork
     }
 
-    /// Post a receive work request.
+    /// Post a receive work request. Posting arms and reads no timer: `now` may be a recent time
+    /// the driver already has rather than a fresh clock reading.
     pub fn post_recv(
         &mut self,
         qpn: Qpn,
@@ -759,7 +761,10 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
-        self.with_qp(qpn, now, mem, |qp, ctx| qp.post_recv(wr, ctx))
+        let (qps, _, mut ctx) = self.ctx(now, mem);
+        let qp = qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?;
+        // A receive changes nothing the bookkeeping follows (timers, the send queue): no sync.
+        qp.post_recv(wr, &mut ctx)
     }
 
     // ---- packets and time --------------------------------------------------------------------

@@ -765,9 +765,9 @@ impl QueuePair {
         match &self.imp {
             QpImp::Embedded { h, .. } => {
                 // Posting a receive sends nothing: no flush.
-                h.dev.run_quiet(|st, now| {
+                h.dev.run_quiet(|st, then| {
                     let st = &mut *st;
-                    st.hca.post_recv(self.qpn, wr, now, &mut st.mem)
+                    st.hca.post_recv(self.qpn, wr, then, &mut st.mem)
                 })?;
                 Ok(())
             }
