@@ -885,9 +885,9 @@ impl Device {
         self.flush_owed(st, now);
         let work = self.receive_at(st, now, false, Some(cq));
         if work
-            && st.hca.cq_awaits_one(cq)
             && st.hca.has_transmit()
             && self.io_aside.load(Ordering::Relaxed)
+            && st.hca.cq_awaits_one(cq)
             && !st.hca.owes_read_response()
         {
             st.flush_owed = true;
