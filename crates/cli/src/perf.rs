@@ -1757,7 +1757,7 @@ fn run_side(
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
         eprintln!(
-            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}; CM IDs {}",
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}; same-host poller yields {} moves {}; CM IDs {}",
             side.dev_name,
             c.sent_pkts,
             c.rcvd_pkts,
@@ -1770,6 +1770,8 @@ fn run_side(
             v.bad,
             side.ctx.corked_posts(),
             side.ctx.rx_placed(),
+            side.ctx.same_host_stats().poller_yields,
+            side.ctx.same_host_stats().poller_moves,
             side.ctx.cm_id_count().unwrap_or(0)
         );
     }

@@ -155,3 +155,10 @@ pub struct WorkCompletion {
     /// Flags.
     pub flags: WcFlags,
 }
+
+impl WorkCompletion {
+    /// A receive that succeeded (a message arrived).
+    pub fn is_successful_receive(&self) -> bool {
+        self.status == WcStatus::Success && self.opcode.is_receive()
+    }
+}

@@ -6,7 +6,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::attr::{AddressVector, ModifyQp, QpInit};
 use crate::config::Config;
-use crate::cq::{WcStatus, WorkCompletion};
+use crate::cq::WorkCompletion;
 use crate::error::VerbsError;
 use crate::memory::MemoryAccess;
 use crate::qp::{Qp, QpInfo};
@@ -161,6 +161,9 @@ impl RxPlacement {
 #[derive(Debug)]
 struct Cq {
     entries: VecDeque<WorkCompletion>,
+    /// How many of `entries` are successful receive completions (asked on every busy poll that
+    /// takes a packet in: see [`Hca::cq_awaits_one`]).
+    receives: usize,
     depth: usize,
     armed: Option<bool>,
     users: u32,
@@ -231,6 +234,7 @@ impl Ctx<'_> {
             return;
         }
         q.entries.push_back(wc);
+        q.receives += usize::from(wc.is_successful_receive());
         if let Some(solicited_only) = q.armed {
             if !solicited_only || solicited || wc.status != crate::cq::WcStatus::Success {
                 q.armed = None;
@@ -510,9 +514,10 @@ impl Hca {
     pub fn create_cq(&mut self, depth: u32) -> CqId {
         let id = CqId(self.next_id);
         self.next_id += 1;
-        self.queues
-            .cqs
-            .insert(id, Cq { entries: VecDeque::new(), depth: depth.max(1) as usize, armed: None, users: 0 });
+        self.queues.cqs.insert(
+            id,
+            Cq { entries: VecDeque::new(), receives: 0, depth: depth.max(1) as usize, armed: None, users: 0 },
+        );
         id
     }
 
@@ -534,7 +539,9 @@ impl Hca {
         let n = max.min(q.entries.len());
         // A busy poll mostly finds the queue empty: skip setting up the drain.
         if n > 0 {
+            let start = out.len();
             out.extend(q.entries.drain(..n));
+            q.receives -= out[start..].iter().filter(|w| w.is_successful_receive()).count();
         }
         Ok(n)
     }
@@ -545,10 +552,7 @@ impl Hca {
     /// memory the thread watches), as against a stream's many receive completions. True for a CQ
     /// that does not exist.
     pub fn cq_awaits_one(&self, cq: CqId) -> bool {
-        self.queues.cqs.get(&cq).is_none_or(|q| {
-            let is_recv = |w: &&WorkCompletion| w.status == WcStatus::Success && w.opcode.is_receive();
-            q.entries.is_empty() || q.entries.iter().filter(is_recv).count() == 1
-        })
+        self.queues.cqs.get(&cq).is_none_or(|q| q.entries.is_empty() || q.receives == 1)
     }
 
     /// Ask for a completion event on the next completion (only solicited or error ones if

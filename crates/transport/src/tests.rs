@@ -716,6 +716,30 @@ fn owed_reads_follow_the_read_responses_as_they_go() {
     assert!(!r.hca.owes_read_response());
 }
 
+/// A duplicate READ replaces the response queued for it, and an error drops every queued
+/// response: `Hca::owes_read_response` follows both.
+#[test]
+fn owed_reads_follow_a_duplicate_read_and_an_error() {
+    let mut r = Rig::new();
+    let a = request(&r, base::READ_REQUEST, EPSN, true, Some((0x2000, 600)), 0, 0);
+    r.hca.handle_packet(r.now, &a, &RxInfo { grh: [0; 40] }, &mut r.mem);
+    let mut buf = vec![0u8; 4096 + 64];
+    assert!(r.hca.poll_transmit(r.now, &mut r.mem, &mut buf).is_some());
+    // The requester asks again: the response starts over, once.
+    r.hca.handle_packet(r.now, &a, &RxInfo { grh: [0; 40] }, &mut r.mem);
+    assert_eq!(r.hca.owed_reads(8).collect::<Vec<_>>(), [(1, 0x2000, 600)]);
+    assert!(r.hca.owes_read_response());
+    assert_eq!(r.recv().len(), 3);
+    assert!(!r.hca.owes_read_response());
+    let b = request(&r, base::READ_REQUEST, EPSN + 3, true, Some((0x3000, 100)), 0, 0);
+    r.hca.handle_packet(r.now, &b, &RxInfo { grh: [0; 40] }, &mut r.mem);
+    assert!(r.hca.owes_read_response());
+    let err = ModifyQp { state: Some(QpState::Err), ..Default::default() };
+    r.hca.modify_qp(r.qpn, &err, r.now, &mut r.mem).unwrap();
+    assert!(!r.hca.owes_read_response());
+    assert_eq!(r.hca.owed_reads(8).count(), 0);
+}
+
 /// A UD QP in PD 1 on `cq`, brought up to RTS with Q_Key `qkey`.
 fn ud_qp(hca: &mut Hca, mem: &mut Flat, cq: crate::CqId, qkey: u32) -> Qpn {
     let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 256 };

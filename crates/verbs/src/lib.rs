@@ -35,6 +35,7 @@ mod loopback;
 pub mod memory;
 mod multicast;
 mod place;
+mod poller;
 mod qp_traffic;
 mod remap;
 mod runtime;

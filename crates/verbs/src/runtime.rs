@@ -32,6 +32,7 @@ use crate::loopback;
 use crate::memory::{InPlace, MrTable};
 use crate::multicast::{self, GroupSockets};
 use crate::place::{self, Plan};
+use crate::poller;
 use crate::qp_traffic::QpTrafficTable;
 use crate::same_host::Link;
 
@@ -873,7 +874,8 @@ impl Device {
     /// in a row: the next poll flushes.
     ///
     /// A poll that finds nothing puts the polling thread's CPU into the device's outbound lanes,
-    /// for the peers' pollers, and says whether a peer's poller runs on this CPU; the caller then
+    /// for the peers' pollers. If a peer's poller runs on this CPU, one of the two threads moves
+    /// to another CPU (see poller.rs); when this one does not, the poll says so and the caller
     /// gives up the core at once (see [`Device::poll_empty`]).
     /// Returns the clock reading, whether anything happened, and whether a peer's poller shares
     /// this thread's CPU.
@@ -899,15 +901,21 @@ impl Device {
         // The thread's CPU is asked (`sched_getcpu`, ~15 ns) and said by the polls that find
         // nothing: a poll that found work is on an exchange's critical path, and a busy poller
         // makes many empty ones.
+        // Of two pollers sharing a CPU, one moves to another (poller.rs); the other yields.
         let mut shared = false;
         if !work {
-            if let Some((cpu, tid)) = this_cpu().map(|cpu| (cpu, this_tid())) {
+            if let Some((cpu, tid)) = poller::this_cpu().map(|cpu| (cpu, poller::this_tid())) {
                 st.link.poller_at(Some((cpu, tid)));
-                shared = st.link.peer_polls_on(cpu, tid);
+                if let Some(peer) = st.link.peer_poller_on(cpu, tid) {
+                    if poller::shared_with(peer, cpu, tid, now.as_nanos().wrapping_add(self.epoch)) {
+                        st.link.stats.poller_moves += 1;
+                        st.link.poller_at(poller::this_cpu().map(|cpu| (cpu, tid)));
+                    } else {
+                        st.link.stats.poller_yields += 1;
+                        shared = true;
+                    }
+                }
             }
-        }
-        if shared {
-            st.link.stats.poller_yields += 1;
         }
         (now, work, shared)
     }
@@ -1281,26 +1289,6 @@ impl Device {
         let mut buf = [0u8; 64];
         while self.wake_rx.recv(&mut buf).is_ok() {}
     }
-}
-
-/// The CPU this thread runs on now (`sched_getcpu`, which glibc answers from the rseq area
-/// without a system call), if the kernel says.
-fn this_cpu() -> Option<u32> {
-    // SAFETY: no arguments.
-    u32::try_from(unsafe { libc::sched_getcpu() }).ok()
-}
-
-thread_local! {
-    /// This thread's id (`gettid`), asked once.
-    static TID: u32 = {
-        // SAFETY: no arguments.
-        unsafe { libc::gettid() as u32 }
-    };
-}
-
-/// This thread's id.
-fn this_tid() -> u32 {
-    TID.with(|t| *t)
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds (the clock of `std::time::Instant`), read without

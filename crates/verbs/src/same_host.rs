@@ -149,8 +149,10 @@ pub struct SameHostStats {
     /// transport `hca/direct.rs`).
     pub loopback_direct: u64,
     /// Busy polls that found nothing and gave up the core at once, a peer's polling thread
-    /// (which sends to us on a lane) running on the same CPU ([`Link::peer_polls_on`]).
+    /// (which sends to us on a lane) running on the same CPU ([`Link::peer_poller_on`]).
     pub poller_yields: u64,
+    /// Moves of a polling thread off a CPU it shared with a peer's poller (poller.rs).
+    pub poller_moves: u64,
 }
 
 /// The counters of [`SameHostStats`] under the names softrdmad exports them (`same_host_` + field).
@@ -196,7 +198,8 @@ same_host_counters!(
     loopback_placed,
     loopback_budget_stops,
     loopback_direct,
-    poller_yields
+    poller_yields,
+    poller_moves
 );
 
 /// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
@@ -386,13 +389,15 @@ impl Link {
         }
     }
 
-    /// Whether a peer that sends to us on a lane said its polling thread runs on `cpu`, and is
-    /// not thread `tid` itself (a thread that polls both ends of a lane waits for nobody). Two
-    /// busy pollers waiting for each other on one core (the kernel places a process woken by
-    /// another on the waker's CPU, and may take milliseconds to spread them) get nowhere until the
-    /// waiting one gives up the core.
-    pub fn peer_polls_on(&self, cpu: u32, tid: u32) -> bool {
-        self.inbound.iter().any(|l| l.cons.ring().producer_cpu().is_some_and(|(c, t)| c == cpu && t != tid))
+    /// The thread id of a peer's poller (a peer that sends to us on a lane) that said it runs on
+    /// `cpu` and is not thread `tid` itself (a thread that polls both ends of a lane waits for
+    /// nobody). Two busy pollers waiting for each other on one core (the kernel places a process
+    /// woken by another on the waker's CPU, and may take milliseconds to spread them) get nowhere
+    /// until the waiting one gives up the core, or one of them moves (poller.rs).
+    pub fn peer_poller_on(&self, cpu: u32, tid: u32) -> Option<u32> {
+        self.inbound
+            .iter()
+            .find_map(|l| l.cons.ring().producer_cpu().filter(|&(c, t)| c == cpu && t != tid).map(|(_, t)| t))
     }
 
     /// Where to build the next packet: the free slot (packet area) of the lane the last one went to.

@@ -436,6 +436,25 @@ fn pin(cpu: usize) -> bool {
 /// `rounds` SEND ping-pongs between `a` (on `cpus.0`) and `b` (on `cpus.1`), each side
 /// busy-polling its CQ on a thread pinned to its CPU; false if pinning was refused.
 fn ping_pong_on(a: &Endpoint, b: &Endpoint, cpus: (usize, usize), rounds: u64) -> bool {
+    ping_pong_from(a, b, cpus, false, rounds).is_some()
+}
+
+/// How a thread of [`ping_pong_from`] ended: its id and the CPUs it was allowed at the end.
+struct Ended {
+    tid: u32,
+    allowed: Vec<usize>,
+}
+
+/// [`ping_pong_on`], each thread started on its CPU; `release`: then allowed every CPU this
+/// thread was (it stays where it is until something moves it). `None` if pinning was refused.
+fn ping_pong_from(
+    a: &Endpoint,
+    b: &Endpoint,
+    cpus: (usize, usize),
+    release: bool,
+    rounds: u64,
+) -> Option<(Ended, Ended)> {
+    let all = allowed_cpus();
     let recv = |ep: &Endpoint, id: u64| {
         ep.qp.post_recv(softrdma_verbs::RecvWr { wr_id: id, sgl: vec![ep.sge(8192, 64)].into() }).unwrap()
     };
@@ -462,39 +481,58 @@ fn ping_pong_on(a: &Endpoint, b: &Endpoint, cpus: (usize, usize), rounds: u64) -
             refused.store(true, std::sync::atomic::Ordering::SeqCst);
         }
         pinned.wait();
+        if release && !allow(&all) {
+            refused.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        pinned.wait();
         !refused.load(std::sync::atomic::Ordering::SeqCst)
     };
+    // SAFETY: no arguments.
+    let ended = || Ended { tid: unsafe { libc::gettid() } as u32, allowed: allowed_cpus() };
     std::thread::scope(|s| {
         let pong = s.spawn(|| {
             if !pin_both(cpus.1) {
-                return false;
+                return None;
             }
             for i in 0..rounds {
                 wait_recv(b);
                 recv(b, i + 1);
                 b.post(i, SendOp::Send, 0, 8);
             }
-            true
+            Some(ended())
         });
         let ping = s.spawn(|| {
             if !pin_both(cpus.0) {
-                return false;
+                return None;
             }
             for i in 0..rounds {
                 a.post(i, SendOp::Send, 0, 8);
                 wait_recv(a);
                 recv(a, i + 1);
             }
-            true
+            Some(ended())
         });
-        ping.join().unwrap() & pong.join().unwrap()
+        Some((ping.join().unwrap()?, pong.join().unwrap()?))
     })
+}
+
+/// Allow this thread `cpus`; false where that is refused.
+fn allow(cpus: &[usize]) -> bool {
+    // SAFETY: as in `pin`.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
 }
 
 /// Two busy pollers of one lane's two ends on one CPU (the kernel puts a process woken by
 /// another on the waker's CPU, and may take milliseconds to spread them): each says its CPU in
 /// its outbound lane, and an empty poll that finds the peer's poller on its own CPU gives up the
-/// core at once instead of spinning first. On two CPUs nobody yields for that.
+/// core at once instead of spinning first. Pinned there, neither can move. On two CPUs nobody
+/// yields for that.
 #[test]
 fn pollers_on_one_cpu_give_it_up_at_once() {
     let cpus = allowed_cpus();
@@ -514,4 +552,39 @@ fn pollers_on_one_cpu_give_it_up_at_once() {
     let (sc, sd) = (stats(&c), stats(&d));
     assert!(sc.rx_pkts > 0, "{sc:?}");
     assert_eq!((sc.poller_yields, sd.poller_yields), (0, 0), "{sc:?} {sd:?}");
+    assert_eq!((sa.poller_moves, sb.poller_moves, sc.poller_moves, sd.poller_moves), (0, 0, 0, 0));
+}
+
+/// Two busy pollers that start on one CPU but may run on others: the one with the larger thread
+/// id moves to another CPU once it has yielded to the other a few times, and its allowed CPUs are
+/// the same afterwards. (The kernel may spread them first, or put them together again: each
+/// round needs its yields; every round whose mover yielded enough must have moved it.)
+#[test]
+fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
+    let cpus = allowed_cpus();
+    if cpus.len() < 2 {
+        eprintln!("skipped: one CPU");
+        return;
+    }
+    let mut checked = 0;
+    for round in 0..20u8 {
+        let (a, b, _) = pair(100 + round, [true, true]);
+        let Some((ea, eb)) = ping_pong_from(&a, &b, (cpus[0], cpus[0]), true, 400) else {
+            eprintln!("skipped: threads cannot be pinned here");
+            return;
+        };
+        assert_eq!((&ea.allowed, &eb.allowed), (&cpus, &cpus), "the threads' allowed CPUs changed");
+        let (sa, sb) = (stats(&a), stats(&b));
+        // The side with the larger thread id moves; the other never does.
+        let (mover, stayer) = if ea.tid > eb.tid { (sa, sb) } else { (sb, sa) };
+        assert_eq!(stayer.poller_moves, 0, "{stayer:?}");
+        if mover.poller_yields + mover.poller_moves >= 8 {
+            assert!(mover.poller_moves >= 1, "yielded {} times without moving", mover.poller_yields);
+            checked += 1;
+        }
+        if checked == 2 {
+            return;
+        }
+    }
+    eprintln!("the kernel spread the pollers itself in most rounds: {checked} checked");
 }

@@ -49,6 +49,73 @@ enum Response {
     Read { psn: Psn, va: u64, rkey: u32, remaining: u32, first: bool, msn: u32, dup: bool },
 }
 
+impl Response {
+    fn is_read(&self) -> bool {
+        matches!(self, Response::Read { .. })
+    }
+}
+
+/// The responses waiting to be sent, oldest first, and how many of them are READ responses
+/// ([`Responder::owes_read`] is asked on every busy poll that takes a packet in).
+#[derive(Debug, Default)]
+struct Responses {
+    q: VecDeque<Response>,
+    reads: usize,
+}
+
+impl Responses {
+    fn push_back(&mut self, r: Response) {
+        self.reads += usize::from(r.is_read());
+        self.q.push_back(r);
+    }
+
+    fn pop_back(&mut self) -> Option<Response> {
+        let r = self.q.pop_back()?;
+        self.reads -= usize::from(r.is_read());
+        Some(r)
+    }
+
+    fn pop_front(&mut self) -> Option<Response> {
+        let r = self.q.pop_front()?;
+        self.reads -= usize::from(r.is_read());
+        Some(r)
+    }
+
+    /// Put `r` in the place of the oldest response (the rest of a READ response).
+    fn replace_front(&mut self, r: Response) {
+        if let Some(front) = self.q.front_mut() {
+            self.reads = self.reads - usize::from(front.is_read()) + usize::from(r.is_read());
+            *front = r;
+        }
+    }
+
+    fn retain(&mut self, keep: impl FnMut(&Response) -> bool) {
+        self.q.retain(keep);
+        self.reads = self.q.iter().filter(|r| r.is_read()).count();
+    }
+
+    fn clear(&mut self) {
+        self.q.clear();
+        self.reads = 0;
+    }
+
+    fn front(&self) -> Option<&Response> {
+        self.q.front()
+    }
+
+    fn back(&self) -> Option<&Response> {
+        self.q.back()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Response> + '_ {
+        self.q.iter()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+}
+
 /// A plain ACK a request packet may go before (see [`Responder::ack_may_wait`]).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct WaitingAck(Response);
@@ -65,7 +132,7 @@ pub(crate) struct Responder {
     /// UC: discarding the rest of a broken message.
     uc_drop: bool,
     res: VecDeque<Resource>,
-    out: VecDeque<Response>,
+    out: Responses,
     /// The plain ACK at the head of `out` already let one request packet of this QP go before it
     /// (see [`Qp::poll_transmit`]).
     ack_waited: bool,
@@ -92,7 +159,7 @@ impl Responder {
             cur: None,
             uc_drop: false,
             res: VecDeque::new(),
-            out: VecDeque::new(),
+            out: Responses::default(),
             ack_waited: false,
             comm_est: false,
         }
@@ -150,7 +217,7 @@ impl Responder {
 
     /// Whether a READ response is queued.
     pub(crate) fn owes_read(&self) -> bool {
-        self.out.iter().any(|r| matches!(r, Response::Read { .. }))
+        self.out.reads > 0
     }
 
     /// The plain ACK (not a NAK) at the head of the responses, when it may still let a request
@@ -773,11 +840,10 @@ impl Qp {
                     self.request_error(psn, REMOTE_ACCESS, ctx);
                     return self.poll_response(buf, ctx);
                 }
-                let front = self.resp.out.front_mut().expect("front exists");
                 if last {
                     self.resp.out.pop_front();
                 } else {
-                    *front = Response::Read {
+                    self.resp.out.replace_front(Response::Read {
                         psn: psn.next(),
                         va: va.wrapping_add(plen as u64),
                         rkey,
@@ -785,7 +851,7 @@ impl Qp {
                         first: false,
                         msn,
                         dup,
-                    };
+                    });
                 }
                 ctx.stats.sent_bytes += plen as u64;
                 n

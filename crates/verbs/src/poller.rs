@@ -1,0 +1,98 @@
+//! Where a thread busy-polling an embedded device runs (its CPU and thread id, which the runtime
+//! says in its same-host lanes' ring headers), and moving it off a CPU it shares with the peer's
+//! poller it waits for.
+//!
+//! Two processes' polling threads often start on one CPU: the kernel puts a thread woken by
+//! another (by the TCP exchange before a benchmark, a connection's handshake) on the waker's CPU,
+//! and its load balancer leaves two busy, cache-hot threads together for milliseconds or longer
+//! while the other CPU idles. Each hop of their exchange then costs a yield (a context switch,
+//! about a microsecond; see `Device::poll_empty`) instead of a cache-line handover: a same-host
+//! `send-lat` of 2,000 iterations typically took 2.3 µs instead of 0.8.
+//!
+//! Of two such pollers the one with the larger thread id moves (each sees the other's id in the
+//! lane, so exactly one of them does), after [`SHARED_YIELDS`] yields for a peer on its CPU and at
+//! most once per [`MOVE_EVERY`]: it restricts its affinity to the next CPU of its allowed set and
+//! at once sets the allowed set back. The kernel migrates a thread when its current CPU leaves
+//! its set; restoring the set leaves it where it now is. The caller's affinity is as it was, and a
+//! thread allowed a single CPU stays. `SOFTRDMA_POLLER_MOVE=0` turns moving off.
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Yields for a peer's poller on this thread's CPU before the thread moves.
+const SHARED_YIELDS: u32 = 8;
+
+/// The shortest time between two moves of one thread.
+const MOVE_EVERY: Duration = Duration::from_millis(1);
+
+/// The CPU this thread runs on now (`sched_getcpu`, which glibc answers from the rseq area
+/// without a system call), if the kernel says.
+pub(crate) fn this_cpu() -> Option<u32> {
+    // SAFETY: no arguments.
+    u32::try_from(unsafe { libc::sched_getcpu() }).ok()
+}
+
+thread_local! {
+    /// This thread's id (`gettid`), asked once.
+    static TID: u32 = {
+        // SAFETY: no arguments.
+        unsafe { libc::gettid() as u32 }
+    };
+
+    /// Yields for a peer on this thread's CPU since its last move, and the monotonic time (ns)
+    /// before which it does not move again.
+    static SHARED: Cell<(u32, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// This thread's id.
+pub(crate) fn this_tid() -> u32 {
+    TID.with(|t| *t)
+}
+
+/// Whether moving is on (`SOFTRDMA_POLLER_MOVE`, read once).
+fn moving_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("SOFTRDMA_POLLER_MOVE").is_none_or(|v| v != "0"))
+}
+
+/// This thread (`tid`, on `cpu`), polling at monotonic time `now_ns`, found nothing while the
+/// peer's poller `peer` runs on the same CPU. Returns true if it moved to another CPU (no need to
+/// yield then); false if the caller should yield the core to the peer.
+pub(crate) fn shared_with(peer: u32, cpu: u32, tid: u32, now_ns: u64) -> bool {
+    if tid < peer || !moving_on() {
+        return false;
+    }
+    let (yields, not_before) = SHARED.with(Cell::get);
+    if yields + 1 < SHARED_YIELDS || now_ns < not_before {
+        SHARED.with(|s| s.set((yields + 1, not_before)));
+        return false;
+    }
+    SHARED.with(|s| s.set((0, now_ns + MOVE_EVERY.as_nanos() as u64)));
+    move_off(cpu)
+}
+
+/// Move this thread off `cpu` to the next CPU its affinity allows, leaving its affinity as it
+/// was. False if it is allowed no other CPU or the kernel refused.
+fn move_off(cpu: u32) -> bool {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: zeroed cpu_set_t values are valid (empty) sets; sched_getaffinity and
+    // sched_setaffinity with pid 0 act on this thread and read or write only the sets passed, of
+    // `size` bytes; CPU_ISSET and CPU_SET index inside the set (below CPU_SETSIZE).
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+            return false;
+        }
+        let n = libc::CPU_SETSIZE as usize;
+        let Some(to) = (1..n).map(|k| (cpu as usize + k) % n).find(|&c| libc::CPU_ISSET(c, &allowed)) else {
+            return false;
+        };
+        let mut only: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(to, &mut only);
+        let moved = libc::sched_setaffinity(0, size, &only) == 0;
+        // The caller's set again, whatever happened (it holds `to`: the thread stays there).
+        libc::sched_setaffinity(0, size, &allowed);
+        moved
+    }
+}
