@@ -827,7 +827,7 @@ mod tests {
         let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
         s = SameHostStats::from_named(&list);
         assert_eq!(s.named(), list);
-        assert_eq!(names.len(), 22);
+        assert_eq!(names.len(), 23);
         assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
     }
 }
