@@ -936,6 +936,33 @@ impl Hca {
         None
     }
 
+    /// [`Hca::poll_transmit`] for QP `qpn` alone, out of its turn: its next packet, if it has one
+    /// it may send now (a request goes before a plain ACK it owes, as in its turn). A driver that
+    /// has just posted to `qpn` sends the request at once, before working through the rest of the
+    /// transmit list, whose order this leaves as it was. `qpn` stays listed, and a later
+    /// [`Hca::poll_transmit`] that finds it has nothing left takes it off.
+    pub fn poll_transmit_qp(
+        &mut self,
+        qpn: Qpn,
+        now: Instant,
+        mem: &mut dyn MemoryAccess,
+        buf: &mut [u8],
+    ) -> Option<Transmit> {
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
+        let qp = qps.get_mut(&qpn)?;
+        let t = qp.poll_transmit(buf, &mut ctx);
+        book.sync(qp);
+        // Held back by the device budget, it built nothing; its turn in the list files it with
+        // the held QPs.
+        t
+    }
+
+    /// The GID of the port a connected (RC or UC) QP `qpn` sends to: where its packets go.
+    pub fn peer_gid(&self, qpn: Qpn) -> Option<[u8; 16]> {
+        let qp = self.qps.get(&qpn)?;
+        (qp.init.qp_type != crate::attr::QpType::Ud).then_some(qp.attr.av.dgid)
+    }
+
     /// The next asynchronous event.
     pub fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.events.pop_front()

@@ -419,9 +419,41 @@ impl Device {
             st.corked += 1;
             self.dispatch(&mut st);
         } else {
+            self.send_ahead(&mut st, now, qpn);
             self.flush(&mut st, now);
         }
         r
+    }
+
+    /// After a post to QP `qpn`, before the flush: the QP's next packet (the request just posted)
+    /// leaves at once when the QP's peer is the one the last packet went to and a same-host lane
+    /// leads there. It is built straight into the lane's ring, ahead of the flush's preparations
+    /// and of the rest of the transmit list (the ACK a poll left owed, other QPs' packets, whose
+    /// order stays as it was): in a request-response exchange the peer waits for this request
+    /// and for nothing else (about 300 instructions sooner on each hop). Not in daemon mode, which
+    /// attributes each packet to its QP in the flush.
+    fn send_ahead(&self, st: &mut State, now: Instant, qpn: softrdma_wire::Qpn) {
+        let State { hca, mem, link, tx_peer, tx_errors, qp_traffic, .. } = &mut *st;
+        if qp_traffic.is_some() || !link.has_outbound_lane() {
+            return;
+        }
+        let Some(dgid) = hca.peer_gid(qpn) else { return };
+        let Some((_, dst, src)) = tx_peer.filter(|(g, ..)| *g == dgid) else { return };
+        if dst == src {
+            return;
+        }
+        let Some(li) = link.lane_for(dst, src, now) else { return };
+        let Some(buf) = link.slot_ahead(li) else { return };
+        let Some(t) = hca.poll_transmit_qp(qpn, now, mem, buf) else { return };
+        // A payload the engine deferred is copied from the region into the slot.
+        if let Some(d) = &t.deferred {
+            if mem.fill(d, &mut buf[..t.len]).is_err() {
+                // The engine checked the keys under this lock: cannot happen.
+                *tx_errors += 1;
+                return;
+            }
+        }
+        link.publish(li, t.len);
     }
 
     /// Send what a poll left owed (see [`Device::poll_progress`]), if anything.

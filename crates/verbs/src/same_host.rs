@@ -407,6 +407,15 @@ impl Link {
         Some((i, &mut s[SLOT_HEADER..]))
     }
 
+    /// The free slot (packet area) of outbound lane `i` for a packet that goes out ahead of a
+    /// flush (the runtime's `send_ahead`): `None` if the lane is down, its ring is full, or a
+    /// packet waits parked for it (that one goes first). Publish with [`Link::publish`].
+    pub fn slot_ahead(&mut self, i: usize) -> Option<&mut [u8]> {
+        let lane = self.outbound.get_mut(i)?.lane.as_mut().filter(|l| l.pending_len == 0)?;
+        let s = lane.prod.slot_mut()?;
+        Some(&mut s[SLOT_HEADER..])
+    }
+
     /// Publish the packet of `len` bytes built in lane `i`'s [`Link::spec_slot`].
     pub fn publish(&mut self, i: usize, len: usize) {
         let Some(lane) = self.outbound[i].lane.as_mut() else { return };
