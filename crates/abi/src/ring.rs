@@ -4,9 +4,9 @@
 //!
 //! ```text
 //!   0  magic u32, version u32, capacity u32, slot_size u32   (written once by the creator)
-//!  16  producer's CPU + 1 (AtomicU32, 0: not said; written by the producer when it changes:
-//!      same-host lanes, see `Ring::producer_cpu`)
-//!  20  the thread id of that poller (AtomicU32)
+//!  16  where the producer's polling thread runs (AtomicU64, written by the producer when it
+//!      changes: same-host lanes, see `Ring::producer_cpu`): its CPU + 1 in the low 32 bits (0:
+//!      not said), an id of that thread in the high 32 bits
 //!  64  producer index  (AtomicU32, written only by the producer)
 //! 128  consumer index  (AtomicU32, written only by the consumer)
 //! 192  consumer flags  (AtomicU32, written by the consumer, cleared by the producer)
@@ -31,7 +31,7 @@
 //! (`req_notify`) and cleared by the daemon when it sends the channel event.
 
 use std::ptr;
-use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 /// "SRNG".
 pub const RING_MAGIC: u32 = 0x474e_5253;
@@ -41,7 +41,6 @@ const PRODUCER: usize = 64;
 const CONSUMER: usize = 128;
 const FLAGS: usize = 192;
 const PRODUCER_CPU: usize = 16;
-const PRODUCER_TID: usize = 20;
 
 /// How many entries ahead of the one it writes the producer asks for slots' lines (see
 /// [`Producer::prefetch_ahead`]).
@@ -126,8 +125,7 @@ impl Ring {
         self.word(PRODUCER).store(0, Ordering::Relaxed);
         self.word(CONSUMER).store(0, Ordering::Relaxed);
         self.word(FLAGS).store(0, Ordering::Relaxed);
-        self.word(PRODUCER_CPU).store(0, Ordering::Relaxed);
-        self.word(PRODUCER_TID).store(0, Ordering::Relaxed);
+        self.word64(PRODUCER_CPU).store(0, Ordering::Relaxed);
         fence(Ordering::Release);
     }
 
@@ -164,19 +162,27 @@ impl Ring {
     }
 
     /// The CPU the producer's side said its polling thread runs on, and that thread's id, if it
-    /// said. A hint, in a line that is written rarely: the consumer of a same-host lane, finding
-    /// nothing to take, gives up its core at once when the thread that should answer shares it.
+    /// said (read together: one word). A hint, in a line that is written rarely: the consumer of
+    /// a same-host lane, finding nothing to take, gives up its core at once when the thread that
+    /// should answer shares it.
     pub fn producer_cpu(&self) -> Option<(u32, u32)> {
-        let cpu = self.word(PRODUCER_CPU).load(Ordering::Relaxed).checked_sub(1)?;
-        Some((cpu, self.word(PRODUCER_TID).load(Ordering::Relaxed)))
+        let w = self.word64(PRODUCER_CPU).load(Ordering::Relaxed);
+        let cpu = (w as u32).checked_sub(1)?;
+        Some((cpu, (w >> 32) as u32))
     }
 
-    /// Say that the producer's polling thread `tid` runs on `cpu`, or with `None` that no thread
+    /// Say that the producer's polling thread `id` runs on `cpu`, or with `None` that no thread
     /// polls (the producer's side; only when it changes, so that the line stays shared).
     pub fn set_producer_cpu(&self, poller: Option<(u32, u32)>) {
-        let (cpu, tid) = poller.map_or((0, 0), |(cpu, tid)| (cpu.wrapping_add(1), tid));
-        self.word(PRODUCER_TID).store(tid, Ordering::Relaxed);
-        self.word(PRODUCER_CPU).store(cpu, Ordering::Relaxed);
+        let w = poller.map_or(0, |(cpu, id)| u64::from(id) << 32 | u64::from(cpu.wrapping_add(1)));
+        self.word64(PRODUCER_CPU).store(w, Ordering::Relaxed);
+    }
+
+    fn word64(&self, off: usize) -> &AtomicU64 {
+        assert!(off.is_multiple_of(8) && off + 8 <= HEADER_LEN);
+        // SAFETY: as in `word`, for an 8-byte header word at an 8-byte aligned offset (checked
+        // above; the base is 64-byte aligned).
+        unsafe { AtomicU64::from_ptr(self.base.add(off) as *mut u64) }
     }
 
     /// The 4-byte word at byte `at` of slot `index`, as an atomic.

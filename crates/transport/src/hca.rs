@@ -952,8 +952,8 @@ impl Hca {
         let qp = qps.get_mut(&qpn)?;
         let t = qp.poll_transmit(buf, &mut ctx);
         book.sync(qp);
-        // Held back by the device budget, it built nothing; its turn in the list files it with
-        // the held QPs.
+        // A QP the device budget holds back (`ctx.held`) built no request; its turn in the list
+        // files it with the held QPs.
         t
     }
 

@@ -1,6 +1,6 @@
-//! Where a thread busy-polling an embedded device runs (its CPU and thread id, which the runtime
-//! says in its same-host lanes' ring headers), and moving it off a CPU it shares with the peer's
-//! poller it waits for.
+//! Where a thread busy-polling an embedded device runs (its CPU and an id of the thread, which
+//! the runtime says in its same-host lanes' ring headers), and moving it off a CPU it shares with
+//! the peer's poller it waits for.
 //!
 //! Two processes' polling threads often start on one CPU: the kernel puts a thread woken by
 //! another (by the TCP exchange before a benchmark, a connection's handshake) on the waker's CPU,
@@ -9,12 +9,19 @@
 //! about a microsecond; see `Device::poll_empty`) instead of a cache-line handover: a same-host
 //! `send-lat` of 2,000 iterations typically took 2.3 µs instead of 0.8.
 //!
-//! Of two such pollers the one with the larger thread id moves (each sees the other's id in the
-//! lane, so exactly one of them does), after [`SHARED_YIELDS`] yields for a peer on its CPU and at
-//! most once per [`MOVE_EVERY`]: it restricts its affinity to the next CPU of its allowed set and
-//! at once sets the allowed set back. The kernel migrates a thread when its current CPU leaves
-//! its set; restoring the set leaves it where it now is. The caller's affinity is as it was, and a
-//! thread allowed a single CPU stays. `SOFTRDMA_POLLER_MOVE=0` turns moving off.
+//! Of two such pollers the one with the larger id moves (each sees the other's id in the lane, so
+//! exactly one of them does), after [`SHARED_YIELDS`] yields for a peer on its CPU and at most
+//! once per [`MOVE_EVERY`]: it restricts its affinity to the next CPU of its allowed set and at
+//! once sets the allowed set back. The kernel migrates a thread when its current CPU leaves its
+//! set; restoring the set leaves it where it now is, and a thread allowed a single CPU stays.
+//! The set restored is the one the kernel reported: another thread changing this thread's
+//! affinity at that very moment is overwritten, and on kernels that keep a thread's requested set
+//! apart from its cpuset (6.2 on), CPUs the cpuset gains later are not used by a thread that
+//! moved. `SOFTRDMA_POLLER_MOVE=0` turns moving off.
+//!
+//! The id is random per thread, not `gettid`: thread ids of processes in different PID
+//! namespaces (containers sharing a network namespace) can be equal, and a peer with our id would
+//! look like this thread itself (a thread that polls both ends of a lane waits for nobody).
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -26,6 +33,9 @@ const SHARED_YIELDS: u32 = 8;
 /// The shortest time between two moves of one thread.
 const MOVE_EVERY: Duration = Duration::from_millis(1);
 
+/// How often a poll that found work says where the thread runs ([`busy_poll_says`]).
+const BUSY_SAY_EVERY: u32 = 64;
+
 /// The CPU this thread runs on now (`sched_getcpu`, which glibc answers from the rseq area
 /// without a system call), if the kernel says.
 pub(crate) fn this_cpu() -> Option<u32> {
@@ -34,20 +44,37 @@ pub(crate) fn this_cpu() -> Option<u32> {
 }
 
 thread_local! {
-    /// This thread's id (`gettid`), asked once.
-    static TID: u32 = {
+    /// This thread's id: random, drawn once.
+    static ID: u32 = {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         // SAFETY: no arguments.
-        unsafe { libc::gettid() as u32 }
+        h.write_i32(unsafe { libc::gettid() });
+        h.finish() as u32
     };
 
     /// Yields for a peer on this thread's CPU since its last move, and the monotonic time (ns)
     /// before which it does not move again.
     static SHARED: Cell<(u32, u64)> = const { Cell::new((0, 0)) };
+
+    /// Polls that found work since this thread last said its CPU.
+    static BUSY_POLLS: Cell<u32> = const { Cell::new(0) };
 }
 
-/// This thread's id.
-pub(crate) fn this_tid() -> u32 {
-    TID.with(|t| *t)
+/// This thread's id (see the module comment).
+pub(crate) fn this_id() -> u32 {
+    ID.with(|t| *t)
+}
+
+/// Polls that find work say where the thread runs only now and then (`sched_getcpu` costs ~15 ns
+/// on an exchange's critical path), so that a thread the kernel moved while it always found work
+/// does not leave its old CPU in the lanes for long: true once every [`BUSY_SAY_EVERY`] calls.
+pub(crate) fn busy_poll_says() -> bool {
+    BUSY_POLLS.with(|n| {
+        let k = n.get() + 1;
+        n.set(if k >= BUSY_SAY_EVERY { 0 } else { k });
+        k >= BUSY_SAY_EVERY
+    })
 }
 
 /// Whether moving is on (`SOFTRDMA_POLLER_MOVE`, read once).
@@ -56,11 +83,11 @@ fn moving_on() -> bool {
     *ON.get_or_init(|| std::env::var_os("SOFTRDMA_POLLER_MOVE").is_none_or(|v| v != "0"))
 }
 
-/// This thread (`tid`, on `cpu`), polling at monotonic time `now_ns`, found nothing while the
+/// This thread (`id`, on `cpu`), polling at monotonic time `now_ns`, found nothing while the
 /// peer's poller `peer` runs on the same CPU. Returns true if it moved to another CPU (no need to
 /// yield then); false if the caller should yield the core to the peer.
-pub(crate) fn shared_with(peer: u32, cpu: u32, tid: u32, now_ns: u64) -> bool {
-    if tid < peer || !moving_on() {
+pub(crate) fn shared_with(peer: u32, cpu: u32, id: u32, now_ns: u64) -> bool {
+    if id < peer || !moving_on() {
         return false;
     }
     let (yields, not_before) = SHARED.with(Cell::get);

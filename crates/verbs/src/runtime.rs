@@ -425,9 +425,10 @@ impl Device {
         r
     }
 
-    /// After a post to QP `qpn`, before the flush: the QP's next packet (the request just posted)
-    /// leaves at once when the QP's peer is the one the last packet went to and a same-host lane
-    /// leads there. It is built straight into the lane's ring, ahead of the flush's preparations
+    /// After a post to QP `qpn`, before the flush: the QP's next packet (normally the request just
+    /// posted; a retransmission or a response the QP owes if that comes first in the QP's own
+    /// order) leaves at once when the QP's peer is the one the last packet went to and a
+    /// same-host lane leads there. It is built straight into the lane's ring, ahead of the flush's preparations
     /// and of the rest of the transmit list (the ACK a poll left owed, other QPs' packets, whose
     /// order stays as it was): in a request-response exchange the peer waits for this request
     /// and for nothing else (about 300 instructions sooner on each hop). Not in daemon mode, which
@@ -893,9 +894,10 @@ impl Device {
     ///
     /// When what arrived completed one receive on `cq` (a request of a request-response exchange;
     /// a stream completes many at once), or nothing on it at all (an RDMA WRITE that changed
-    /// memory the thread watches, as a `write-lat` peer does), and made the engine owe packets
-    /// (the request's ACK) but no READ response (whose data is read from memory as it is built),
-    /// the completions go to the polling thread first and the flush waits: the thread's next post
+    /// memory the thread watches, as a `write-lat` peer does; or traffic of other QPs, an ACK, a
+    /// timer, which then wait a poll too), and made the engine owe packets (the request's ACK) but
+    /// no READ response (whose data is read from memory as it is built), the completions go to
+    /// the polling thread first and the flush waits: the thread's next post
     /// sends the ACK after the post's own packets (`Qp::poll_transmit` lets a request go before a
     /// plain ACK), so the reply leaves before the ACK of the request it answers (over UDP, in one
     /// `sendmmsg`, instead of an ACK's `sendmsg` first). The next flush comes with the thread's next post or poll of
@@ -931,21 +933,24 @@ impl Device {
             self.flush(st, now);
         }
         // The thread's CPU is asked (`sched_getcpu`, ~15 ns) and said by the polls that find
-        // nothing: a poll that found work is on an exchange's critical path, and a busy poller
-        // makes many empty ones.
-        // Of two pollers sharing a CPU, one moves to another (poller.rs); the other yields.
+        // nothing, and now and then by one that found work: a poll that found work is on an
+        // exchange's critical path, and a busy poller makes many empty ones. Of two pollers
+        // sharing a CPU, one moves to another (poller.rs); the other yields.
         let mut shared = false;
-        if !work {
-            if let Some((cpu, tid)) = poller::this_cpu().map(|cpu| (cpu, poller::this_tid())) {
-                st.link.poller_at(Some((cpu, tid)));
-                if let Some(peer) = st.link.peer_poller_on(cpu, tid) {
-                    if poller::shared_with(peer, cpu, tid, now.as_nanos().wrapping_add(self.epoch)) {
+        if !work || poller::busy_poll_says() {
+            if let Some((cpu, id)) = poller::this_cpu().map(|cpu| (cpu, poller::this_id())) {
+                st.link.poller_at(Some((cpu, id)));
+                match st.link.peer_poller_on(cpu, id) {
+                    Some(_) if work => {}
+                    Some(peer) if poller::shared_with(peer, cpu, id, now.as_nanos().wrapping_add(self.epoch)) => {
                         st.link.stats.poller_moves += 1;
-                        st.link.poller_at(poller::this_cpu().map(|cpu| (cpu, tid)));
-                    } else {
+                        st.link.poller_at(poller::this_cpu().map(|cpu| (cpu, id)));
+                    }
+                    Some(_) => {
                         st.link.stats.poller_yields += 1;
                         shared = true;
                     }
+                    None => {}
                 }
             }
         }
@@ -997,24 +1002,26 @@ impl Device {
     /// request-response exchange the peer publishes its reply and then the ACK of our request, and
     /// taking that ACK in (completing our send) would only delay the reply's completion (or, for
     /// an RDMA WRITE, the thread's look at the memory it changed): an ACK right behind a request
-    /// this call took from the same lane waits for the next call when `polled` holds one receive
-    /// completion or none (`Hca::cq_awaits_one`; a stream completes many, and ACKs behind ACKs are
-    /// all taken). A lane's first packet in a call is always taken, so no lane waits for more than
-    /// one call, whatever the others carry.
+    /// that was the first packet this call took waits for the next call when `polled` holds one
+    /// receive completion or none (`Hca::cq_awaits_one`; a stream completes many, ACKs behind ACKs
+    /// are all taken, and a two-way stream's call that took more goes on). A lane's first packet
+    /// in a call is always taken, so no lane waits for more than one call, whatever the others
+    /// carry.
     fn receive_at(&self, st: &mut State, now: Instant, full: bool, polled: Option<CqId>) -> bool {
         let mut work = st.link.maintain(now, full);
         if st.link.inbound_waiting() {
             let mut lanes = st.link.take_inbound();
             // RC's opcodes are the base opcodes: an ACK (or NAK) starts with ACKNOWLEDGE.
             let is_ack = |pkt: &[u8]| pkt.first() == Some(&softrdma_wire::opcode::base::ACKNOWLEDGE);
-            // Whether the packet taken before this one (from its lane: `taken` > 0) was no ACK.
-            let mut after_request = false;
+            // Packets this call took, and whether the last (from its lane: `taken` > 0) was no ACK.
+            let (mut took, mut after_request) = (0, false);
             work |= lanes.receive(|pkt, src, local, taken| {
                 let ack = is_ack(pkt);
-                if taken > 0 && ack && after_request && polled.is_some_and(|cq| st.hca.cq_awaits_one(cq)) {
+                if taken > 0 && ack && after_request && took == 1 && polled.is_some_and(|cq| st.hca.cq_awaits_one(cq)) {
                     return false;
                 }
                 after_request = !ack;
+                took += 1;
                 self.receive_local(st, now, pkt, src, local);
                 true
             }) > 0;

@@ -379,7 +379,7 @@ impl Link {
 
     /// Thread `tid`, polling this device for completions, runs on `cpu` (`None`: no thread polls
     /// now, the I/O thread does the work): say so in every outbound lane when it changed, for the
-    /// peers' pollers ([`Link::peer_polls_on`]).
+    /// peers' pollers ([`Link::peer_poller_on`]).
     pub fn poller_at(&mut self, poller: Option<(u32, u32)>) {
         if self.poller_cpu != poller {
             self.poller_cpu = poller;

@@ -439,9 +439,8 @@ fn ping_pong_on(a: &Endpoint, b: &Endpoint, cpus: (usize, usize), rounds: u64) -
     ping_pong_from(a, b, cpus, false, rounds).is_some()
 }
 
-/// How a thread of [`ping_pong_from`] ended: its id and the CPUs it was allowed at the end.
+/// How a thread of [`ping_pong_from`] ended: the CPUs it was allowed at the end.
 struct Ended {
-    tid: u32,
     allowed: Vec<usize>,
 }
 
@@ -487,8 +486,7 @@ fn ping_pong_from(
         pinned.wait();
         !refused.load(std::sync::atomic::Ordering::SeqCst)
     };
-    // SAFETY: no arguments.
-    let ended = || Ended { tid: unsafe { libc::gettid() } as u32, allowed: allowed_cpus() };
+    let ended = || Ended { allowed: allowed_cpus() };
     std::thread::scope(|s| {
         let pong = s.spawn(|| {
             if !pin_both(cpus.1) {
@@ -555,15 +553,15 @@ fn pollers_on_one_cpu_give_it_up_at_once() {
     assert_eq!((sa.poller_moves, sb.poller_moves, sc.poller_moves, sd.poller_moves), (0, 0, 0, 0));
 }
 
-/// Two busy pollers that start on one CPU but may run on others: the one with the larger thread
-/// id moves to another CPU once it has yielded to the other a few times, and its allowed CPUs are
-/// the same afterwards. (The kernel may spread them first, or put them together again: each
+/// Two busy pollers that start on one CPU but may run on others: one of them (the one with the
+/// larger poller id) moves to another CPU once it has yielded to the other a few times, and its
+/// allowed CPUs are the same afterwards. (The kernel may spread them first, or put them together again: each
 /// round needs its yields; every round whose mover yielded enough must have moved it.)
 #[test]
 fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
     let cpus = allowed_cpus();
-    if cpus.len() < 2 {
-        eprintln!("skipped: one CPU");
+    if cpus.len() < 2 || std::env::var_os("SOFTRDMA_POLLER_MOVE").is_some_and(|v| v == "0") {
+        eprintln!("skipped: one CPU, or moving turned off");
         return;
     }
     let mut checked = 0;
@@ -575,16 +573,17 @@ fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
         };
         assert_eq!((&ea.allowed, &eb.allowed), (&cpus, &cpus), "the threads' allowed CPUs changed");
         let (sa, sb) = (stats(&a), stats(&b));
-        // The side with the larger thread id moves; the other never does.
-        let (mover, stayer) = if ea.tid > eb.tid { (sa, sb) } else { (sb, sa) };
-        assert_eq!(stayer.poller_moves, 0, "{stayer:?}");
-        if mover.poller_yields + mover.poller_moves >= 8 {
-            assert!(mover.poller_moves >= 1, "yielded {} times without moving", mover.poller_yields);
+        // One of the two moves (the larger id); the other never does. Once both yielded 8 times,
+        // the mover has.
+        assert!(sa.poller_moves == 0 || sb.poller_moves == 0, "both moved: {sa:?} {sb:?}");
+        if sa.poller_yields >= 8 && sb.poller_yields >= 8 {
+            assert!(sa.poller_moves + sb.poller_moves >= 1, "yielded without moving: {sa:?} {sb:?}");
             checked += 1;
         }
         if checked == 2 {
             return;
         }
     }
-    eprintln!("the kernel spread the pollers itself in most rounds: {checked} checked");
+    // Spreading them within 8 round trips, 20 times out of 20, is not something the kernel does.
+    assert!(checked > 0, "the pollers never yielded enough to move");
 }
