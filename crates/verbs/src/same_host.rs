@@ -538,7 +538,7 @@ impl Link {
     /// The inbound lanes, taken out for [`Lanes::receive`] (so that the packets they hand over can
     /// be delivered to the rest of the device state); give them back with [`Link::put_inbound`].
     pub fn take_inbound(&mut self) -> Lanes {
-        Lanes { lanes: std::mem::take(&mut self.inbound), stats: SameHostStats::default() }
+        Lanes { lanes: std::mem::take(&mut self.inbound), stats: LaneCounts::default() }
     }
 
     /// Give back what [`Link::take_inbound`] took, with the counts of its receive.
@@ -547,7 +547,6 @@ impl Link {
         s.rx_pkts += d.rx_pkts;
         s.rx_bytes += d.rx_bytes;
         s.rx_malformed += d.rx_malformed;
-        s.ring_corrupt += d.ring_corrupt;
         s.lanes_in = lanes.lanes.len() as u64;
         self.inbound = lanes.lanes;
     }
@@ -673,7 +672,15 @@ impl Link {
 /// The inbound lanes of a [`Link`] while they are being read, and the counts of that read.
 pub(crate) struct Lanes {
     lanes: Vec<Inbound>,
-    stats: SameHostStats,
+    stats: LaneCounts,
+}
+
+/// What one [`Lanes::receive`] counts, added to [`SameHostStats`] when the lanes go back.
+#[derive(Debug, Default)]
+struct LaneCounts {
+    rx_pkts: u64,
+    rx_bytes: u64,
+    rx_malformed: u64,
 }
 
 impl Lanes {
