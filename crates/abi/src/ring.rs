@@ -509,9 +509,9 @@ mod tests {
         let p = Producer::new(ring(&mut mem));
         let c = Consumer::new(ring(&mut mem));
         assert_eq!(c.ring().producer_cpu(), None);
-        for cpu in [0, 1, 63, 1000] {
-            p.ring().set_producer_cpu(Some((cpu, 4242 + cpu)));
-            assert_eq!(c.ring().producer_cpu(), Some((cpu, 4242 + cpu)));
+        for (cpu, id) in [(0, 4242), (1, 0), (63, u32::MAX), (1000, 0x8000_0001)] {
+            p.ring().set_producer_cpu(Some((cpu, id)));
+            assert_eq!(c.ring().producer_cpu(), Some((cpu, id)));
         }
         p.ring().set_producer_cpu(None);
         assert_eq!(c.ring().producer_cpu(), None);

@@ -91,7 +91,7 @@ pub(crate) fn shared_with(peer: u32, cpu: u32, id: u32, now_ns: u64) -> bool {
         return false;
     }
     let (yields, not_before) = SHARED.with(Cell::get);
-    if yields + 1 < SHARED_YIELDS || now_ns < not_before {
+    if yields < SHARED_YIELDS || now_ns < not_before {
         SHARED.with(|s| s.set((yields + 1, not_before)));
         return false;
     }

@@ -946,8 +946,8 @@ impl Device {
         if !work || poller::busy_poll_says() {
             if let Some((cpu, id)) = poller::this_cpu().map(|cpu| (cpu, poller::this_id())) {
                 st.link.poller_at(Some((cpu, id)));
-                match st.link.peer_poller_on(cpu, id) {
-                    Some(_) if work => {}
+                let peer = if work { None } else { st.link.peer_poller_on(cpu, id) };
+                match peer {
                     Some(peer) if poller::shared_with(peer, cpu, id, now.as_nanos().wrapping_add(self.epoch)) => {
                         st.link.stats.poller_moves += 1;
                         st.link.poller_at(poller::this_cpu().map(|cpu| (cpu, id)));

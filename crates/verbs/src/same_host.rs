@@ -281,8 +281,8 @@ pub(crate) struct Link {
     looped_at: Option<Instant>,
     /// The last flush left packets to the device itself in the engine ([`Link::loop_budget_used`]).
     loop_backlog: bool,
-    /// The CPU our polling thread last said it runs on, and its thread id, in every outbound
-    /// lane ([`Link::poller_at`]).
+    /// The CPU our polling thread last said it runs on, and its poller id (poller.rs), in every
+    /// outbound lane ([`Link::poller_at`]).
     poller_cpu: Option<(u32, u32)>,
     pub stats: SameHostStats,
 }
@@ -377,9 +377,10 @@ impl Link {
         }
     }
 
-    /// Thread `tid`, polling this device for completions, runs on `cpu` (`None`: no thread polls
-    /// now, the I/O thread does the work): say so in every outbound lane when it changed, for the
-    /// peers' pollers ([`Link::peer_poller_on`]).
+    /// The thread with poller id `id` (poller.rs), polling this device for completions, runs on
+    /// `cpu`, given as `(cpu, id)` (`None`: no thread polls now, the I/O thread does the work):
+    /// say so in every outbound lane when it changed, for the peers' pollers
+    /// ([`Link::peer_poller_on`]).
     pub fn poller_at(&mut self, poller: Option<(u32, u32)>) {
         if self.poller_cpu != poller {
             self.poller_cpu = poller;
@@ -389,15 +390,15 @@ impl Link {
         }
     }
 
-    /// The thread id of a peer's poller (a peer that sends to us on a lane) that said it runs on
-    /// `cpu` and is not thread `tid` itself (a thread that polls both ends of a lane waits for
-    /// nobody). Two busy pollers waiting for each other on one core (the kernel places a process
-    /// woken by another on the waker's CPU, and may take milliseconds to spread them) get nowhere
-    /// until the waiting one gives up the core, or one of them moves (poller.rs).
-    pub fn peer_poller_on(&self, cpu: u32, tid: u32) -> Option<u32> {
+    /// The poller id of a peer's polling thread (a peer that sends to us on a lane) that said it
+    /// runs on `cpu` and is not the thread `id` itself (a thread that polls both ends of a lane
+    /// waits for nobody). Two busy pollers waiting for each other on one core (the kernel places a
+    /// process woken by another on the waker's CPU, and may take milliseconds to spread them) get
+    /// nowhere until the waiting one gives up the core, or one of them moves (poller.rs).
+    pub fn peer_poller_on(&self, cpu: u32, id: u32) -> Option<u32> {
         self.inbound
             .iter()
-            .find_map(|l| l.cons.ring().producer_cpu().filter(|&(c, t)| c == cpu && t != tid).map(|(_, t)| t))
+            .find_map(|l| l.cons.ring().producer_cpu().filter(|&(c, p)| c == cpu && p != id).map(|(_, p)| p))
     }
 
     /// Where to build the next packet: the free slot (packet area) of the lane the last one went to.
