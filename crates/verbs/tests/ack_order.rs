@@ -203,55 +203,42 @@ const ROUNDS: u32 = 1000;
 
 #[test]
 fn a_reply_posted_after_the_completion_leaves_before_the_ack() {
+    reply_goes_before_the_ack(("ackord0", 1), "request", Rig::request);
+}
+
+#[test]
+fn a_reply_posted_after_a_write_arrived_leaves_before_its_ack() {
+    reply_goes_before_the_ack(("ackord4", 9), "WRITE", Rig::write_request);
+}
+
+/// On a rig (`Rig::new` of `rig`), rounds of: the peer's request (`request`, which says whether
+/// the poll that took it in left its ACK owed), then the device's reply. Twice the ACK must come
+/// after the reply; whenever the poll did not leave it owed, before.
+fn reply_goes_before_the_ack(rig: (&str, u8), what: &str, request: impl Fn(&Rig) -> bool) {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let r = Rig::new("ackord0", 1);
+    let r = Rig::new(rig.0, rig.1);
     let mut left_owed = 0;
     for _ in 0..ROUNDS {
         // Each round: the last one waited for the peer's packets without polling, and a loaded
         // machine's I/O thread, done standing aside, would take every request in.
         r.warm_up();
         let psn = r.received.get();
-        let owed = r.request();
+        let owed = request(&r);
         let got = r.reply();
         let (reply, ack) = ((base::SEND_ONLY, 0x10 + r.sent.get() - 1), (base::ACKNOWLEDGE, psn));
         if owed && got == [reply] {
             left_owed += 1;
-            assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some(ack), "request {psn}");
+            assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some(ack), "{what} {psn}");
         } else {
             // The I/O thread took this request in, or flushed the ACK a poll left owed before the
             // reply was posted (the test thread was descheduled for a while): the ACK went first.
-            assert_eq!(got, [ack, reply], "request {psn} (left owed: {owed})");
+            assert_eq!(got, [ack, reply], "{what} {psn} (left owed: {owed})");
         }
         if left_owed == 2 {
             return;
         }
     }
-    panic!("{left_owed} of {ROUNDS} polls left their ACK to the reply's flush");
-}
-
-#[test]
-fn a_reply_posted_after_a_write_arrived_leaves_before_its_ack() {
-    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let r = Rig::new("ackord4", 9);
-    let mut left_owed = 0;
-    for _ in 0..ROUNDS {
-        r.warm_up();
-        let psn = r.received.get();
-        let owed = r.write_request();
-        let got = r.reply();
-        let (reply, ack) = ((base::SEND_ONLY, 0x10 + r.sent.get() - 1), (base::ACKNOWLEDGE, psn));
-        if owed && got == [reply] {
-            left_owed += 1;
-            assert_eq!(next_packet(&r.peer, Duration::from_secs(5)), Some(ack), "WRITE {psn}");
-        } else {
-            // Taken in by the I/O thread, or the thread was descheduled: the ACK went first.
-            assert_eq!(got, [ack, reply], "WRITE {psn} (left owed: {owed})");
-        }
-        if left_owed == 2 {
-            return;
-        }
-    }
-    panic!("{left_owed} of {ROUNDS} polls left the ACK of a WRITE to the reply's flush");
+    panic!("{left_owed} of {ROUNDS} polls left the ACK of a {what} to the reply's flush");
 }
 
 /// Runs `check` with the ACK of the peer's request `psn` owed, on a rig whose polling thread took
