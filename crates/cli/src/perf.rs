@@ -33,10 +33,11 @@ use clap::{Args, ValueEnum};
 use softrdma_verbs::{
     devices, open_device, Access, AddressHandle, AhAttr, CompletionQueue, ConnectParams, Context, DeviceBuilder, Gid,
     MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, Qpn, QueuePair, RecvWr, SendFlags,
-    SendOp, SendWr, SgeList, WcOpcode, WcStatus, WorkCompletion,
+    SendOp, SendWr, Sge, SgeList, WcOpcode, WcStatus, WorkCompletion,
 };
 
 mod cm;
+mod stamp;
 
 /// Request payloads from this many bytes on leave from registered memory (the devices'
 /// `defer_payload_min`, crates/verbs runtime): `sendmsg` gathers them from the region itself.
@@ -617,6 +618,8 @@ struct Side {
     rx_posted: Vec<u32>,
     /// Bytes per receive buffer slot (UD: message + GRH).
     slot: usize,
+    /// The gather element of every receive: the first slot of the region (checked once).
+    recv_sge: Sge,
     dev_name: String,
     mtu: Mtu,
     /// The multicast group QP 0 is attached to (`-g`).
@@ -692,6 +695,7 @@ impl Side {
             psns.push(psn);
         }
         let dev_name = ctx.name().to_string();
+        let recv_sge = mr.sge(0, slot).map_err(|e| e.to_string())?;
         Ok(Side {
             ctx,
             pd,
@@ -705,6 +709,7 @@ impl Side {
             ahs: Vec::new(),
             rx_posted: vec![0; plan.qps],
             slot,
+            recv_sge,
             dev_name,
             mtu,
             group: None,
@@ -800,9 +805,8 @@ impl Side {
     }
 
     fn post_recv(&mut self, i: usize) -> Result<(), String> {
-        let sge = self.mr.sge(0, self.slot).map_err(|e| e.to_string())?;
         self.qps[i]
-            .post_recv(RecvWr { wr_id: i as u64, sgl: SgeList::one(sge) })
+            .post_recv(RecvWr { wr_id: i as u64, sgl: SgeList::one(self.recv_sge) })
             .map_err(|e| format!("Couldn't post receive: {e}"))?;
         self.rx_posted[i] += 1;
         Ok(())
@@ -1175,11 +1179,14 @@ fn lat_run(
     let t0 = Instant::now();
     let deadline = plan.duration.map(|d| t0 + d);
     let iters = if plan.duration.is_some() { u64::MAX } else { plan.iters };
+    let clock = stamp::Stamps::start();
     let mut posts = Vec::with_capacity(plan.iters.min(1 << 24) as usize);
     let mut wcs = Vec::with_capacity(16);
     let mut done_seen = false;
     let poll_at = size as usize - 1;
     let send_at = side.slot;
+    // Built and checked once, as perftest does: each iteration posts a copy with its own id.
+    let wr0 = side.send_wr(plan, 0, size, 0, true)?;
     match (plan.verb, role) {
         (Verb::Read | Verb::Atomic, Role::Server) => {
             // Passive: the client reads or updates our memory.
@@ -1189,8 +1196,8 @@ fn lat_run(
         (Verb::Read | Verb::Atomic, Role::Client) => {
             let mut i = 0u64;
             while i < iters && deadline.is_none_or(|d| Instant::now() < d) {
-                posts.push(ns(t0));
-                let wr = side.send_wr(plan, 0, size, i, true)?;
+                posts.push(clock.now());
+                let wr = SendWr { wr_id: i, ..wr0.clone() };
                 side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
                 wcs.clear();
                 wait_wc(side, &mut wcs, None)?;
@@ -1229,7 +1236,7 @@ fn lat_run(
                         break;
                     }
                 }
-                posts.push(ns(t0));
+                posts.push(clock.now());
                 while sends_out >= plan.tx_depth.max(8) {
                     wcs.clear();
                     wait_wc(side, &mut wcs, None)?;
@@ -1241,7 +1248,7 @@ fn lat_run(
                         sends_out -= 1;
                     }
                 }
-                let wr = side.send_wr(plan, 0, size, i, true)?;
+                let wr = SendWr { wr_id: i, ..wr0.clone() };
                 side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
                 sends_out += 1;
                 if role == Role::Client {
@@ -1299,7 +1306,7 @@ fn lat_run(
                         break;
                     }
                 }
-                posts.push(ns(t0));
+                posts.push(clock.now());
                 side.mr.write(send_at + poll_at, &[v]).map_err(|e| e.to_string())?;
                 while writes_out >= plan.tx_depth.max(8) {
                     wcs.clear();
@@ -1309,7 +1316,7 @@ fn lat_run(
                         writes_out -= 1;
                     }
                 }
-                let wr = side.send_wr(plan, 0, size, i, true)?;
+                let wr = SendWr { wr_id: i, ..wr0.clone() };
                 side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
                 writes_out += 1;
                 if role == Role::Client {
@@ -1338,7 +1345,8 @@ fn lat_run(
             }
         }
     }
-    Ok((posts, ns(t0), done_seen))
+    let (posts, elapsed) = clock.finish(posts);
+    Ok((posts, elapsed, done_seen))
 }
 
 // ---- printing --------------------------------------------------------------------------------
