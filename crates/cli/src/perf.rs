@@ -1763,7 +1763,7 @@ fn run_side(
         print_extras(out, plan.test.verb(), plan.conn == QpType::Rc, side.mtu.bytes() as u64, &cpu, path);
     }
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
-        let (c, v) = (side.ctx.counters(), side.ctx.icrc_stats());
+        let (c, v, link) = (side.ctx.counters(), side.ctx.icrc_stats(), side.ctx.same_host_stats());
         eprintln!(
             "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}; same-host poller yields {} moves {}; CM IDs {}",
             side.dev_name,
@@ -1778,8 +1778,8 @@ fn run_side(
             v.bad,
             side.ctx.corked_posts(),
             side.ctx.rx_placed(),
-            side.ctx.same_host_stats().poller_yields,
-            side.ctx.same_host_stats().poller_moves,
+            link.poller_yields,
+            link.poller_moves,
             side.ctx.cm_id_count().unwrap_or(0)
         );
     }

@@ -823,7 +823,7 @@ fn a_multicast_send_reaches_every_attached_qp_that_passes_its_checks() {
     grh[24..].copy_from_slice(&group);
     // Each member as it is done with its copy, and the drops counted so far: each drop is its.
     let mut done = Vec::new();
-    hca.handle_multicast_each(now, &parsed, &RxInfo { grh }, &group, &mut mem, |q, c| {
+    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem, |q, c| {
         done.push((q, c.drop_qkey, c.drop_no_recv))
     });
     assert_eq!(done, vec![(a, 0, 0), (b, 0, 0), (wrong_qkey, 1, 0), (no_recv, 1, 1)]);
@@ -842,11 +842,11 @@ fn a_multicast_send_reaches_every_attached_qp_that_passes_its_checks() {
     // multicast QPN, reaches nobody.
     let drops = hca.counters().drop_unknown_qp;
     let unknown = [0xff, 0x0e, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7];
-    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &unknown, &mut mem);
+    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &unknown, &mut mem, |_, _| {});
     let mut unicast = pkt.clone();
     unicast[5..8].copy_from_slice(&a.value().to_be_bytes()[1..]);
     let unicast = IbPacket::new_checked(&unicast[..]).unwrap();
-    hca.handle_multicast(now, &unicast, &RxInfo { grh }, &group, &mut mem);
+    hca.handle_multicast(now, &unicast, &RxInfo { grh }, &group, &mut mem, |_, _| {});
     assert_eq!(hca.counters().drop_unknown_qp, drops + 2);
     // Detached, b no longer receives; destroyed, a leaves its groups.
     hca.detach_mcast(b, group).unwrap();
@@ -855,7 +855,7 @@ fn a_multicast_send_reaches_every_attached_qp_that_passes_its_checks() {
         let wr = RecvWr { wr_id: i, sgl: SgeList::one(Sge { addr: 0x1000 * i, length: 256, lkey: 1 }) };
         hca.post_recv(q, wr, now, &mut mem).unwrap();
     }
-    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem);
+    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem, |_, _| {});
     wcs.clear();
     hca.poll_cq(cq, 16, &mut wcs).unwrap();
     assert_eq!(wcs.iter().map(|w| (w.qp_num, w.wr_id)).collect::<Vec<_>>(), vec![(a, 4)]);
@@ -863,7 +863,7 @@ fn a_multicast_send_reaches_every_attached_qp_that_passes_its_checks() {
     assert_eq!(hca.mcast_groups().copied().collect::<Vec<_>>(), vec![group, other]);
     // a is gone from the group: b, attached again, takes the only copy.
     hca.attach_mcast(b, group).unwrap();
-    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem);
+    hca.handle_multicast(now, &parsed, &RxInfo { grh }, &group, &mut mem, |_, _| {});
     wcs.clear();
     hca.poll_cq(cq, 16, &mut wcs).unwrap();
     assert_eq!(wcs.iter().map(|w| (w.qp_num, w.wr_id)).collect::<Vec<_>>(), vec![(b, 5)]);
@@ -941,14 +941,14 @@ fn corrupted_multicast_packets_are_dropped_or_delivered_whole() {
             hca.post_recv(*q, wr, now, &mut mem).unwrap();
         }
         if let Ok(p) = IbPacket::new_checked(&bad[..]) {
-            hca.handle_multicast(now, &p, &RxInfo { grh: [0; 40] }, &group, &mut mem);
+            hca.handle_multicast(now, &p, &RxInfo { grh: [0; 40] }, &group, &mut mem, |_, _| {});
         }
         wcs.clear();
         hca.poll_cq(cq, 16, &mut wcs).unwrap();
         assert!(wcs.iter().all(|w| w.opcode == WcOpcode::Recv), "{wcs:?}");
         // Receives not used stay posted; drain them for the next round with a valid packet.
         let p = IbPacket::new_checked(&pkt[..]).unwrap();
-        hca.handle_multicast(now, &p, &RxInfo { grh: [0; 40] }, &group, &mut mem);
+        hca.handle_multicast(now, &p, &RxInfo { grh: [0; 40] }, &group, &mut mem, |_, _| {});
         hca.poll_cq(cq, 64, &mut Vec::new()).unwrap();
     }
     for (i, q) in members.iter().enumerate() {
@@ -957,7 +957,7 @@ fn corrupted_multicast_packets_are_dropped_or_delivered_whole() {
         hca.post_recv(*q, wr, now, &mut mem).unwrap();
     }
     let p = IbPacket::new_checked(&pkt[..]).unwrap();
-    hca.handle_multicast(now, &p, &RxInfo { grh: [0; 40] }, &group, &mut mem);
+    hca.handle_multicast(now, &p, &RxInfo { grh: [0; 40] }, &group, &mut mem, |_, _| {});
     wcs.clear();
     hca.poll_cq(cq, 16, &mut wcs).unwrap();
     assert_eq!(

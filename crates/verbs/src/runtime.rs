@@ -62,14 +62,17 @@ impl Receiver<'_> {
         let grh = if ib.deth().is_some() { ud_grh_area(src.ip(), local.ip(), payload.len()) } else { [0; 40] };
         let rx = RxInfo { grh };
         if let Some(mgid) = multicast::group_of(&local) {
-            match self.qp_traffic.as_mut() {
-                None => self.hca.handle_multicast(now, ib, &rx, &mgid, self.mem),
-                Some(t) => {
-                    t.begin(self.hca.counters());
-                    let len = payload.len();
-                    self.hca.handle_multicast_each(now, ib, &rx, &mgid, self.mem, |qpn, c| t.count_member(qpn, len, c));
-                }
+            // Daemon mode attributes each member's drops to that member.
+            let mut table = self.qp_traffic.as_mut();
+            if let Some(t) = table.as_mut() {
+                t.begin(self.hca.counters());
             }
+            let len = payload.len();
+            self.hca.handle_multicast(now, ib, &rx, &mgid, self.mem, |qpn, c| {
+                if let Some(t) = table.as_mut() {
+                    t.count_member(qpn, len, c);
+                }
+            });
             return;
         }
         self.traffic(ib.bth().dest_qp(), payload.len(), |hca, mem| hca.handle_parsed(now, ib, &rx, mem));
@@ -429,11 +432,11 @@ impl Device {
     /// After a post to QP `qpn`, before the flush: the QP's next packet (normally the request just
     /// posted; a retransmission or a response the QP owes if that comes first in the QP's own
     /// order) leaves at once when the QP's peer is the one the last packet went to and a
-    /// same-host lane leads there. It is built straight into the lane's ring, ahead of the flush's preparations
-    /// and of the rest of the transmit list (the ACK a poll left owed, other QPs' packets, whose
-    /// order stays as it was): in a request-response exchange the peer waits for this request
-    /// and for nothing else (about 300 instructions sooner on each hop). Not in daemon mode, which
-    /// attributes each packet to its QP in the flush.
+    /// same-host lane leads there. It is built straight into the lane's ring, ahead of the
+    /// flush's preparations and of the rest of the transmit list (the ACK a poll left owed, other
+    /// QPs' packets, whose order stays as it was): in a request-response exchange the peer waits
+    /// for this request and for nothing else (about 300 instructions sooner on each hop). Not in
+    /// daemon mode, which attributes each packet to its QP in the flush.
     fn send_ahead(&self, st: &mut State, now: Instant, qpn: softrdma_wire::Qpn) {
         let State { hca, mem, link, tx_peer, tx_errors, qp_traffic, .. } = &mut *st;
         if qp_traffic.is_some() || !link.has_outbound_lane() {
@@ -903,10 +906,10 @@ impl Device {
     /// memory the thread watches, as a `write-lat` peer does; or traffic of other QPs, an ACK, a
     /// timer, which then wait a poll too), and made the engine owe packets (the request's ACK) but
     /// no READ response (whose data is read from memory as it is built), the completions go to
-    /// the polling thread first and the flush waits: the thread's next post
-    /// sends the ACK after the post's own packets (`Qp::poll_transmit` lets a request go before a
-    /// plain ACK), so the reply leaves before the ACK of the request it answers (over UDP, in one
-    /// `sendmmsg`, instead of an ACK's `sendmsg` first). The next flush comes with the thread's next post or poll of
+    /// the polling thread first and the flush waits: the thread's next post sends the ACK after
+    /// the post's own packets (`Qp::poll_transmit` lets a request go before a plain ACK), so the
+    /// reply leaves before the ACK of the request it answers (over UDP, in one `sendmmsg`, instead
+    /// of an ACK's `sendmsg` first). The next flush comes with the thread's next post or poll of
     /// an empty CQ (before it receives), a [`Device::run`] call (a QP's modification, before it),
     /// the QP's destruction, the device's closing, the process's exit, or the I/O thread: a poll
     /// leaves a flush owed only while that thread stands aside for the polling thread, and it

@@ -555,8 +555,8 @@ fn pollers_on_one_cpu_give_it_up_at_once() {
 
 /// Two busy pollers that start on one CPU but may run on others: one of them (the one with the
 /// larger poller id) moves to another CPU once it has yielded to the other a few times, and its
-/// allowed CPUs are the same afterwards. (The kernel may spread them first, or put them together again: each
-/// round needs its yields; every round whose mover yielded enough must have moved it.)
+/// allowed CPUs are the same afterwards. (The kernel may spread them first, or put them together
+/// again: each round needs its yields; every round whose mover yielded enough must have moved it.)
 #[test]
 fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
     let cpus = allowed_cpus();

@@ -111,23 +111,11 @@ impl Hca {
     /// A received packet sent to multicast group `mgid` (its destination QPN is 0xFFFFFF; the I/O
     /// layer knows the group from the packet's destination address): a copy to every QP attached
     /// to the group. Counted as one packet received; a packet for a group with no QP attached, or
-    /// not addressed to the multicast QPN, is dropped as for an unknown QP.
+    /// not addressed to the multicast QPN, is dropped as for an unknown QP. `after(qpn, counters)`
+    /// is called as each member QP is done with its copy, with the device's counters as they
+    /// stand then: what changed since the call before (or since the packet came in) is that
+    /// member's doing (a copy dropped for its Q_Key, or for want of a receive).
     pub fn handle_multicast(
-        &mut self,
-        now: Instant,
-        pkt: &IbPacket<&[u8]>,
-        rx: &RxInfo,
-        mgid: &[u8; 16],
-        mem: &mut dyn MemoryAccess,
-    ) {
-        self.handle_multicast_each(now, pkt, rx, mgid, mem, |_, _| {});
-    }
-
-    /// [`Hca::handle_multicast`], calling `after(qpn, counters)` as each member QP is done with
-    /// its copy, with the device's counters as they stand then: what changed since the call
-    /// before (or since the packet came in) is that member's doing (a copy dropped for its Q_Key,
-    /// or for want of a receive).
-    pub fn handle_multicast_each(
         &mut self,
         now: Instant,
         pkt: &IbPacket<&[u8]>,

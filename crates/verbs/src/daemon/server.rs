@@ -30,7 +30,7 @@ use std::time::{Duration, Instant as StdInstant};
 use softrdma_abi::msg::{
     encode_event, DeviceEntry, DeviceStats, QpStats, Refusal, Request, Response, SHARED_REGION_REFUSED,
 };
-use softrdma_abi::ring::{ring_bytes, Consumer, Producer, ARMED_ANY};
+use softrdma_abi::ring::{ring_bytes, Consumer, Producer, RingCorrupt, ARMED_ANY};
 use softrdma_abi::shm::{RegionMap, Shm};
 use softrdma_abi::slot::{self, CQE_LEN};
 use softrdma_abi::sock::{Conn, Listener, PeerCred};
@@ -515,15 +515,11 @@ impl QpEntry {
             let decoded = match self.sq_decoded.pop_front() {
                 Some(d) => d,
                 None => {
-                    buf.resize(self.sq.ring().slot_size() as usize, 0);
-                    match self.sq.peek(buf) {
-                        Ok(false) => break,
-                        Err(e) => {
-                            log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
-                            self.broken = true;
-                            break;
-                        }
-                        Ok(true) => {}
+                    let report = |e: &RingCorrupt| {
+                        log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
+                    };
+                    if !peek_entry(&self.sq, buf, &mut self.broken, report) {
+                        break;
                     }
                     slot::decode_send(buf, self.cap.max_send_sge, self.cap.max_inline_data)
                 }
@@ -573,6 +569,21 @@ impl QpEntry {
         // What was not taken (the engine's queue is full) is decoded again next time.
         self.sq_decoded.clear();
         (work, bad)
+    }
+}
+
+/// Copy the next entry of a client's ring into `buf` (resized to a slot). False if the ring has
+/// none, or is broken: then `broken` is set (the ring is ignored from then on) and `report` is
+/// told why.
+fn peek_entry(ring: &Consumer, buf: &mut Vec<u8>, broken: &mut bool, report: impl FnOnce(&RingCorrupt)) -> bool {
+    buf.resize(ring.ring().slot_size() as usize, 0);
+    match ring.peek(buf) {
+        Ok(got) => got,
+        Err(e) => {
+            report(&e);
+            *broken = true;
+            false
+        }
     }
 }
 
@@ -754,15 +765,11 @@ impl SvcState {
             let pid = self.clients.get(&q.client).map_or(0, |c| c.pid);
             let Some(rq) = q.rq.as_mut() else { continue };
             loop {
-                buf.resize(rq.ring().slot_size() as usize, 0);
-                match rq.peek(buf) {
-                    Ok(false) => break,
-                    Err(e) => {
-                        log!("client pid {pid}: QP {qpn} receive ring: {e}; ignoring the ring from now on");
-                        q.broken = true;
-                        break;
-                    }
-                    Ok(true) => {}
+                let report = |e: &RingCorrupt| {
+                    log!("client pid {pid}: QP {qpn} receive ring: {e}; ignoring the ring from now on");
+                };
+                if !peek_entry(rq, buf, &mut q.broken, report) {
+                    break;
                 }
                 match slot::decode_recv(buf, q.cap.max_recv_sge) {
                     Ok(wr) => match st.hca.post_recv(*qpn, wr, now, &mut st.mem) {
@@ -789,14 +796,8 @@ impl SvcState {
             }
             s.blocked = false;
             loop {
-                buf.resize(s.ring.ring().slot_size() as usize, 0);
-                match s.ring.peek(buf) {
-                    Ok(false) => break,
-                    Err(_) => {
-                        s.broken = true;
-                        break;
-                    }
-                    Ok(true) => {}
+                if !peek_entry(&s.ring, buf, &mut s.broken, |_| {}) {
+                    break;
                 }
                 match slot::decode_recv(buf, s.max_sge) {
                     Ok(wr) => match st.hca.post_srq_recv(*id, wr) {
