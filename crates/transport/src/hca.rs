@@ -393,31 +393,73 @@ impl TimerIndex {
 /// call into a QP.
 struct Bookkeeping<'a> {
     timers: &'a mut TimerIndex,
-    busy_qps: &'a mut u32,
-    inflight: &'a mut u32,
+    load: &'a mut Load,
     held: &'a mut ReadyList,
+}
+
+/// How busy the HCA's QPs are, summed over them by [`Bookkeeping::sync`].
+#[derive(Debug)]
+struct Load {
+    /// `Config::device_inflight_packets`.
+    budget: u32,
+    /// RC QPs with send work queued (they share the budget).
+    busy_qps: u32,
+    /// Each busy QP's window: the budget shared among them (not below `Config::MIN_SHARE`), kept
+    /// here rather than divided out on every call into a QP.
+    share: u32,
+    /// Packets in flight (sent, not acknowledged) over all RC QPs.
+    inflight: u32,
+    /// QPs with a READ response queued.
+    owing_reads: u32,
+}
+
+impl Load {
+    fn new(budget: u32) -> Load {
+        let mut load = Load { budget, busy_qps: 0, share: 0, inflight: 0, owing_reads: 0 };
+        load.set_busy(0);
+        load
+    }
+
+    fn set_busy(&mut self, busy_qps: u32) {
+        self.busy_qps = busy_qps;
+        self.share = match self.budget {
+            u32::MAX => u32::MAX,
+            budget => (budget / busy_qps.max(1)).max(Config::MIN_SHARE),
+        };
+    }
+
+    /// QP `qp` is gone: what it was counted for goes with it.
+    fn forget(&mut self, qp: &Qp) {
+        if qp.busy {
+            self.set_busy(self.busy_qps - 1);
+        }
+        self.inflight -= qp.inflight;
+        self.owing_reads -= u32::from(qp.owes_read);
+    }
 }
 
 impl Bookkeeping<'_> {
     fn sync(&mut self, qp: &mut Qp) {
         self.timers.sync(qp);
+        let load = &mut *self.load;
         let inflight = if qp.init.qp_type == crate::attr::QpType::Rc && qp.state.can_send() {
             qp.sq.sent_hw.diff(qp.sq.una).max(0) as u32
         } else {
             0
         };
         if inflight != qp.inflight {
-            *self.inflight = (*self.inflight - qp.inflight) + inflight;
+            load.inflight = (load.inflight - qp.inflight) + inflight;
             qp.inflight = inflight;
         }
         let busy = qp.init.qp_type == crate::attr::QpType::Rc && qp.sq.len() > 0;
         if busy != qp.busy {
             qp.busy = busy;
-            if busy {
-                *self.busy_qps += 1;
-            } else {
-                *self.busy_qps -= 1;
-            }
+            load.set_busy(if busy { load.busy_qps + 1 } else { load.busy_qps - 1 });
+        }
+        let owes_read = qp.resp.owes_read();
+        if owes_read != qp.owes_read {
+            qp.owes_read = owes_read;
+            load.owing_reads = if owes_read { load.owing_reads + 1 } else { load.owing_reads - 1 };
         }
     }
 }
@@ -433,10 +475,7 @@ pub struct Hca {
     stats: Counters,
     ready: ReadyList,
     timers: TimerIndex,
-    /// RC QPs with send work queued (they share `Config::device_inflight_packets`).
-    busy_qps: u32,
-    /// Packets in flight (sent, not acknowledged) over all RC QPs.
-    inflight: u32,
+    load: Load,
     /// QPs held back by a full device budget, in the order they were refused.
     held: ReadyList,
     next_qpn: u32,
@@ -450,6 +489,7 @@ pub struct Hca {
 impl Hca {
     /// An HCA with no objects. QPNs are allocated from 0x11 upwards, as rxe does.
     pub fn new(config: Config) -> Hca {
+        let budget = config.device_inflight_packets;
         Hca {
             config,
             qps: QpMap::default(),
@@ -458,8 +498,7 @@ impl Hca {
             stats: Counters::default(),
             ready: ReadyList::default(),
             timers: TimerIndex::default(),
-            busy_qps: 0,
-            inflight: 0,
+            load: Load::new(budget),
             held: ReadyList::default(),
             next_qpn: 0x11,
             next_id: 1,
@@ -484,13 +523,10 @@ impl Hca {
     }
 
     fn ctx<'a>(&'a mut self, now: Instant, mem: &'a mut dyn MemoryAccess) -> (&'a mut QpMap, Bookkeeping<'a>, Ctx<'a>) {
-        let Hca { config, qps, queues, events, stats, ready, timers, busy_qps, inflight, held, .. } = self;
-        let (share, device_full) = match config.device_inflight_packets {
-            u32::MAX => (u32::MAX, false),
-            budget => ((budget / (*busy_qps).max(1)).max(Config::MIN_SHARE), *inflight >= budget),
-        };
+        let Hca { config, qps, queues, events, stats, ready, timers, load, held, .. } = self;
+        let (share, device_full) = (load.share, load.inflight >= load.budget);
         let ctx = Ctx { now, mem, queues, events, stats, config, ready, share, device_full, held: false, placed: None };
-        (qps, Bookkeeping { timers, busy_qps, inflight, held }, ctx)
+        (qps, Bookkeeping { timers, load, held }, ctx)
     }
 
     /// Run `f` on QP `qpn`, then update the timer index with whatever `f` armed or stopped.
@@ -666,10 +702,7 @@ impl Hca {
         let qp = self.qps.remove(&qpn).ok_or(VerbsError::NoSuchObject)?;
         self.groups.forget_qp(qpn);
         self.timers.remove(&qp);
-        if qp.busy {
-            self.busy_qps -= 1;
-        }
-        self.inflight -= qp.inflight;
+        self.load.forget(&qp);
         self.held.remove(qpn);
         for cq in [qp.init.send_cq, qp.init.recv_cq] {
             if let Some(c) = self.queues.cqs.get_mut(&cq) {
@@ -722,6 +755,39 @@ impl Hca {
             return Ok(());
         }
         self.with_qp(qpn, now, mem, |qp, ctx| qp.post_send(wr, ctx))
+    }
+
+    /// [`Hca::post_send`], then, if `slot` gives a buffer for the GID the QP's packets go to (RC
+    /// and UC), the QP's next packet built into it as by [`Hca::poll_transmit_qp`] (normally the
+    /// request just posted), with the buffer: a driver that sends a post's first packet at once
+    /// looks the QP up once for both. `None` when the request was executed directly, `slot` gave
+    /// no buffer, or the QP had no packet to send.
+    pub fn post_send_ahead<'b>(
+        &mut self,
+        qpn: Qpn,
+        wr: SendWr,
+        now: Instant,
+        mem: &mut dyn MemoryAccess,
+        slot: impl FnOnce([u8; 16]) -> Option<&'b mut [u8]>,
+    ) -> Result<Option<(Transmit, &'b mut [u8])>, VerbsError> {
+        if self.post_direct(qpn, &wr, now, mem) {
+            return Ok(None);
+        }
+        let (qps, mut book, mut ctx) = self.ctx(now, mem);
+        let qp = qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?;
+        let posted = qp.post_send(wr, &mut ctx);
+        book.sync(qp);
+        posted?;
+        if qp.init.qp_type == crate::attr::QpType::Ud {
+            return Ok(None);
+        }
+        let Some(buf) = slot(qp.attr.av.dgid) else { return Ok(None) };
+        // The post may have made the QP busy: the share and budget as the bookkeeping has them now.
+        ctx.share = book.load.share;
+        ctx.device_full = book.load.inflight >= book.load.budget;
+        let t = qp.poll_transmit(buf, &mut ctx);
+        book.sync(qp);
+        Ok(t.map(|t| (t, buf)))
     }
 
     /// Post a list of send work requests to one QP (a chained `ibv_post_send`): the QP is looked up
@@ -861,20 +927,15 @@ impl Hca {
 
     /// A READ response is queued (its data is read from memory as its packets are built).
     pub fn owes_read_response(&self) -> bool {
-        // Asked on every busy poll that completes a receive: a plain loop over the QPs with
-        // packets to send (the iterator chain of `owed_reads` cost ~250 instructions a call).
-        self.ready
-            .order
-            .iter()
-            .chain(self.held.order.iter())
-            .any(|q| self.qps.get(q).is_some_and(|qp| qp.resp.owes_read()))
+        // Asked on every busy poll that completes a receive: a count, kept by the bookkeeping.
+        self.load.owing_reads > 0
     }
 
     /// Whether [`Hca::poll_transmit`] may have a packet: false means it would return `None` (a
     /// driver polling in a tight loop skips setting up its transmit batch).
     pub fn has_transmit(&self) -> bool {
         // QPs held back by the device budget take their turn once it has room.
-        !self.ready.is_empty() || (!self.held.is_empty() && self.inflight < self.config.device_inflight_packets)
+        !self.ready.is_empty() || (!self.held.is_empty() && self.load.inflight < self.load.budget)
     }
 
     /// What the READ responses queued by the first `qps` QPs that may send now (in turn order)
@@ -892,7 +953,7 @@ impl Hca {
         let burst = self.config.burst;
         // Room in the device budget again: QPs held back take their turn, oldest first, as many as
         // there are packets of room (each may fill its window; the budget check stops the rest).
-        let mut room = self.config.device_inflight_packets.saturating_sub(self.inflight);
+        let mut room = self.load.budget.saturating_sub(self.load.inflight);
         while room > 0 {
             let Some(q) = self.held.pop_front() else { break };
             self.ready.push(q);

@@ -740,6 +740,17 @@ fn owed_reads_follow_a_duplicate_read_and_an_error() {
     assert_eq!(r.hca.owed_reads(8).count(), 0);
 }
 
+/// A QP destroyed with a READ response queued owes nothing any more.
+#[test]
+fn owed_reads_go_with_a_destroyed_qp() {
+    let mut r = Rig::new();
+    let a = request(&r, base::READ_REQUEST, EPSN, true, Some((0x2000, 600)), 0, 0);
+    r.hca.handle_packet(r.now, &a, &RxInfo { grh: [0; 40] }, &mut r.mem);
+    assert!(r.hca.owes_read_response());
+    r.hca.destroy_qp(r.qpn).unwrap();
+    assert!(!r.hca.owes_read_response());
+}
+
 /// A UD QP in PD 1 on `cq`, brought up to RTS with Q_Key `qkey`.
 fn ud_qp(hca: &mut Hca, mem: &mut Flat, cq: crate::CqId, qkey: u32) -> Qpn {
     let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 256 };

@@ -21,10 +21,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
-use softrdma_transport::{AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo};
+use softrdma_transport::{
+    AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo, SendWr, Transmit, VerbsError,
+};
 use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
 
+use crate::clock::monotonic_ns;
 use crate::cm::CmState;
 use crate::error::{Error, Result};
 use crate::io::{self as udp, UdpPort};
@@ -187,6 +190,12 @@ impl State {
         }
         self.forget_left_groups();
         r
+    }
+
+    /// Whether a packet may go ahead of the flush ([`Device::send_ahead`]): a same-host lane is up,
+    /// and not in daemon mode, which attributes each packet to its QP in the flush.
+    fn may_send_ahead(&self) -> bool {
+        self.qp_traffic.is_none() && self.link.has_outbound_lane()
     }
 
     /// The receiving parts of the state.
@@ -409,12 +418,14 @@ impl Device {
     /// later, and the progress that handles it (a polling thread, or the I/O thread) sends what
     /// waited, many small messages in one `sendmmsg`; the engine's cork timer bounds the wait
     /// (`Config::CORK_WAIT`) should that ACK be lost. Not while a same-host lane is up: a lane
-    /// costs no system call per packet, so waiting would only add latency.
-    pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> R) -> R {
+    /// costs no system call per packet, so waiting would only add latency. `f` also says whether
+    /// it sent the QP's next packet ahead itself (see [`Device::post_send`]); if not, that is tried
+    /// after it (see [`Device::send_ahead`]).
+    pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> (R, bool)) -> R {
         let mut st = self.lock();
         let now = self.now();
         let direct = st.hca.direct_executed();
-        let r = f(&mut st, now);
+        let (r, ahead) = f(&mut st, now);
         let direct = st.hca.direct_executed() - direct;
         if direct > 0 {
             st.link.executed_directly(now, direct);
@@ -423,10 +434,42 @@ impl Device {
             st.corked += 1;
             self.dispatch(&mut st);
         } else {
-            self.send_ahead(&mut st, now, qpn);
+            if !ahead {
+                self.send_ahead(&mut st, now, qpn);
+            }
             self.flush(&mut st, now);
         }
         r
+    }
+
+    /// Post one send work request `wr` to QP `qpn` and send what it produced (as
+    /// [`Device::run_post`]). Where [`Device::send_ahead`] would send the QP's next packet ahead,
+    /// the engine builds it into the lane's ring in the same call as the post
+    /// (`Hca::post_send_ahead`): one lookup of the QP instead of three.
+    pub fn post_send(&self, qpn: softrdma_wire::Qpn, wr: SendWr) -> std::result::Result<(), VerbsError> {
+        self.run_post(qpn, |st, now| {
+            if !st.may_send_ahead() {
+                return (st.hca.post_send(qpn, wr, now, &mut st.mem), false);
+            }
+            let State { hca, mem, link, tx_peer, tx_errors, .. } = st;
+            let peer = *tx_peer;
+            let mut lane = None;
+            let (l, lane_out) = (&mut *link, &mut lane);
+            let built = hca.post_send_ahead(qpn, wr, now, mem, move |dgid| {
+                let li = lane_ahead(l, peer, dgid, now)?;
+                *lane_out = Some(li);
+                Link::slot_ahead(l, li)
+            });
+            match (built, lane) {
+                (Ok(Some((t, buf))), Some(li)) => {
+                    if fill_ahead(mem, tx_errors, &t, buf) {
+                        link.publish(li, t.len);
+                    }
+                    (Ok(()), true)
+                }
+                (r, _) => (r.map(|_| ()), true),
+            }
+        })
     }
 
     /// After a post to QP `qpn`, before the flush: the QP's next packet (normally the request just
@@ -438,27 +481,17 @@ impl Device {
     /// for this request and for nothing else (about 300 instructions sooner on each hop). Not in
     /// daemon mode, which attributes each packet to its QP in the flush.
     fn send_ahead(&self, st: &mut State, now: Instant, qpn: softrdma_wire::Qpn) {
-        let State { hca, mem, link, tx_peer, tx_errors, qp_traffic, .. } = &mut *st;
-        if qp_traffic.is_some() || !link.has_outbound_lane() {
+        if !st.may_send_ahead() {
             return;
         }
+        let State { hca, mem, link, tx_peer, tx_errors, .. } = &mut *st;
         let Some(dgid) = hca.peer_gid(qpn) else { return };
-        let Some((_, dst, src)) = tx_peer.filter(|(g, ..)| *g == dgid) else { return };
-        if dst == src {
-            return;
-        }
-        let Some(li) = link.lane_for(dst, src, now) else { return };
+        let Some(li) = lane_ahead(link, *tx_peer, dgid, now) else { return };
         let Some(buf) = link.slot_ahead(li) else { return };
         let Some(t) = hca.poll_transmit_qp(qpn, now, mem, buf) else { return };
-        // A payload the engine deferred is copied from the region into the slot.
-        if let Some(d) = &t.deferred {
-            if mem.fill(d, &mut buf[..t.len]).is_err() {
-                // The engine checked the keys under this lock: cannot happen.
-                *tx_errors += 1;
-                return;
-            }
+        if fill_ahead(mem, tx_errors, &t, buf) {
+            link.publish(li, t.len);
         }
-        link.publish(li, t.len);
     }
 
     /// Send what a poll left owed (see [`Device::poll_progress`]), if anything.
@@ -1339,13 +1372,32 @@ impl Device {
     }
 }
 
-/// `CLOCK_MONOTONIC` in nanoseconds (the clock of `std::time::Instant`), read without
-/// `Instant::elapsed`'s `Duration` arithmetic: every busy poll reads it.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(ts.tv_nsec as u64)
+/// The same-host lane a packet for GID `dgid` goes ahead on: the one to the peer the last packet
+/// went to (`tx_peer`), when `dgid` is that peer's (see [`Device::send_ahead`]).
+fn lane_ahead(
+    link: &mut Link,
+    tx_peer: Option<([u8; 16], SocketAddr, SocketAddr)>,
+    dgid: [u8; 16],
+    now: Instant,
+) -> Option<usize> {
+    let (_, dst, src) = tx_peer.filter(|(g, ..)| *g == dgid)?;
+    if dst == src {
+        return None;
+    }
+    link.lane_for(dst, src, now)
+}
+
+/// Packet `t` was built ahead into slot `buf`: copy in the payload the engine deferred, if any.
+/// False (counted) if that failed.
+fn fill_ahead(mem: &MrTable, tx_errors: &mut u64, t: &Transmit, buf: &mut [u8]) -> bool {
+    match &t.deferred {
+        Some(d) if mem.fill(d, &mut buf[..t.len]).is_err() => {
+            // The engine checked the keys under this lock: cannot happen.
+            *tx_errors += 1;
+            false
+        }
+        _ => true,
+    }
 }
 
 /// Most WQEs not yet started that a corked QP lets wait (`Config::cork_max_queued`): the post that

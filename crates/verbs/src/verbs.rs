@@ -712,10 +712,7 @@ impl QueuePair {
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
         match &self.imp {
             QpImp::Embedded { h, .. } => {
-                h.dev.run_post(self.qpn, |st, now| {
-                    let st = &mut *st;
-                    st.hca.post_send(self.qpn, wr, now, &mut st.mem)
-                })?;
+                h.dev.post_send(self.qpn, wr)?;
                 Ok(())
             }
             QpImp::Daemon(q) => q.post_send(&wr),
@@ -731,7 +728,7 @@ impl QueuePair {
             QpImp::Embedded { h, .. } => {
                 h.dev.run_post(self.qpn, |st, now| {
                     let st = &mut *st;
-                    st.hca.post_send_list(self.qpn, wrs, now, &mut st.mem)
+                    (st.hca.post_send_list(self.qpn, wrs, now, &mut st.mem), false)
                 })?;
                 Ok(())
             }

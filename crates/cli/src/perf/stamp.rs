@@ -5,8 +5,9 @@
 //! counter's rate against the monotonic clock over the same run. Elsewhere the stamps are
 //! nanoseconds of the monotonic clock.
 
-use std::sync::OnceLock;
 use std::time::Instant;
+
+use softrdma_verbs::clock::{cycles, tsc_invariant};
 
 /// The stamps of one run: taken with [`Stamps::now`], turned into nanoseconds by
 /// [`Stamps::finish`].
@@ -19,7 +20,7 @@ pub(super) struct Stamps {
 impl Stamps {
     /// The run starts now.
     pub fn start() -> Stamps {
-        let tsc = tsc_usable();
+        let tsc = tsc_invariant();
         Stamps { t0: Instant::now(), c0: if tsc { cycles() } else { 0 }, tsc }
     }
 
@@ -44,32 +45,6 @@ impl Stamps {
         }
         (stamps, elapsed)
     }
-}
-
-/// Whether the time-stamp counter ticks at one rate on every CPU and in every state (read once).
-fn tsc_usable() -> bool {
-    static USABLE: OnceLock<bool> = OnceLock::new();
-    *USABLE.get_or_init(|| {
-        cfg!(target_arch = "x86_64")
-            && std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| {
-                c.lines().find(|l| l.starts_with("flags")).is_some_and(|l| {
-                    let has = |name: &str| l.split_whitespace().any(|x| x == name);
-                    has("constant_tsc") && has("nonstop_tsc")
-                })
-            })
-    })
-}
-
-/// The time-stamp counter (0 where there is none: [`tsc_usable`] is false there).
-#[inline]
-fn cycles() -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `rdtsc` exists on every x86_64 CPU, reads a counter and touches no memory.
-    unsafe {
-        core::arch::x86_64::_rdtsc()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    0
 }
 
 #[cfg(test)]

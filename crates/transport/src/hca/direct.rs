@@ -82,7 +82,10 @@ impl Hca {
     /// Execute `wr`, posted to `qpn`, directly if it may be (see the module comment): `true` when
     /// done, `false` when nothing was done and the request is to be posted as usual.
     pub(super) fn post_direct(&mut self, qpn: Qpn, wr: &SendWr, now: Instant, mem: &mut dyn MemoryAccess) -> bool {
-        if !self.direct.is_on() {
+        // Only toward one of this HCA's own GIDs (checked before the buffer is taken: most posts go
+        // elsewhere).
+        let local = |q: &crate::qp::Qp| self.direct.gids.contains(&q.attr.av.dgid);
+        if !self.direct.is_on() || !self.qps.get(&qpn).is_some_and(local) {
             return false;
         }
         let mut buf = std::mem::take(&mut self.direct.buf);

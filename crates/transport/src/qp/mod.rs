@@ -62,6 +62,8 @@ pub(crate) struct Qp {
     pub busy: bool,
     /// Packets in flight as counted in the HCA's total (kept by the HCA).
     pub inflight: u32,
+    /// Counted among the HCA's QPs owing a READ response (kept by the HCA).
+    pub owes_read: bool,
 }
 
 /// Current values of the modifiable attributes.
@@ -159,6 +161,7 @@ impl Qp {
             indexed_deadline: None,
             busy: false,
             inflight: 0,
+            owes_read: false,
         }
     }
 
