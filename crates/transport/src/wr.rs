@@ -251,6 +251,16 @@ pub enum Payload {
     Inline(Vec<u8>),
 }
 
+impl Payload {
+    /// Bytes the payload names: the inline bytes, or the SGL's lengths summed.
+    pub fn byte_len(&self) -> u64 {
+        match self {
+            Payload::Inline(d) => d.len() as u64,
+            Payload::Sgl(sgl) => crate::memory::sgl_len(sgl),
+        }
+    }
+}
+
 /// The destination of a UD send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UdDest {

@@ -165,10 +165,7 @@ impl SendQueue {
     }
 
     pub fn push(&mut self, wr: SendWr, signaled: bool) {
-        let len = match &wr.payload {
-            Payload::Inline(d) => d.len() as u64,
-            Payload::Sgl(sgl) => memory::sgl_len(sgl),
-        };
+        let len = wr.payload.byte_len();
         self.wqes.push_back(SendWqe {
             wr,
             signaled,
