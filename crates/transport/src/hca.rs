@@ -289,22 +289,37 @@ type QpMap = HashMap<Qpn, Qp, BuildHasherDefault<QpnHasher>>;
 
 /// QPs that may have something to send, in turn order, each at most once. Marking a QP ready and
 /// taking the next one cost O(1) whatever the number of QPs (with 10,000 QPs, a list scan per
-/// packet would dominate).
+/// packet would dominate): from [`SCAN_MAX`] QPs on, a set says which are queued. Below that the
+/// list itself is scanned, which costs less than hashing (a ping-pong marks its QP ready and
+/// takes it again on every message).
 #[derive(Debug, Default)]
 pub(crate) struct ReadyList {
     order: VecDeque<Qpn>,
+    /// Empty while the list is scanned; otherwise exactly the QPs in `order`.
     members: HashSet<Qpn, BuildHasherDefault<QpnHasher>>,
 }
+
+/// Queued QPs up to which [`ReadyList`] scans its list rather than keep a set.
+const SCAN_MAX: usize = 8;
 
 impl ReadyList {
     /// Queue `qpn` at the back unless it is queued already.
     pub fn push(&mut self, qpn: Qpn) {
-        // The QP queued last is queued (the order and the set hold the same QPs): a post list marks
-        // its QP once per request, and this skips the hash probe.
+        // The QP queued last is queued: a post list marks its QP once per request, and this skips
+        // the search.
         if self.order.back() == Some(&qpn) {
             return;
         }
-        if self.members.insert(qpn) {
+        if self.members.is_empty() {
+            if self.order.contains(&qpn) {
+                return;
+            }
+            if self.order.len() + 1 >= SCAN_MAX {
+                self.members.extend(self.order.iter().copied());
+                self.members.insert(qpn);
+            }
+            self.order.push_back(qpn);
+        } else if self.members.insert(qpn) {
             self.order.push_back(qpn);
         }
     }
@@ -319,7 +334,9 @@ impl ReadyList {
 
     fn pop_front(&mut self) -> Option<Qpn> {
         let q = self.order.pop_front()?;
-        self.members.remove(&q);
+        if !self.members.is_empty() {
+            self.members.remove(&q);
+        }
         Some(q)
     }
 
@@ -331,7 +348,8 @@ impl ReadyList {
     }
 
     fn remove(&mut self, qpn: Qpn) {
-        if self.members.remove(&qpn) {
+        let queued = if self.members.is_empty() { self.order.contains(&qpn) } else { self.members.remove(&qpn) };
+        if queued {
             self.order.retain(|q| *q != qpn);
         }
     }
@@ -1027,5 +1045,41 @@ impl Hca {
     /// The next asynchronous event.
     pub fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.events.pop_front()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each QP queued once, in the order first queued, whether the list is scanned or keeps a set,
+    /// across the switch both ways.
+    #[test]
+    fn ready_list_queues_each_qp_once_in_order() {
+        let mut r = ReadyList::default();
+        let q = Qpn::new;
+        let taken = |r: &mut ReadyList| std::iter::from_fn(|| r.pop_front()).map(|q| q.value()).collect::<Vec<_>>();
+        for n in [3, 5, 3, 1, 5] {
+            r.push(q(n));
+        }
+        assert_eq!(taken(&mut r), [3, 5, 1]);
+        // Past SCAN_MAX: a set, with duplicates of early and late QPs, one removed, one rotated.
+        for n in (1..=20).chain([2, 20, 7, SCAN_MAX as u32, SCAN_MAX as u32 + 1]) {
+            r.push(q(n));
+        }
+        assert!(!r.members.is_empty());
+        r.remove(q(4));
+        r.remove(q(99));
+        r.rotate();
+        r.push(q(1));
+        let want: Vec<u32> = (2..=20).filter(|&n| n != 4).chain([1]).collect();
+        assert_eq!(taken(&mut r), want);
+        assert!(r.members.is_empty() && r.is_empty());
+        // Scanned again once empty.
+        r.push(q(7));
+        r.push(q(7));
+        r.remove(q(7));
+        r.push(q(9));
+        assert_eq!(taken(&mut r), [9]);
     }
 }
