@@ -849,10 +849,14 @@ impl Hca {
         now: Instant,
         mem: &mut dyn MemoryAccess,
     ) -> Result<(), VerbsError> {
-        let (qps, _, mut ctx) = self.ctx(now, mem);
-        let qp = qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?;
-        // A receive changes nothing the bookkeeping follows (timers, the send queue): no sync.
-        qp.post_recv(wr, &mut ctx)
+        let qp = self.qps.get_mut(&qpn).ok_or(VerbsError::NoSuchObject)?;
+        // A receive changes nothing the bookkeeping follows (timers, the send queue): no sync. Only
+        // one posted in the error state completes at once (flushed).
+        if let Some((cq, wc)) = qp.post_recv(wr)? {
+            let (_, _, mut ctx) = self.ctx(now, mem);
+            ctx.push_recv_wc(cq, wc);
+        }
+        Ok(())
     }
 
     // ---- packets and time --------------------------------------------------------------------

@@ -740,6 +740,24 @@ fn owed_reads_follow_a_duplicate_read_and_an_error() {
     assert_eq!(r.hca.owed_reads(8).count(), 0);
 }
 
+/// A receive posted in the error state completes at once, flushed, on the QP's receive CQ; one
+/// posted in RESET is refused.
+#[test]
+fn a_receive_posted_in_error_is_flushed_at_once() {
+    let mut r = Rig::new();
+    let err = ModifyQp { state: Some(QpState::Err), ..Default::default() };
+    r.hca.modify_qp(r.qpn, &err, r.now, &mut r.mem).unwrap();
+    r.post_recv(7, 64);
+    let mut wc = Vec::new();
+    r.hca.poll_cq(r.cq, 8, &mut wc).unwrap();
+    let got: Vec<_> = wc.iter().map(|w| (w.wr_id, w.status, w.opcode, w.qp_num)).collect();
+    assert_eq!(got, [(7, WcStatus::WrFlushErr, WcOpcode::Recv, r.qpn)]);
+    let reset = ModifyQp { state: Some(QpState::Reset), ..Default::default() };
+    r.hca.modify_qp(r.qpn, &reset, r.now, &mut r.mem).unwrap();
+    let wr = RecvWr { wr_id: 8, sgl: SgeList::one(Sge { addr: 0x1000, length: 64, lkey: 1 }) };
+    assert_eq!(r.hca.post_recv(r.qpn, wr, r.now, &mut r.mem), Err(crate::VerbsError::InvalidState(QpState::Reset)));
+}
+
 /// A QP destroyed with a READ response queued owes nothing any more.
 #[test]
 fn owed_reads_go_with_a_destroyed_qp() {

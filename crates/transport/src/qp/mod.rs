@@ -369,7 +369,9 @@ impl Qp {
         Ok(())
     }
 
-    pub fn post_recv(&mut self, wr: RecvWr, ctx: &mut Ctx<'_>) -> Result<(), VerbsError> {
+    /// Queue a receive. In the error state it is flushed at once: the completion to push, and its
+    /// CQ, come back.
+    pub fn post_recv(&mut self, wr: RecvWr) -> Result<Option<(crate::CqId, WorkCompletion)>, VerbsError> {
         if self.init.srq.is_some() {
             return Err(VerbsError::InvalidWorkRequest("QP uses an SRQ: post to the SRQ"));
         }
@@ -383,12 +385,10 @@ impl Qp {
             return Err(VerbsError::QueueFull);
         }
         if self.state == QpState::Err {
-            let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
-            ctx.push_recv_wc(self.init.recv_cq, wc);
-            return Ok(());
+            return Ok(Some((self.init.recv_cq, self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0))));
         }
         self.rq.push_back(wr);
-        Ok(())
+        Ok(None)
     }
 
     // ---- packets -----------------------------------------------------------------------------
