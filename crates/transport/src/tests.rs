@@ -758,11 +758,18 @@ fn a_receive_posted_in_error_is_flushed_at_once() {
     assert_eq!(r.hca.post_recv(r.qpn, wr, r.now, &mut r.mem), Err(crate::VerbsError::InvalidState(QpState::Reset)));
 }
 
-/// A QP destroyed with a READ response queued owes nothing any more.
+/// A QP reset, or destroyed, with a READ response queued owes nothing any more.
 #[test]
-fn owed_reads_go_with_a_destroyed_qp() {
+fn owed_reads_go_with_a_reset_or_destroyed_qp() {
     let mut r = Rig::new();
     let a = request(&r, base::READ_REQUEST, EPSN, true, Some((0x2000, 600)), 0, 0);
+    r.hca.handle_packet(r.now, &a, &RxInfo { grh: [0; 40] }, &mut r.mem);
+    assert!(r.hca.owes_read_response());
+    let reset = ModifyQp { state: Some(QpState::Reset), ..Default::default() };
+    r.hca.modify_qp(r.qpn, &reset, r.now, &mut r.mem).unwrap();
+    assert!(!r.hca.owes_read_response());
+
+    let mut r = Rig::new();
     r.hca.handle_packet(r.now, &a, &RxInfo { grh: [0; 40] }, &mut r.mem);
     assert!(r.hca.owes_read_response());
     r.hca.destroy_qp(r.qpn).unwrap();

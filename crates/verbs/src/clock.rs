@@ -4,15 +4,19 @@
 //! A busy-polling thread reads the clock on every poll and on every post; a `clock_gettime`
 //! through the vDSO costs about 22 ns on the test VMs, a `rdtsc` about 10. The counter's rate is
 //! measured against `clock_gettime` over the first [`CALIBRATION`] of the process's readings
-//! (those are `clock_gettime` readings themselves); from then on a reading is the counter's ticks
-//! since the end of that interval, scaled, added to the `clock_gettime` reading taken there. The
-//! two clocks then agree to within the rate's error (well under a microsecond per second), which is
-//! far finer than anything the engine times (its shortest timer is a millisecond or so). Every
-//! engine time of the process comes from here, so it never compares one clock with the other.
+//! (those are `clock_gettime` readings themselves, each paired with a counter reading taken
+//! between two of them no more than a microsecond apart); from then on a reading is the counter's
+//! ticks since the end of that interval, scaled, added to the `clock_gettime` reading taken there.
+//! The pairs are exact to about half a microsecond, so the rate is to about 50 ppm (a millisecond
+//! timer fires within 50 ns of its time), and the two clocks drift apart by as much: far finer
+//! than anything the engine times (its shortest timer is a millisecond or so). Every engine time
+//! of the process comes from here, so it never compares one clock with the other.
 //!
-//! The counter is used only where the kernel itself uses it as its clock source (`tsc`) and the
-//! CPU says it is invariant (`constant_tsc` and `nonstop_tsc`): the kernel then checked that the
-//! CPUs' counters agree. Elsewhere every reading is a `clock_gettime`.
+//! The counter is used only where the kernel itself used it as its clock source (`tsc`) when the
+//! process first read the clock, and the CPU says it is invariant (`constant_tsc` and
+//! `nonstop_tsc`): the kernel then checked that the CPUs' counters agree. A kernel that later
+//! gives up the counter (its watchdog found it unstable) is not followed: the process keeps
+//! reading it. Elsewhere every reading is a `clock_gettime`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -31,11 +35,20 @@ struct Scale {
 /// `CLOCK_MONOTONIC` in nanoseconds (see the module comment for where it comes from).
 #[inline]
 pub fn monotonic_ns() -> u64 {
-    if let Some(s) = SCALE.get() {
-        let ticks = cycles().wrapping_sub(s.base_ticks);
-        return s.base_ns.wrapping_add(((u128::from(ticks) * u128::from(s.mult)) >> 32) as u64);
+    match SCALE.get() {
+        Some(s) => s.at(cycles()),
+        None => calibrating(),
     }
-    calibrating()
+}
+
+impl Scale {
+    /// The time at counter reading `ticks`. A reading below the base (a counter of another CPU a
+    /// little behind, or a reading taken before the scale was set) gives the base: never a wrap.
+    #[inline]
+    fn at(&self, ticks: u64) -> u64 {
+        let since = ticks.saturating_sub(self.base_ticks);
+        self.base_ns.wrapping_add(((u128::from(since) * u128::from(self.mult)) >> 32) as u64)
+    }
 }
 
 static SCALE: OnceLock<Scale> = OnceLock::new();
@@ -47,11 +60,10 @@ static START_NS: AtomicU64 = AtomicU64::new(0);
 /// [`CALIBRATION`] has passed since the first such reading.
 #[cold]
 fn calibrating() -> u64 {
-    let ns = clock_gettime_ns();
     if !tsc_usable() {
-        return ns;
+        return clock_gettime_ns();
     }
-    let ticks = cycles();
+    let Some((ns, ticks)) = paired_reading() else { return clock_gettime_ns() };
     let start = START_TICKS.load(Ordering::Acquire);
     if start == 0 {
         // The first reading starts the interval (a race between two first readings leaves one).
@@ -64,12 +76,25 @@ fn calibrating() -> u64 {
     if start_ns == 0 || ns.saturating_sub(start_ns) < CALIBRATION.as_nanos() as u64 || ticks <= start {
         return ns;
     }
-    // ns per tick in 32.32 fixed point. The base is the `clock_gettime` reading taken just before
-    // `ticks`: the counter's clock starts at most a reading's cost ahead, never behind it.
+    // ns per tick in 32.32 fixed point.
     let mult = ((u128::from(ns - start_ns) << 32) / u128::from(ticks - start)) as u64;
-    let s = SCALE.get_or_init(|| Scale { base_ticks: ticks, base_ns: ns, mult });
-    s.base_ns.wrapping_add(((u128::from(ticks.wrapping_sub(s.base_ticks)) * u128::from(s.mult)) >> 32) as u64)
+    SCALE.get_or_init(|| Scale { base_ticks: ticks, base_ns: ns, mult }).at(ticks)
 }
+
+/// A `clock_gettime` reading and the counter at the same moment: the counter read between two
+/// readings of the clock, and their middle, if they are close enough (no preemption between
+/// them); `None` after a few tries that were not.
+fn paired_reading() -> Option<(u64, u64)> {
+    (0..4).find_map(|_| {
+        let before = clock_gettime_ns();
+        let ticks = cycles();
+        let after = clock_gettime_ns();
+        (after.saturating_sub(before) <= PAIR_MAX_NS).then(|| (before + (after - before) / 2, ticks))
+    })
+}
+
+/// Widest a [`paired_reading`] may be, in nanoseconds.
+const PAIR_MAX_NS: u64 = 1_000;
 
 fn clock_gettime_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };

@@ -423,8 +423,8 @@ impl Device {
     /// waited, many small messages in one `sendmmsg`; the engine's cork timer bounds the wait
     /// (`Config::CORK_WAIT`) should that ACK be lost. Not while a same-host lane is up: a lane
     /// costs no system call per packet, so waiting would only add latency. `f` also says whether
-    /// it sent the QP's next packet ahead itself (see [`Device::post_send`]); if not, that is tried
-    /// after it (see [`Device::send_ahead`]).
+    /// it already tried to send the QP's next packet ahead itself (see [`Device::post_send`]); if
+    /// not, that is tried after it (see [`Device::send_ahead`]).
     pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> (R, bool)) -> R {
         let mut st = self.lock();
         let now = self.now();
@@ -480,7 +480,9 @@ impl Device {
                         }
                         (Ok(()), true)
                     }
-                    (r, _) => (r.map(|_| ()), true),
+                    // A refused request built nothing: the QP's next packet may still go ahead.
+                    (Err(e), _) => (Err(e), false),
+                    (Ok(_), _) => (Ok(()), true),
                 }
             } else {
                 let l = &mut *link;
@@ -495,7 +497,8 @@ impl Device {
                         }
                         (Ok(()), true)
                     }
-                    (r, _) => (r.map(|_| ()), true),
+                    (Err(e), _) => (Err(e), false),
+                    (Ok(_), _) => (Ok(()), true),
                 }
             }
         })

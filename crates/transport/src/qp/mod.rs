@@ -306,14 +306,16 @@ impl Qp {
         Ok(())
     }
 
-    /// Back to RESET: queues emptied without completions, as the verbs spec says.
+    /// Back to RESET: queues emptied without completions, as the verbs spec says. What the HCA
+    /// counted the QP for stays as counted, for its bookkeeping to take off.
     fn reset(&mut self) {
-        let (qpn, init, indexed, busy, inflight) =
-            (self.qpn, self.init, self.indexed_deadline, self.busy, self.inflight);
+        let (qpn, init, indexed, busy, inflight, owes_read) =
+            (self.qpn, self.init, self.indexed_deadline, self.busy, self.inflight, self.owes_read);
         *self = Qp::new(qpn, init);
         self.indexed_deadline = indexed;
         self.busy = busy;
         self.inflight = inflight;
+        self.owes_read = owes_read;
     }
 
     pub fn post_send(&mut self, wr: SendWr, ctx: &mut Ctx<'_>) -> Result<(), VerbsError> {
