@@ -5,8 +5,9 @@
 //! ```text
 //!   0  magic u32, version u32, capacity u32, slot_size u32   (written once by the creator)
 //!  16  where the producer's polling thread runs (AtomicU64, written by the producer when it
-//!      changes: same-host lanes, see `Ring::producer_cpu`): its CPU + 1 in the low 32 bits (0:
-//!      not said), an id of that thread in the high 32 bits
+//!      changes: same-host lanes, and softrdmad's device loop in CQ rings; see
+//!      `Ring::producer_cpu`): its CPU + 1 in the low 32 bits (0: not said), an id of that thread
+//!      in the high 32 bits
 //!  64  producer index  (AtomicU32, written only by the producer)
 //! 128  consumer index  (AtomicU32, written only by the consumer)
 //! 192  consumer flags  (AtomicU32, written by the consumer, cleared by the producer)
@@ -164,7 +165,8 @@ impl Ring {
     /// The CPU the producer's side said its polling thread runs on, and that thread's id, if it
     /// said (read together: one word). A hint, in a line that is written rarely: the consumer of
     /// a same-host lane, finding nothing to take, gives up its core at once when the thread that
-    /// should answer shares it.
+    /// should answer shares it; a client finding its CQ ring empty moves off the CPU of the
+    /// daemon's device loop.
     pub fn producer_cpu(&self) -> Option<(u32, u32)> {
         let w = self.word64(PRODUCER_CPU).load(Ordering::Relaxed);
         let cpu = (w as u32).checked_sub(1)?;

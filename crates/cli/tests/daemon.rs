@@ -27,6 +27,8 @@ struct Daemon {
     metrics: Option<u16>,
     /// More command-line arguments of `softrdma daemon`.
     args: Vec<&'static str>,
+    /// More environment variables of `softrdma daemon`.
+    env: Vec<(&'static str, &'static str)>,
 }
 
 fn softrdma() -> Command {
@@ -49,8 +51,19 @@ impl Daemon {
     }
 
     fn start_with(dir: &Path, port: u16, metrics: Option<u16>, args: Vec<&'static str>) -> Daemon {
-        let child = Daemon::spawn(dir, port, metrics, &args);
-        let d = Daemon { child, dir: dir.to_owned(), port, metrics, args };
+        Daemon::start_env(dir, port, metrics, args, Vec::new())
+    }
+
+    /// [`Daemon::start_with`], with these environment variables too.
+    fn start_env(
+        dir: &Path,
+        port: u16,
+        metrics: Option<u16>,
+        args: Vec<&'static str>,
+        env: Vec<(&'static str, &'static str)>,
+    ) -> Daemon {
+        let child = Daemon::spawn(dir, port, metrics, &args, &env);
+        let d = Daemon { child, dir: dir.to_owned(), port, metrics, args, env };
         d.wait_up();
         d
     }
@@ -58,15 +71,16 @@ impl Daemon {
     /// Stop and start again on the same directory.
     fn restart(&mut self) {
         self.stop();
-        self.child = Daemon::spawn(&self.dir, self.port, self.metrics, &self.args);
+        self.child = Daemon::spawn(&self.dir, self.port, self.metrics, &self.args, &self.env);
         self.wait_up();
     }
 
-    fn spawn(dir: &Path, port: u16, metrics: Option<u16>, args: &[&str]) -> Child {
+    fn spawn(dir: &Path, port: u16, metrics: Option<u16>, args: &[&str], env: &[(&str, &str)]) -> Child {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("log")).unwrap();
         let mut cmd = softrdma();
         cmd.args(["daemon", "--udp-port", &port.to_string()])
             .args(args)
+            .envs(env.iter().copied())
             .env("SOFTRDMA_SOCKET", dir.join("s.sock"))
             .env("SOFTRDMA_CONFIG", dir.join("devices.conf"))
             .stdout(Stdio::null())
@@ -97,7 +111,7 @@ impl Daemon {
             .stderr(log)
             .spawn()
             .unwrap();
-        let d = Daemon { child, dir: dir.to_path_buf(), port, metrics: None, args: Vec::new() };
+        let d = Daemon { child, dir: dir.to_path_buf(), port, metrics: None, args: Vec::new(), env: Vec::new() };
         d.wait_up();
         Some(d)
     }
@@ -1363,6 +1377,7 @@ fn child() {
         "portwatch" => portwatch_role(&ctx),
         "cmserver" => cm_server_role(&ctx),
         "cmclient" => cm_client_role(&ctx),
+        "mover" => mover_role(&ctx),
         r => panic!("unknown role {r}"),
     }
 }
@@ -2118,4 +2133,110 @@ fn multicast_through_the_daemon() {
     // Every message went to the group over UDP and came back through its socket.
     assert!(d.counter("icrc_verified") >= 2000, "{}", d.counter("icrc_verified"));
     assert_eq!(d.counter("same_host_loopback_pkts"), 0);
+}
+
+// ---- where clients poll -------------------------------------------------------------------------
+
+/// The CPUs this thread may run on.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid set to fill; sched_getaffinity(0) writes this thread's.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
+    }
+}
+
+/// Allow thread `tid` (0: this one) only `cpus`; false if refused.
+fn allow(tid: i32, cpus: &[usize]) -> bool {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET writes inside it (cpus come from
+    // sched_getaffinity, below CPU_SETSIZE); sched_setaffinity reads the set given.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// A client thread that polls an empty CQ on the CPU softrdmad's device loop polls on
+/// (`SOFTRDMA_LOOP_CPU`: the test pinned the daemon there) moves to another CPU after a few
+/// yields, and is allowed the same CPUs afterwards. Each round starts the thread on that CPU and
+/// then allows it every CPU again; a round in which it yielded 8 times for the loop must have
+/// moved it at the 9th poll (the kernel may move it first: such a round has fewer yields and is
+/// not checked). Prints `OK <rounds checked>`.
+fn mover_role(ctx: &Context) {
+    let cpu: usize = std::env::var("SOFTRDMA_LOOP_CPU").unwrap().parse().unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(16, None).unwrap();
+    let cap = QpCap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let (a, b) = looped_pair(ctx, &pd, &cq, cap, RW);
+    // A SEND between the two keeps the loop polling for the daemon's SOFTRDMA_SPIN_US after it.
+    let mr = pd.reg_mr(64, RW).unwrap();
+    b.post_recv(RecvWr { wr_id: 1, sgl: vec![mr.sge(32, 32).unwrap()].into() }).unwrap();
+    a.post_send(send(2, SendOp::Send, &mr, 0, 32)).unwrap();
+    assert!(wait_wcs(&cq, 2, 10).iter().all(|wc| wc.status == WcStatus::Success));
+    let all = allowed_cpus();
+    let mut checked = 0;
+    for _ in 0..20 {
+        // A thread moves at most once a millisecond.
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(allow(0, &[cpu]) && allow(0, &all), "pinning refused");
+        let before = ctx.poller_stats();
+        let mut wcs = Vec::new();
+        for _ in 0..100 {
+            cq.poll(1, &mut wcs).unwrap();
+            if ctx.poller_stats().moves > before.moves {
+                break;
+            }
+        }
+        assert!(wcs.is_empty(), "{wcs:?}");
+        assert_eq!(allowed_cpus(), all, "the thread's allowed CPUs changed");
+        let after = ctx.poller_stats();
+        let (yields, moves) = (after.shared_yields - before.shared_yields, after.moves - before.moves);
+        assert!(moves <= 1, "{before:?} {after:?}");
+        if yields + moves >= 9 {
+            assert_eq!(moves, 1, "yielded to the device loop without moving: {before:?} {after:?}");
+            checked += 1;
+        }
+        if checked == 3 {
+            break;
+        }
+    }
+    out(&format!("OK {checked}"));
+}
+
+/// softrdmad's device loop says its CPU in the clients' CQ rings while it polls, and a client
+/// polling an empty CQ on that CPU moves off it (verbs poller.rs): with two clients exchanging
+/// messages through one device on two CPUs, the loop then keeps a CPU to itself.
+#[test]
+fn a_client_polling_on_the_device_loops_cpu_moves_off() {
+    let cpus = allowed_cpus();
+    if cpus.len() < 2 || std::env::var_os("SOFTRDMA_POLLER_MOVE").is_some_and(|v| v == "0") {
+        eprintln!("skipped: one CPU, or moving turned off");
+        return;
+    }
+    let dir = Daemon::dir("mover", "rxe0 netdev lo addr 127.0.0.1\n");
+    // The loop keeps polling (and saying its CPU) for 5 s after the client's SEND.
+    let d = Daemon::start_env(&dir, 18982, None, Vec::new(), vec![("SOFTRDMA_SPIN_US", "5000000")]);
+    // Every thread of the daemon (one that ended meanwhile, a start-up helper, aside).
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", d.child.id())).unwrap();
+    for t in tasks {
+        let tid: i32 = t.unwrap().file_name().to_str().unwrap().parse().unwrap();
+        if !allow(tid, &[cpus[0]]) && std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH) {
+            eprintln!("skipped: softrdmad's threads cannot be pinned here");
+            return;
+        }
+    }
+    let cpu = cpus[0].to_string();
+    let exe = std::env::current_exe().unwrap();
+    let c = Client::spawn_with(&d, "mover", Command::new(exe), &[("SOFTRDMA_LOOP_CPU", &cpu)]);
+    let last = c.finish();
+    let checked: u32 = last.strip_prefix("OK ").and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{last}"));
+    eprintln!("rounds checked: {checked}");
+    // The kernel moving the thread off within 8 polls, 20 times out of 20, is not what it does.
+    assert!(checked > 0, "the client never yielded enough to move");
 }

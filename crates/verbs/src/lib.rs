@@ -47,6 +47,7 @@ pub use cm::{modify_for_attr as cm_modify_for_attr, CmEvent, CmEventChannel, CmI
 pub use device::{devices, open_device, rx_place_by_env, DeviceBuilder};
 pub use error::Error;
 pub use memory::MemoryRegion;
+pub use poller::PollerStats;
 pub use same_host::SameHostStats;
 pub use softrdma_cm::{
     status as cm_status, ConnParam as CmConnParam, EventKind as CmEventKind, PortSpace, QpAttr as CmQpAttr,

@@ -1,6 +1,6 @@
-//! Where a thread busy-polling an embedded device runs (its CPU and an id of the thread, which
-//! the runtime says in its same-host lanes' ring headers), and moving it off a CPU it shares with
-//! the peer's poller it waits for.
+//! Where a thread busy-polling a device runs (its CPU and an id of the thread, which the runtime
+//! says in its same-host lanes' ring headers and softrdmad's device loop in its clients' CQ
+//! rings), and moving it off a CPU it shares with the thread it waits for.
 //!
 //! Two processes' polling threads often start on one CPU: the kernel puts a thread woken by
 //! another (by the TCP exchange before a benchmark, a connection's handshake) on the waker's CPU,
@@ -19,6 +19,14 @@
 //! apart from its cpuset (6.2 on), CPUs the cpuset gains later are not used by a thread that
 //! moved. `SOFTRDMA_POLLER_MOVE=0` turns moving off.
 //!
+//! A client of softrdmad waits for the daemon's device loop, which takes its work requests and
+//! writes its completions: with two clients exchanging messages through one device that is three
+//! busy threads, and on two CPUs the kernel often leaves one client with the device loop, which
+//! then costs two yields per message instead of one (a `send-lat` through softrdmad typically
+//! took 2.0 µs instead of 1.05). The device loop says its CPU in every CQ ring while it polls;
+//! a client finding its CQ empty and the loop on its CPU moves the same way, always (the loop
+//! serves every client, so it stays put).
+//!
 //! The id is random per thread, not `gettid`: thread ids of processes in different PID
 //! namespaces (containers sharing a network namespace) can be equal, and a peer with our id would
 //! look like this thread itself (a thread that polls both ends of a lane waits for nobody).
@@ -26,6 +34,15 @@
 use std::cell::Cell;
 use std::sync::OnceLock;
 use std::time::Duration;
+
+/// How a process's threads busy-polling a device made room for the thread they wait for: the
+/// empty polls that found it on their CPU and yielded, and the moves to another CPU (embedded
+/// devices: the same-host lanes' peer pollers; softrdmad devices: the device loop).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PollerStats {
+    pub shared_yields: u64,
+    pub moves: u64,
+}
 
 /// Yields for a peer's poller on this thread's CPU before the thread moves.
 const SHARED_YIELDS: u32 = 8;
@@ -87,7 +104,15 @@ fn moving_on() -> bool {
 /// peer's poller `peer` runs on the same CPU. Returns true if it moved to another CPU (no need to
 /// yield then); false if the caller should yield the core to the peer.
 pub(crate) fn shared_with(peer: u32, cpu: u32, id: u32, now_ns: u64) -> bool {
-    if id < peer || !moving_on() {
+    id >= peer && sharing(cpu, now_ns)
+}
+
+/// This thread, polling at monotonic time `now_ns`, found nothing while the thread that answers
+/// it runs on `cpu`, this thread's CPU too, and this thread is the one to make room (a softrdmad
+/// device loop never moves for its clients). Returns true if it moved to another CPU; false if
+/// the caller should yield the core.
+pub(crate) fn sharing(cpu: u32, now_ns: u64) -> bool {
+    if !moving_on() {
         return false;
     }
     let (yields, not_before) = SHARED.with(Cell::get);

@@ -260,6 +260,19 @@ impl Context {
         }
     }
 
+    /// How this process's threads polling the device's CQs made room for the thread that answers
+    /// them when both ran on one CPU (embedded: the same-host lanes' peer pollers; softrdmad: the
+    /// device loop).
+    pub fn poller_stats(&self) -> crate::PollerStats {
+        match &self.h {
+            Dev::Embedded(h) => {
+                let l = h.dev.lock().link.stats;
+                crate::PollerStats { shared_yields: l.poller_yields, moves: l.poller_moves }
+            }
+            Dev::Daemon(s) => s.poller_stats(),
+        }
+    }
+
     /// Posts whose packets did not leave at once but waited for the next progress, to go out
     /// batched with later ones (the QP had packets unacknowledged: see `Device::run_post`); 0 on a
     /// softrdmad device, whose daemon batches on its side.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -23,7 +23,9 @@ use softrdma_transport::{
 };
 use softrdma_wire::Qpn;
 
+use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
+use crate::poller::{self, PollerStats};
 
 /// A daemon refusal as a verbs error.
 pub(crate) fn refusal(r: softrdma_abi::msg::Refusal) -> Error {
@@ -139,6 +141,10 @@ pub(crate) struct Session {
     /// The regions of this process the daemon reaches by process_vm, by key: (PD, address,
     /// length). See [`Session::copy_payload`].
     process_regions: RwLock<HashMap<u32, (u32, u64, usize)>>,
+    /// Empty CQ polls of this process's threads that found the device loop on their CPU and
+    /// yielded, and the moves off it they made (see [`Cq::poll`]).
+    poller_yields: AtomicU64,
+    poller_moves: AtomicU64,
 }
 
 /// Most payload bytes a post copies into its slot (see [`Session::copy_payload`]).
@@ -173,7 +179,17 @@ impl Session {
             events,
             shared_regions: std::sync::atomic::AtomicBool::new(true),
             process_regions: RwLock::new(HashMap::new()),
+            poller_yields: AtomicU64::new(0),
+            poller_moves: AtomicU64::new(0),
         })))
+    }
+
+    /// How this process's threads polling CQs made room for the device loop.
+    pub fn poller_stats(&self) -> PollerStats {
+        PollerStats {
+            shared_yields: self.poller_yields.load(Ordering::Relaxed),
+            moves: self.poller_moves.load(Ordering::Relaxed),
+        }
     }
 
     /// A control request.
@@ -377,8 +393,18 @@ impl Cq {
             // A busy poller of an empty CQ gives its core away for a moment: the daemon's device
             // loop, which produces the completion, may be waiting for exactly this core (on a
             // machine with fewer cores than busy threads, pure spinning costs a scheduler time
-            // slice, milliseconds, per round trip; see docs/ARCHITECTURE.md).
+            // slice, milliseconds, per round trip; see docs/ARCHITECTURE.md). When the loop said
+            // it polls on this very CPU, this thread moves to another one after a few such
+            // yields (poller.rs).
+            let loop_cpu = ring.ring().producer_cpu().map(|(cpu, _)| cpu);
             drop(ring);
+            if let Some(cpu) = loop_cpu.filter(|&cpu| poller::this_cpu() == Some(cpu)) {
+                if poller::sharing(cpu, monotonic_ns()) {
+                    self.s.poller_moves.fetch_add(1, Ordering::Relaxed);
+                    return Ok(0);
+                }
+                self.s.poller_yields.fetch_add(1, Ordering::Relaxed);
+            }
             std::thread::yield_now();
         }
         Ok(n)

@@ -13,7 +13,8 @@
 //! a channel event when a CQ is armed), route async events to the owning client. It spins while
 //! there is work and for a short while after (`SOFTRDMA_SPIN_US`, 50 µs by default), then asks
 //! every work ring for a doorbell and sleeps in `ppoll` on the UDP sockets, the doorbells and a
-//! wake-up socket until a packet, a doorbell or the next timer.
+//! wake-up socket until a packet, a doorbell or the next timer. While it polls it says its CPU in
+//! every CQ ring, so that a client busy-polling on that CPU moves off it (`poller.rs`).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -43,6 +44,7 @@ use softrdma_transport::{
 use softrdma_wire::Qpn;
 
 use crate::error::Error;
+use crate::poller;
 use crate::runtime::Device;
 
 /// How the daemon runs.
@@ -733,9 +735,23 @@ struct SvcState {
     next_cm_channel: u32,
     /// Set when the client list changed (the device loop rebuilds its poll set).
     generation: u64,
+    /// Where the device loop polls (its CPU and poller id), as said in every CQ ring; `None`
+    /// while it sleeps (see [`SvcState::say_loop_cpu`]).
+    loop_cpu: Option<(u32, u32)>,
 }
 
 impl SvcState {
+    /// Say in every CQ ring's producer word where the device loop polls (`None`: it sleeps), when
+    /// that changed. A client polling an empty CQ on the loop's CPU moves off it (poller.rs).
+    fn say_loop_cpu(&mut self, at: Option<(u32, u32)>) {
+        if self.loop_cpu != at {
+            self.loop_cpu = at;
+            for c in self.cqs.values() {
+                c.ring.ring().set_producer_cpu(at);
+            }
+        }
+    }
+
     /// Every work ring the device loop takes from (QPs' send and receive rings, SRQs' rings), each
     /// with whether the loop leaves it alone for now: the engine's queue behind it is full, or the
     /// ring is broken.
@@ -903,7 +919,7 @@ impl SvcDevice {
     fn sleep(&self) {
         let mut fds: Vec<libc::pollfd> = Vec::new();
         {
-            let svc = self.lock_svc();
+            let mut svc = self.lock_svc();
             let mut empty = true;
             for (r, idle) in svc.work_rings() {
                 // Every ring is asked, whatever the others say.
@@ -912,6 +928,7 @@ impl SvcDevice {
             if !empty {
                 return;
             }
+            svc.say_loop_cpu(None);
             for c in svc.clients.values() {
                 fds.push(libc::pollfd { fd: c.doorbell.as_raw_fd(), events: libc::POLLIN, revents: 0 });
             }
@@ -975,6 +992,7 @@ impl SvcDevice {
     fn pass(&self, sc: &mut Scratch) -> bool {
         let mut svc = self.lock_svc();
         let svc = &mut *svc;
+        svc.say_loop_cpu(poller::this_cpu().map(|cpu| (cpu, poller::this_id())));
         let mut guard = self.dev.lock();
         let st = &mut *guard;
         let now = self.dev.now();
@@ -1593,6 +1611,7 @@ impl Session {
                 let shm = Shm::create("softrdma-cq", ring_bytes(capacity, CQE_LEN as u32)).map_err(io("CQ ring"))?;
                 let ring = shm.ring(0, capacity, CQE_LEN as u32).map_err(io("CQ ring"))?;
                 ring.init();
+                ring.set_producer_cpu(svc.loop_cpu);
                 let id = dev.dev.lock().hca.create_cq(cqe);
                 let fd = shm.fd().try_clone().map_err(io("CQ ring"))?;
                 svc.cqs.insert(
