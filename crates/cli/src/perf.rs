@@ -19,8 +19,14 @@
 //! on long runs); latency tests time consecutive posts of a ping-pong (halved for SEND and WRITE,
 //! whose round trip is two messages) and report min, max, median ("typical"), mean, standard
 //! deviation and the 99 % and 99.9 % points after dropping the two largest samples, or with `-D`
-//! the mean and transactions per second. Every poll of an empty CQ drives the device (busy
-//! polling): latencies are busy-polling latencies.
+//! the mean and transactions per second. The latency loops are perftest's: each side waits for
+//! the peer's message (SEND: on a receive CQ of its own; WRITE: the last byte of its buffer
+//! changing), stamps, posts, and waits for the post's completion when it is signaled (with the
+//! latency defaults, tx depth 1, every post is), so the ACK of each message is part of the loop as
+//! it is for perftest. Every poll of an empty CQ drives the device (busy polling): latencies are
+//! busy-polling latencies. (Until session 17 the loops let up to 8 posts wait for their
+//! completions, which perftest never does with tx depth 1: their figures were 15-20 % lower than
+//! what perftest's own loops get from the same stack.)
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -33,7 +39,7 @@ use clap::{Args, ValueEnum};
 use softrdma_verbs::{
     devices, open_device, Access, AddressHandle, AhAttr, CompletionQueue, ConnectParams, Context, DeviceBuilder, Gid,
     MemoryRegion, Mtu, Payload, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, Qpn, QueuePair, RecvWr, SendFlags,
-    SendOp, SendWr, Sge, SgeList, WcOpcode, WcStatus, WorkCompletion,
+    SendOp, SendWr, Sge, SgeList, WcStatus, WorkCompletion,
 };
 
 mod cm;
@@ -604,6 +610,9 @@ struct Side {
     /// One CQ, or as many as the QPs' completions need at `max_cqe` each (QP `i` uses
     /// `cqs[i / qps_per_cq]`).
     cqs: Vec<CompletionQueue>,
+    /// SEND latency tests: the receives' CQ, apart from the sends' (`cqs[0]`), as perftest's
+    /// `recv_cq`: the loop waits on each for what it expects there.
+    recv_cq: Option<CompletionQueue>,
     /// The CQ the bandwidth loops poll next (they take turns: an empty poll drives the device, so
     /// polling all of them every round would cost one `recvmmsg` per CQ).
     cq_turn: usize,
@@ -657,6 +666,11 @@ impl Side {
             let depth = n.saturating_mul(per_qp).saturating_add(16).min(max_cqe);
             cqs.push(ctx.create_cq(depth, None).map_err(|e| format!("Couldn't create CQ: {e}"))?);
         }
+        let recv_cq = if !plan.bw && plan.verb == Verb::Send {
+            Some(ctx.create_cq(plan.rx_depth + 16, None).map_err(|e| format!("Couldn't create CQ: {e}"))?)
+        } else {
+            None
+        };
         let slot = plan.max_size() + if plan.conn == QpType::Ud { UD_GRH } else { 0 };
         let rights =
             Access::LOCAL_WRITE.with(Access::REMOTE_WRITE).with(Access::REMOTE_READ).with(Access::REMOTE_ATOMIC);
@@ -677,7 +691,7 @@ impl Side {
                 .create_qp(&QpInitAttr {
                     qp_type: plan.conn,
                     send_cq: cq,
-                    recv_cq: cq,
+                    recv_cq: recv_cq.as_ref().unwrap_or(cq),
                     srq: None,
                     cap,
                     sq_sig_all: false,
@@ -700,6 +714,7 @@ impl Side {
             ctx,
             pd,
             cqs,
+            recv_cq,
             cq_turn: 0,
             qps,
             qp_index,
@@ -838,9 +853,15 @@ impl Side {
         self.qp_index.get(&qpn).copied()
     }
 
-    /// Poll the CQ of the latency tests (one QP), up to 16 completions appended to `wcs`.
+    /// Poll the CQ of the latency tests (one QP; a SEND test's send CQ), up to 16 completions
+    /// appended to `wcs`.
     fn poll_lat_cq(&self, wcs: &mut Vec<WorkCompletion>) -> Result<usize, String> {
         self.cqs[0].poll(16, wcs).map_err(|e| format!("poll CQ failed: {e}"))
+    }
+
+    /// Poll a SEND latency test's receive CQ for one completion.
+    fn poll_lat_recv_cq(&self, wcs: &mut Vec<WorkCompletion>) -> Result<usize, String> {
+        self.recv_cq.as_ref().unwrap_or(&self.cqs[0]).poll(1, wcs).map_err(|e| format!("poll CQ failed: {e}"))
     }
 
     /// Poll the CQ whose turn it is (bandwidth loops).
@@ -1129,10 +1150,20 @@ fn bw_server(side: &mut Side, plan: &Plan, size: u64, ctl: &mut Ctl) -> Result<O
 
 /// Poll until a completion arrives, or (passive side) the client says DONE.
 fn wait_wc(side: &Side, wcs: &mut Vec<WorkCompletion>, ctl: Option<&mut Ctl>) -> Result<bool, String> {
+    wait_on(side, Side::poll_lat_cq, wcs, ctl)
+}
+
+/// [`wait_wc`] on the CQ `poll` polls.
+fn wait_on(
+    side: &Side,
+    poll: fn(&Side, &mut Vec<WorkCompletion>) -> Result<usize, String>,
+    wcs: &mut Vec<WorkCompletion>,
+    ctl: Option<&mut Ctl>,
+) -> Result<bool, String> {
     let mut spins = 0u32;
     let mut ctl = ctl;
     loop {
-        side.poll_lat_cq(wcs)?;
+        poll(side, wcs)?;
         if !wcs.is_empty() {
             return Ok(true);
         }
@@ -1150,21 +1181,48 @@ fn wait_wc(side: &Side, wcs: &mut Vec<WorkCompletion>, ctl: Option<&mut Ctl>) ->
     }
 }
 
-/// The send-latency loop's completions: each is checked, a receive is posted again (true if one
-/// came), a send completion lowers `sends_out`.
-fn absorb_send_lat(side: &mut Side, wcs: &[WorkCompletion], sends_out: &mut u32) -> Result<bool, String> {
-    let mut got = false;
-    for wc in wcs {
-        check(wc)?;
-        if wc.opcode == WcOpcode::Recv {
-            side.rx_posted[0] -= 1;
-            side.post_recv(0)?;
-            got = true;
-        } else {
-            *sends_out -= 1;
+/// Wait until the last byte of the message at `at` in our region is `v` (the peer's write
+/// landed), polling the CQ meanwhile (it drives an embedded device; any completion is checked).
+/// With `ctl`, a DONE from the client ends the wait: false then.
+fn wait_byte(
+    side: &Side,
+    at: usize,
+    v: u8,
+    byte: &mut [u8; 1],
+    wcs: &mut Vec<WorkCompletion>,
+    mut ctl: Option<&mut Ctl>,
+) -> Result<bool, String> {
+    let mut spins = 0u32;
+    loop {
+        side.mr.read(at, byte).map_err(|e| e.to_string())?;
+        if byte[0] == v {
+            return Ok(true);
+        }
+        wcs.clear();
+        side.poll_lat_cq(wcs)?;
+        wcs.iter().try_for_each(check)?;
+        spins += 1;
+        if spins.is_multiple_of(CTL_EVERY) {
+            if let Some(c) = ctl.as_deref_mut() {
+                if let Some(l) = c.try_recv()? {
+                    if l != "DONE" {
+                        return Err(format!("protocol error: expected DONE, got {l:?}"));
+                    }
+                    return Ok(false);
+                }
+            }
         }
     }
-    Ok(got)
+}
+
+/// The send-latency loop's receive completions: each is checked and its receive posted again.
+fn absorb_recv(side: &mut Side, wcs: &[WorkCompletion]) -> Result<(), String> {
+    for wc in wcs {
+        check(wc)?;
+        side.rx_posted[0] -= 1;
+        side.post_recv(0)?;
+    }
+    Ok(())
 }
 
 /// Latency. Returns the post times and the elapsed time; `None` if the client said DONE first
@@ -1206,71 +1264,51 @@ fn lat_run(
             }
         }
         (Verb::Send, _) => {
+            // As perftest's send latency loop: wait for the peer's message on the receive CQ (the
+            // client's first round has none yet) and post its receive again; stamp; post the send
+            // and, when it is signaled (every cq_mod-th and the last: with the latency defaults,
+            // tx depth 1, every one), wait for its completion on the send CQ before going on.
+            let wr_quiet = side.send_wr(plan, 0, size, 0, false)?;
+            let every = u64::from(plan.cq_mod.max(1));
             let mut i = 0u64;
-            let mut sends_out = 0u32;
             while i < iters {
                 if role == Role::Client && deadline.is_some_and(|d| Instant::now() >= d) {
                     break;
                 }
-                if role == Role::Server {
-                    // Wait for the ping.
-                    let mut got = false;
-                    while !got {
-                        wcs.clear();
-                        if !wait_wc(side, &mut wcs, Some(ctl))? {
-                            done_seen = true;
-                            break;
-                        }
-                        for wc in &wcs {
-                            check(wc)?;
-                            if wc.opcode == WcOpcode::Recv {
-                                side.rx_posted[0] -= 1;
-                                side.post_recv(0)?;
-                                got = true;
-                            } else {
-                                sends_out -= 1;
-                            }
-                        }
-                    }
-                    if done_seen {
+                if role == Role::Server || i > 0 {
+                    wcs.clear();
+                    let ctl = if role == Role::Server { Some(&mut *ctl) } else { None };
+                    if !wait_on(side, Side::poll_lat_recv_cq, &mut wcs, ctl)? {
+                        done_seen = true;
                         break;
                     }
+                    absorb_recv(side, &wcs)?;
                 }
                 posts.push(clock.now());
-                while sends_out >= plan.tx_depth.max(8) {
+                let signaled = (i + 1).is_multiple_of(every) || i + 1 == iters;
+                let wr = SendWr { wr_id: i, ..if signaled { wr0.clone() } else { wr_quiet.clone() } };
+                side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
+                if signaled {
                     wcs.clear();
                     wait_wc(side, &mut wcs, None)?;
-                    for wc in &wcs {
-                        check(wc)?;
-                        if wc.opcode == WcOpcode::Recv {
-                            return Err("unexpected receive while waiting for a send completion".into());
-                        }
-                        sends_out -= 1;
-                    }
-                }
-                let wr = SendWr { wr_id: i, ..wr0.clone() };
-                side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
-                sends_out += 1;
-                if role == Role::Client {
-                    let mut got = false;
-                    while !got {
-                        wcs.clear();
-                        wait_wc(side, &mut wcs, None)?;
-                        got = absorb_send_lat(side, &wcs, &mut sends_out)?;
-                    }
+                    wcs.iter().try_for_each(check)?;
                 }
                 i += 1;
             }
-            // Reap the last send completions.
-            while sends_out > 0 {
+            // The client's last round: the answer to its last message.
+            if role == Role::Client && plan.duration.is_none() && i > 0 {
                 wcs.clear();
-                side.poll_lat_cq(&mut wcs)?;
-                absorb_send_lat(side, &wcs, &mut sends_out)?;
+                wait_on(side, Side::poll_lat_recv_cq, &mut wcs, None)?;
+                absorb_recv(side, &wcs)?;
             }
         }
         (Verb::Write, _) => {
+            // As perftest's write latency loop: wait for the peer's write to change our last
+            // byte (the server first), stamp, write, and wait for the write's completion when it
+            // is signaled (every cq_mod-th and the last: with the defaults, every one).
+            let wr_quiet = side.send_wr(plan, 0, size, 0, false)?;
+            let every = u64::from(plan.cq_mod.max(1));
             let mut i = 0u64;
-            let mut writes_out = 0u32;
             let mut byte = [0u8; 1];
             while i < iters {
                 if role == Role::Client && deadline.is_some_and(|d| Instant::now() >= d) {
@@ -1278,70 +1316,26 @@ fn lat_run(
                 }
                 let v = (i % 255) as u8 + 1;
                 if role == Role::Server {
-                    // Wait for the peer's write to change our last byte.
-                    let mut spins = 0u32;
-                    loop {
-                        side.mr.read(poll_at, &mut byte).map_err(|e| e.to_string())?;
-                        if byte[0] == v {
-                            break;
-                        }
-                        wcs.clear();
-                        side.poll_lat_cq(&mut wcs)?;
-                        for wc in &wcs {
-                            check(wc)?;
-                            writes_out -= 1;
-                        }
-                        spins += 1;
-                        if spins.is_multiple_of(CTL_EVERY) {
-                            if let Some(l) = ctl.try_recv()? {
-                                if l != "DONE" {
-                                    return Err(format!("protocol error: expected DONE, got {l:?}"));
-                                }
-                                done_seen = true;
-                                break;
-                            }
-                        }
-                    }
-                    if done_seen {
+                    let ctl = Some(&mut *ctl);
+                    if !wait_byte(side, poll_at, v, &mut byte, &mut wcs, ctl)? {
+                        done_seen = true;
                         break;
                     }
                 }
                 posts.push(clock.now());
                 side.mr.write(send_at + poll_at, &[v]).map_err(|e| e.to_string())?;
-                while writes_out >= plan.tx_depth.max(8) {
+                let signaled = (i + 1).is_multiple_of(every) || i + 1 == iters;
+                let wr = SendWr { wr_id: i, ..if signaled { wr0.clone() } else { wr_quiet.clone() } };
+                side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
+                if signaled {
                     wcs.clear();
                     wait_wc(side, &mut wcs, None)?;
-                    for wc in &wcs {
-                        check(wc)?;
-                        writes_out -= 1;
-                    }
+                    wcs.iter().try_for_each(check)?;
                 }
-                let wr = SendWr { wr_id: i, ..wr0.clone() };
-                side.qps[0].post_send(wr).map_err(|e| format!("Couldn't post send: {e}"))?;
-                writes_out += 1;
                 if role == Role::Client {
-                    loop {
-                        side.mr.read(poll_at, &mut byte).map_err(|e| e.to_string())?;
-                        if byte[0] == v {
-                            break;
-                        }
-                        wcs.clear();
-                        side.poll_lat_cq(&mut wcs)?;
-                        for wc in &wcs {
-                            check(wc)?;
-                            writes_out -= 1;
-                        }
-                    }
+                    wait_byte(side, poll_at, v, &mut byte, &mut wcs, None)?;
                 }
                 i += 1;
-            }
-            while writes_out > 0 {
-                wcs.clear();
-                side.poll_lat_cq(&mut wcs)?;
-                for wc in &wcs {
-                    check(wc)?;
-                    writes_out -= 1;
-                }
             }
         }
     }

@@ -147,6 +147,8 @@ pub(crate) struct State {
     /// and whether the last receive found datagrams (then they are polled every time).
     udp_due: Instant,
     udp_busy: bool,
+    /// The last receive (`Device::receive_at`) took datagrams from the UDP sockets.
+    rx_udp_now: bool,
     tx_buf: Vec<u8>,
     /// Where a small message's packet is built before it is copied into a lane (see
     /// [`Device::post_send`]).
@@ -352,6 +354,7 @@ impl Device {
             link,
             udp_due: Instant::from_nanos(0),
             udp_busy: false,
+            rx_udp_now: false,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             ahead_buf: vec![0; crate::same_host::MAX_PACKET],
             tx_meta: Vec::with_capacity(udp::BATCH),
@@ -981,6 +984,12 @@ impl Device {
     /// flushes once no poll came for [`BUSY_WINDOW`], checked every [`BUSY_SLEEP`]. Only one poll
     /// in a row: the next poll flushes.
     ///
+    /// Only for what came over UDP: there the ACK's own `sendmsg` would stand between the request
+    /// and the reply. What came through same-host lanes is flushed at once (an ACK there costs no
+    /// system call, and a peer that waits for its send's completion before it goes on, as
+    /// perftest's latency tests do, gets the ACK before the reply instead of after it: same-host
+    /// `send-lat` 0.63 → 0.59 µs, rdma-core's `ib_send_lat` 0.86 → 0.72 µs).
+    ///
     /// A poll that finds nothing puts the polling thread's CPU into the device's outbound lanes,
     /// for the peers' pollers. If a peer's poller runs on this CPU, one of the two threads moves
     /// to another CPU (see poller.rs); when this one does not, the poll says so and the caller
@@ -995,6 +1004,7 @@ impl Device {
         self.flush_owed(st, now);
         let work = self.receive_at(st, now, false, Some(cq));
         if work
+            && st.rx_udp_now
             && st.hca.has_transmit()
             && self.io_aside.load(Ordering::Relaxed)
             && st.hca.cq_awaits_one(cq)
@@ -1101,9 +1111,11 @@ impl Device {
             }) > 0;
             st.link.put_inbound(lanes);
         }
+        st.rx_udp_now = false;
         if full || st.udp_busy || now >= st.udp_due || !st.link.receives_locally(now) {
             st.udp_due = now + UDP_EVERY;
             st.udp_busy = self.receive_udp(st, now) > 0;
+            st.rx_udp_now = st.udp_busy;
             work |= st.udp_busy;
         }
         if st.hca.poll_timeout().is_some_and(|t| t <= now) {

@@ -553,6 +553,23 @@ fn pollers_on_one_cpu_give_it_up_at_once() {
     assert_eq!((sa.poller_moves, sb.poller_moves, sc.poller_moves, sd.poller_moves), (0, 0, 0, 0));
 }
 
+/// A request that came through a lane is ACKed by the poll that takes it in, before the poll
+/// returns its completion: over a lane the ACK costs no system call, and a peer waiting for its
+/// send's completion before it goes on (perftest's latency tests) gets it before the reply. Over
+/// UDP the poll leaves the ACK owed to go after the reply (`ack_order.rs`); here no poll does.
+#[test]
+fn a_request_through_a_lane_is_acked_at_once() {
+    let cpus = allowed_cpus();
+    let (a, b, _) = pair(44, [true, true]);
+    if cpus.is_empty() || !ping_pong_on(&a, &b, (cpus[0], cpus[cpus.len() - 1]), 2000) {
+        eprintln!("skipped: threads cannot be pinned here");
+        return;
+    }
+    let (sa, sb) = (stats(&a), stats(&b));
+    assert!(sa.rx_pkts >= 2000 && sb.rx_pkts >= 2000, "{sa:?} {sb:?}");
+    assert_eq!((a.ctx.flushes_left_owed(), b.ctx.flushes_left_owed()), (0, 0));
+}
+
 /// Two busy pollers that start on one CPU but may run on others: one of them (the one with the
 /// larger poller id) moves to another CPU once it has yielded to the other a few times, and its
 /// allowed CPUs are the same afterwards. (The kernel may spread them first, or put them together
