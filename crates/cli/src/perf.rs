@@ -24,7 +24,10 @@
 //! changing), stamps, posts, and waits for the post's completion when it is signaled (with the
 //! latency defaults, tx depth 1, every post is), so the ACK of each message is part of the loop as
 //! it is for perftest. Every poll of an empty CQ drives the device (busy polling): latencies are
-//! busy-polling latencies. (Until session 17 the loops let up to 8 posts wait for their
+//! busy-polling latencies. One difference stays: while the WRITE loop waits for its byte it polls
+//! the CQ too, which drives an embedded device; perftest's `ib_write_lat` only watches memory,
+//! and on an embedded device the peer's WRITE then waits for the I/O thread (a doorbell wakes it:
+//! tens of microseconds a hop on a busy 2-core machine, see docs/PERFORMANCE.md). (Until session 17 the loops let up to 8 posts wait for their
 //! completions, which perftest never does with tx depth 1: their figures were 15-20 % lower than
 //! what perftest's own loops get from the same stack.)
 

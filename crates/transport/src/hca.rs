@@ -600,6 +600,25 @@ impl Hca {
         Ok(n)
     }
 
+    /// Whether an RC QP has send work requests not yet completed (sent and waiting for their
+    /// ACK, or still to send).
+    pub fn sends_pending(&self) -> bool {
+        self.load.busy_qps > 0
+    }
+
+    /// Whether QP `qpn` has receive work requests posted (on its own queue, or on its SRQ).
+    pub fn recvs_posted(&self, qpn: Qpn) -> bool {
+        self.qps.get(&qpn).is_some_and(|qp| match qp.init.srq {
+            Some(srq) => self.queues.srqs.get(&srq).is_some_and(|s| !s.wqes.is_empty()),
+            None => !qp.rq.is_empty(),
+        })
+    }
+
+    /// Whether CQ `cq` holds no completion (true for a CQ that does not exist).
+    pub fn cq_is_empty(&self, cq: CqId) -> bool {
+        self.queues.cqs.get(&cq).is_none_or(|q| q.entries.is_empty())
+    }
+
     /// Whether CQ `cq` holds no completion at all, or one successful receive completion (besides
     /// any of sends): what a thread polling it in a request-response exchange finds when the
     /// peer's request arrived (its receive completion, or nothing when an RDMA WRITE only changed

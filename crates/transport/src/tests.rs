@@ -502,6 +502,33 @@ fn sent_packets(hca: &mut Hca, mem: &mut Flat) -> Vec<(u8, u32)> {
 /// A plain ACK lets one request packet of its QP go first, so a reply leaves before the ACK of
 /// the request it answers; one only, so requests behind it do not hold the ACK back. A NAK never
 /// waits.
+/// What the runtime asks before it leaves a device to its I/O thread: a send is pending from its
+/// post until the ACK completes it, a QP has receives posted until a SEND takes the last, and a
+/// CQ is empty once polled dry.
+#[test]
+fn pending_sends_posted_receives_and_an_empty_cq_are_told() {
+    let (mut hca, mut mem, qpn, cq) = requester(16);
+    assert!(!hca.sends_pending() && !hca.recvs_posted(qpn) && hca.cq_is_empty(cq));
+    hca.post_send(qpn, write64(1, 1), Instant::ZERO, &mut mem).unwrap();
+    assert!(hca.sends_pending());
+    assert_eq!(sent_psns(&mut hca, &mut mem), [5]);
+    assert!(hca.sends_pending(), "sent, not yet acknowledged");
+    ack(&mut hca, &mut mem, qpn, 5);
+    assert!(!hca.sends_pending() && !hca.cq_is_empty(cq));
+    let mut wcs = Vec::new();
+    assert_eq!(hca.poll_cq(cq, 4, &mut wcs), Ok(1));
+    assert!(hca.cq_is_empty(cq));
+    let recv = RecvWr { wr_id: 10, sgl: SgeList::one(Sge { addr: 0x100, length: 64, lkey: 1 }) };
+    hca.post_recv(qpn, recv, Instant::ZERO, &mut mem).unwrap();
+    assert!(hca.recvs_posted(qpn) && !hca.recvs_posted(Qpn::new(qpn.value() + 1)));
+    let mut repr = IbRepr::new(BthRepr::new(Opcode::of(WireQpType::Rc, base::SEND_ONLY).unwrap(), qpn, Psn::new(1)));
+    repr.payload_len = 8;
+    let mut buf = vec![0u8; repr.buffer_len()];
+    let n = repr.emit(&mut buf).unwrap();
+    hca.handle_packet(Instant::ZERO, &buf[..n], &RxInfo { grh: [0; 40] }, &mut mem);
+    assert!(!hca.recvs_posted(qpn) && !hca.cq_is_empty(cq));
+}
+
 #[test]
 fn one_request_packet_goes_before_a_plain_ack() {
     let (mut hca, mut mem, qpn, cq) = requester(16);

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{
-    AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo, SendWr, Transmit, VerbsError,
+    AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo, SendWr, Transmit, VerbsError, WorkCompletion,
 };
 use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
@@ -131,6 +131,10 @@ pub(crate) struct State {
     flush_owed: bool,
     /// Polls that left a flush owed.
     pub flushes_left_owed: u64,
+    /// A thread polling a CQ took its last completions with nothing in flight and asked the
+    /// inbound lanes for doorbells: the application may now wait for something no poll sees
+    /// (see [`Device::poll_leaves`]). Cleared by its next poll.
+    app_armed: bool,
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
     /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
     /// than this must wake it, or the timer would fire up to an idle wait late.
@@ -346,6 +350,7 @@ impl Device {
             tx_errors: 0,
             corked: 0,
             flush_owed: false,
+            app_armed: false,
             flushes_left_owed: 0,
             io_wake_at: None,
             next_pd: 1,
@@ -1041,6 +1046,51 @@ impl Device {
         (now, work, shared)
     }
 
+    /// A thread polls a CQ again: the lanes a poll left armed are disarmed (this thread takes
+    /// what arrives now).
+    #[inline]
+    pub fn poll_enters(&self, st: &mut State) {
+        if st.app_armed {
+            st.app_armed = false;
+            st.link.sleep_done();
+        }
+    }
+
+    /// A poll of `cq` hands out the completions `wcs`. If they are all of sends of QPs with no
+    /// receive posted, that left the CQ empty and no send is pending, the application may now
+    /// wait for something no poll sees (one that waits for a message polls for it: a
+    /// request-response exchange is left alone, whose peer would otherwise ring between the
+    /// request and the reply, and which would pay for the arming on every message): perftest's write
+    /// latency loop spins on the byte the peer's RDMA WRITE changes, and until its next poll
+    /// nobody would take that WRITE from its lane but the I/O thread, which looks only every
+    /// [`BUSY_SLEEP`] while a thread polls (~0.3 ms a hop). So the inbound lanes are asked for
+    /// doorbells, which wake the I/O thread (see `io_loop`; each of its sleeps asks again until
+    /// the application is back); the next poll disarms them. Entries already waiting are taken
+    /// in now.
+    pub fn poll_leaves(&self, st: &mut State, cq: CqId, wcs: &[WorkCompletion]) {
+        if wcs.is_empty()
+            || st.app_armed
+            || wcs.iter().any(|wc| wc.opcode.is_receive() || st.hca.recvs_posted(wc.qp_num))
+            || !st.hca.cq_is_empty(cq)
+            || st.hca.sends_pending()
+            || !st.link.has_inbound()
+        {
+            return;
+        }
+        let mut fds = Vec::new();
+        for _ in 0..4 {
+            fds.clear();
+            if st.link.arm_inbound(&mut fds) {
+                st.app_armed = true;
+                st.link.stats.polls_left_armed += 1;
+                return;
+            }
+            st.link.sleep_done();
+            let now = self.now();
+            self.progress_at(st, now, false);
+        }
+    }
+
     /// A busy poll of this thread found completions or made progress (see [`Device::poll_empty`]).
     pub fn poll_found(&self) {
         EMPTY_SINCE.with(|since| since.set(0));
@@ -1328,7 +1378,6 @@ impl Device {
     fn io_loop(&self) {
         let mut buf = [0u8; 64];
         let mut fds: Vec<libc::pollfd> = Vec::new();
-        let mut wake_fd = [libc::pollfd { fd: self.wake_rx.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
         let mut port_up = self.info.netdev.is_link_up();
         let mut link_checked = std::time::Instant::now();
         while !self.stop.load(Ordering::Acquire) {
@@ -1342,11 +1391,7 @@ impl Device {
             // busy threads as cores that competition costs milliseconds of preemption.
             if self.app_polling() {
                 self.io_aside.store(true, Ordering::Relaxed);
-                let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
-                // SAFETY: one live pollfd (the wake-up socket); `ts` outlives the call.
-                unsafe { libc::ppoll(wake_fd.as_mut_ptr(), 1, &ts, std::ptr::null()) };
-                while self.wake_rx.recv(&mut buf).is_ok() {}
-                if self.app_polling() {
+                if !self.aside_sleep(&mut fds, &mut buf) && self.app_polling() {
                     continue;
                 }
             }
@@ -1391,6 +1436,37 @@ impl Device {
             self.flush_owed(&mut st, now);
             self.progress_at(&mut st, now, true);
         }
+    }
+
+    /// The I/O thread's sleep while an application thread busy-polls: up to [`BUSY_SLEEP`], or
+    /// until a wake-up or a doorbell of an inbound lane. A peer rings only a lane asked for one:
+    /// while the polling thread left the lanes armed ([`Device::poll_leaves`]), this thread asks
+    /// again before each sleep. True if the device needs progress now: a doorbell rang (or
+    /// entries wait) while the application is away.
+    fn aside_sleep(&self, fds: &mut Vec<libc::pollfd>, buf: &mut [u8]) -> bool {
+        fds.clear();
+        fds.push(libc::pollfd { fd: self.wake_rx.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        {
+            let mut st = self.lock();
+            if st.app_armed && !st.link.arm_inbound(fds) {
+                return true;
+            }
+        }
+        let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
+        // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
+        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+        while self.wake_rx.recv(buf).is_ok() {}
+        if fds[1..].iter().all(|f| f.revents == 0) {
+            return false;
+        }
+        // A doorbell (or a hang-up): read it, and take over if the application is still away.
+        let mut st = self.lock();
+        let now = self.now();
+        st.link.maintain(now, true);
+        if st.app_armed {
+            st.link.stats.armed_wakeups += 1;
+        }
+        st.app_armed
     }
 
     /// An application thread made progress within the last BUSY_WINDOW.

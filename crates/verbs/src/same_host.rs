@@ -153,6 +153,12 @@ pub struct SameHostStats {
     pub poller_yields: u64,
     /// Moves of a polling thread off a CPU it shared with a peer's poller (poller.rs).
     pub poller_moves: u64,
+    /// Polls that handed out their last send completions with nothing else to wait for and left
+    /// the inbound lanes asking for doorbells (the application may wait elsewhere: see the
+    /// runtime's `Device::poll_leaves`).
+    pub polls_left_armed: u64,
+    /// Doorbells that then woke the I/O thread while the application was away.
+    pub armed_wakeups: u64,
 }
 
 /// The counters of [`SameHostStats`] under the names softrdmad exports them (`same_host_` + field).
@@ -199,7 +205,9 @@ same_host_counters!(
     loopback_budget_stops,
     loopback_direct,
     poller_yields,
-    poller_moves
+    poller_moves,
+    polls_left_armed,
+    armed_wakeups
 );
 
 /// Whether the link is on: `SOFTRDMA_SAME_HOST=0` (or `off`, `false`) turns it off.
@@ -662,6 +670,22 @@ impl Link {
         empty
     }
 
+    /// Ask every inbound lane that is not closing for a doorbell, adding its socket to `fds`.
+    /// Returns false if a lane has entries already (nobody would ring for those).
+    pub fn arm_inbound(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
+        let mut empty = true;
+        for l in self.inbound.iter().filter(|l| !l.closing) {
+            fds.push(libc::pollfd { fd: l.conn.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            empty &= l.cons.request_doorbell();
+        }
+        empty
+    }
+
+    /// Whether any inbound lane is open (one that a peer can ring).
+    pub fn has_inbound(&self) -> bool {
+        self.inbound.iter().any(|l| !l.closing)
+    }
+
     /// After the sleep: withdraw the doorbell requests (the thread polls again).
     pub fn sleep_done(&mut self) {
         for l in &self.inbound {
@@ -844,7 +868,7 @@ mod tests {
         let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
         s = SameHostStats::from_named(&list);
         assert_eq!(s.named(), list);
-        assert_eq!(names.len(), 23);
+        assert_eq!(names.len(), 25);
         assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
     }
 }

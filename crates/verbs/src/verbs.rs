@@ -548,15 +548,19 @@ impl CompletionQueue {
         };
         let dev = &h.dev;
         let mut st = dev.lock();
+        dev.poll_enters(&mut st);
+        let start = out.len();
         let n = st.hca.poll_cq(id, max, out)?;
         if n > 0 || max == 0 {
             if n > 0 {
+                dev.poll_leaves(&mut st, id, &out[start..]);
                 dev.poll_found();
             }
             return Ok(n);
         }
         let (now, work, peer_here) = dev.poll_progress(&mut st, id);
         let n = st.hca.poll_cq(id, max, out)?;
+        dev.poll_leaves(&mut st, id, &out[start..]);
         drop(st);
         if n > 0 || work {
             dev.poll_found();

@@ -570,6 +570,50 @@ fn a_request_through_a_lane_is_acked_at_once() {
     assert_eq!((a.ctx.flushes_left_owed(), b.ctx.flushes_left_owed()), (0, 0));
 }
 
+/// An application that waits for its peer's RDMA WRITE by watching its memory and polls no CQ
+/// meanwhile (perftest's write latency loop) is not left waiting for the I/O thread's next look:
+/// the poll that handed out its own WRITE's completion, with no receive posted and nothing else
+/// pending, left the inbound lanes asking for doorbells, and the peer's WRITE rings the I/O
+/// thread awake. Each side writes a counter into the other's region and waits in memory for the
+/// other's; every value arrives, and the doorbells woke the I/O threads.
+#[test]
+fn a_write_awaited_in_memory_rings_the_io_thread_awake() {
+    const ROUNDS: u8 = 50;
+    const AT: usize = 100;
+    let (a, b, _) = pair(45, [true, true]);
+    let write = |me: &Endpoint, peer: &Endpoint, v: u8| {
+        me.mr.write(0, &[v]).unwrap();
+        me.post(u64::from(v), SendOp::Write { remote_addr: peer.mr.addr() + AT as u64, rkey: peer.mr.rkey() }, 0, 1);
+        wait_one(&me.cq, u64::from(v));
+    };
+    let watch = |me: &Endpoint, v: u8| {
+        let t = Instant::now();
+        let mut byte = [0u8];
+        while byte[0] != v {
+            me.mr.read(AT, &mut byte).unwrap();
+            assert!(t.elapsed() < Duration::from_secs(20), "value {v} never arrived (last {})", byte[0]);
+        }
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for v in 1..=ROUNDS {
+                write(&a, &b, v);
+                watch(&a, v);
+            }
+        });
+        s.spawn(|| {
+            for v in 1..=ROUNDS {
+                watch(&b, v);
+                write(&b, &a, v);
+            }
+        });
+    });
+    let (sa, sb) = (stats(&a), stats(&b));
+    assert!(sa.rx_pkts > 0 && sb.rx_pkts > 0, "{sa:?} {sb:?}");
+    assert!(sa.polls_left_armed > 0 && sb.polls_left_armed > 0, "{sa:?} {sb:?}");
+    assert!(sa.armed_wakeups + sb.armed_wakeups > 0, "{sa:?} {sb:?}");
+}
+
 /// Two busy pollers that start on one CPU but may run on others: one of them (the one with the
 /// larger poller id) moves to another CPU once it has yielded to the other a few times, and its
 /// allowed CPUs are the same afterwards. (The kernel may spread them first, or put them together
