@@ -1077,10 +1077,8 @@ impl Device {
         {
             return;
         }
-        let mut fds = Vec::new();
         for _ in 0..4 {
-            fds.clear();
-            if st.link.arm_inbound(&mut fds) {
+            if st.link.arm_inbound() {
                 st.app_armed = true;
                 st.link.stats.polls_left_armed += 1;
                 return;
@@ -1439,18 +1437,19 @@ impl Device {
     }
 
     /// The I/O thread's sleep while an application thread busy-polls: up to [`BUSY_SLEEP`], or
-    /// until a wake-up or a doorbell of an inbound lane. A peer rings only a lane asked for one:
-    /// while the polling thread left the lanes armed ([`Device::poll_leaves`]), this thread asks
-    /// again before each sleep. True if the device needs progress now: a doorbell rang (or
-    /// entries wait) while the application is away.
+    /// until a wake-up or a doorbell of an inbound lane (or its hang-up). A peer rings only a
+    /// lane asked for one: the polling thread asks when it leaves ([`Device::poll_leaves`]), and
+    /// while it is away this thread asks again before each sleep. True if the device needs
+    /// progress now: a doorbell rang (or entries wait) while the application is away.
     fn aside_sleep(&self, fds: &mut Vec<libc::pollfd>, buf: &mut [u8]) -> bool {
         fds.clear();
         fds.push(libc::pollfd { fd: self.wake_rx.as_raw_fd(), events: libc::POLLIN, revents: 0 });
         {
             let mut st = self.lock();
-            if st.app_armed && !st.link.arm_inbound(fds) {
+            if st.app_armed && !st.link.arm_inbound() {
                 return true;
             }
+            st.link.doorbell_fds(fds);
         }
         let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
         // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.

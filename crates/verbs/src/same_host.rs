@@ -670,15 +670,21 @@ impl Link {
         empty
     }
 
-    /// Ask every inbound lane that is not closing for a doorbell, adding its socket to `fds`.
-    /// Returns false if a lane has entries already (nobody would ring for those).
-    pub fn arm_inbound(&mut self, fds: &mut Vec<libc::pollfd>) -> bool {
+    /// Ask every inbound lane that is not closing for a doorbell. Returns false if a lane has
+    /// entries already (nobody would ring for those).
+    pub fn arm_inbound(&mut self) -> bool {
         let mut empty = true;
         for l in self.inbound.iter().filter(|l| !l.closing) {
-            fds.push(libc::pollfd { fd: l.conn.as_raw_fd(), events: libc::POLLIN, revents: 0 });
             empty &= l.cons.request_doorbell();
         }
         empty
+    }
+
+    /// Add the sockets of the inbound lanes that are not closing to `fds` (readable when the peer
+    /// rings, or hangs up).
+    pub fn doorbell_fds(&self, fds: &mut Vec<libc::pollfd>) {
+        let ev = |l: &Inbound| libc::pollfd { fd: l.conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        fds.extend(self.inbound.iter().filter(|l| !l.closing).map(ev));
     }
 
     /// Whether any inbound lane is open (one that a peer can ring).
