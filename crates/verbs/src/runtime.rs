@@ -131,10 +131,6 @@ pub(crate) struct State {
     flush_owed: bool,
     /// Polls that left a flush owed.
     pub flushes_left_owed: u64,
-    /// A thread polling a CQ took its last completions with nothing in flight and asked the
-    /// inbound lanes for doorbells: the application may now wait for something no poll sees
-    /// (see [`Device::poll_leaves`]). Cleared by its next poll.
-    app_armed: bool,
     /// When the I/O thread will next wake up on its own (its timer deadline, or the end of its idle
     /// wait). A deadline armed anywhere else (a verbs call, a thread polling a CQ) that is earlier
     /// than this must wake it, or the timer would fire up to an idle wait late.
@@ -268,6 +264,13 @@ pub(crate) struct Device {
     /// poll may leave a flush owed (see [`Device::poll_progress`]). Cleared before the I/O thread
     /// takes the lock to work out how long to sleep otherwise (not at all while a flush is owed).
     io_aside: AtomicBool,
+    /// A thread polling a CQ took its last completions with nothing in flight and asked the
+    /// inbound lanes for doorbells: the application may now wait for something no poll sees
+    /// (see [`Device::poll_leaves`]). Written under the device lock; cleared by the
+    /// application's next poll or post. The I/O thread reads it without the lock.
+    app_armed: AtomicBool,
+    /// The inbound lanes' sockets (`Link::doorbell_fds`), for the I/O thread's sleep aside.
+    lane_fds: Arc<Mutex<Vec<std::os::fd::RawFd>>>,
     /// Receive RC WRITE continuations in place (see place.rs; `DeviceBuilder::rx_place`, off by
     /// default: every payload is copied out of the receive buffer).
     rx_place: bool,
@@ -308,6 +311,7 @@ impl Device {
         let port = UdpPort::bind(v4, v6, udp_port, info.netdev.index)?;
         let cm = CmState::new(cm_agent(&info, &port));
         let link = Link::new(same_host, port.sockets().map(|(_, a)| *a));
+        let lane_fds = link.doorbell_fds();
         let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
@@ -350,7 +354,6 @@ impl Device {
             tx_errors: 0,
             corked: 0,
             flush_owed: false,
-            app_armed: false,
             flushes_left_owed: 0,
             io_wake_at: None,
             next_pd: 1,
@@ -385,6 +388,8 @@ impl Device {
             epoch: monotonic_ns(),
             app_progress: AtomicU64::new(0),
             io_aside: AtomicBool::new(false),
+            app_armed: AtomicBool::new(false),
+            lane_fds,
             rx_place,
         })
     }
@@ -408,6 +413,7 @@ impl Device {
     /// than the clock.
     pub fn run_quiet<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let mut st = self.lock();
+        self.app_returns(&mut st);
         let then = Instant::from_nanos(self.app_progress.load(Ordering::Relaxed));
         let r = f(&mut st, then);
         self.dispatch_events(&mut st);
@@ -418,6 +424,7 @@ impl Device {
     /// left owed goes first: `f` may change a QP's state (an error state drops its queued ACKs).
     pub fn run<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let mut st = self.lock();
+        self.app_returns(&mut st);
         let now = self.now();
         self.flush_owed(&mut st, now);
         let r = f(&mut st, now);
@@ -435,6 +442,7 @@ impl Device {
     /// not, that is tried after it (see [`Device::send_ahead`]).
     pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> (R, bool)) -> R {
         let mut st = self.lock();
+        self.app_returns(&mut st);
         let now = self.now();
         let direct = st.hca.direct_executed();
         let (r, ahead) = f(&mut st, now);
@@ -1046,12 +1054,12 @@ impl Device {
         (now, work, shared)
     }
 
-    /// A thread polls a CQ again: the lanes a poll left armed are disarmed (this thread takes
-    /// what arrives now).
+    /// An application thread is back (a poll or a post): the lanes a poll left armed are disarmed
+    /// (see [`Device::poll_leaves`]).
     #[inline]
-    pub fn poll_enters(&self, st: &mut State) {
-        if st.app_armed {
-            st.app_armed = false;
+    pub fn app_returns(&self, st: &mut State) {
+        if self.app_armed.load(Ordering::Relaxed) {
+            self.app_armed.store(false, Ordering::Relaxed);
             st.link.sleep_done();
         }
     }
@@ -1061,15 +1069,15 @@ impl Device {
     /// wait for something no poll sees (one that waits for a message polls for it: a
     /// request-response exchange is left alone, whose peer would otherwise ring between the
     /// request and the reply, and which would pay for the arming on every message): perftest's write
-    /// latency loop spins on the byte the peer's RDMA WRITE changes, and until its next poll
+    /// latency loop spins on the byte the peer's RDMA WRITE changes, and until its next post
     /// nobody would take that WRITE from its lane but the I/O thread, which looks only every
     /// [`BUSY_SLEEP`] while a thread polls (~0.3 ms a hop). So the inbound lanes are asked for
     /// doorbells, which wake the I/O thread (see `io_loop`; each of its sleeps asks again until
-    /// the application is back); the next poll disarms them. Entries already waiting are taken
+    /// the application is back); the application's next poll or post disarms them. Entries already waiting are taken
     /// in now.
     pub fn poll_leaves(&self, st: &mut State, cq: CqId, wcs: &[WorkCompletion]) {
         if wcs.is_empty()
-            || st.app_armed
+            || self.app_armed.load(Ordering::Relaxed)
             || wcs.iter().any(|wc| wc.opcode.is_receive() || st.hca.recvs_posted(wc.qp_num))
             || !st.hca.cq_is_empty(cq)
             || st.hca.sends_pending()
@@ -1079,7 +1087,7 @@ impl Device {
         }
         for _ in 0..4 {
             if st.link.arm_inbound() {
-                st.app_armed = true;
+                self.app_armed.store(true, Ordering::Relaxed);
                 st.link.stats.polls_left_armed += 1;
                 return;
             }
@@ -1444,12 +1452,17 @@ impl Device {
     fn aside_sleep(&self, fds: &mut Vec<libc::pollfd>, buf: &mut [u8]) -> bool {
         fds.clear();
         fds.push(libc::pollfd { fd: self.wake_rx.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-        {
-            let mut st = self.lock();
-            if st.app_armed && !st.link.arm_inbound() {
-                return true;
+        let ev = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        fds.extend(self.lane_fds.lock().expect("doorbell fds").iter().map(|&fd| ev(fd)));
+        // Not the device lock unless the application is away: waiting for it behind a busy
+        // application thread costs a futex sleep and wake-up (every BUSY_SLEEP: a tenth of a
+        // 64 KiB WRITE stream's rate). A thread that holds it is back anyway.
+        if self.app_armed.load(Ordering::Relaxed) {
+            if let Ok(mut st) = self.state.try_lock() {
+                if self.app_armed.load(Ordering::Relaxed) && !st.link.arm_inbound() {
+                    return true;
+                }
             }
-            st.link.doorbell_fds(fds);
         }
         let ts = libc::timespec { tv_sec: 0, tv_nsec: BUSY_SLEEP.as_nanos() as libc::c_long };
         // SAFETY: `fds` is a live array of pollfd of the length given; `ts` outlives the call.
@@ -1462,10 +1475,11 @@ impl Device {
         let mut st = self.lock();
         let now = self.now();
         st.link.maintain(now, true);
-        if st.app_armed {
+        let away = self.app_armed.load(Ordering::Relaxed);
+        if away {
             st.link.stats.armed_wakeups += 1;
         }
-        st.app_armed
+        away
     }
 
     /// An application thread made progress within the last BUSY_WINDOW.

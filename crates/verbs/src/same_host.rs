@@ -61,6 +61,7 @@ use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use softrdma_abi::ring::{ring_bytes, Consumer, Producer};
@@ -292,6 +293,9 @@ pub(crate) struct Link {
     /// The CPU our polling thread last said it runs on, and its poller id (poller.rs), in every
     /// outbound lane ([`Link::poller_at`]).
     poller_cpu: Option<(u32, u32)>,
+    /// The sockets of the inbound lanes that are not closing, as of the last [`Link::maintain`]
+    /// (which accepts and closes lanes): the I/O thread reads them without the device lock.
+    doorbell_fds: Arc<Mutex<Vec<RawFd>>>,
     pub stats: SameHostStats,
 }
 
@@ -566,6 +570,16 @@ impl Link {
         if !self.enabled || (!force && now < self.next_maintain) {
             return false;
         }
+        let changed = self.maintain_now(now);
+        let open: Vec<RawFd> = self.inbound.iter().filter(|l| !l.closing).map(|l| l.conn.as_raw_fd()).collect();
+        let mut shared = self.doorbell_fds.lock().expect("doorbell fds");
+        if *shared != open {
+            *shared = open;
+        }
+        changed
+    }
+
+    fn maintain_now(&mut self, now: Instant) -> bool {
         let before = (self.stats.accepts, self.stats.peer_gone, self.stats.ring_corrupt);
         // A producer index that is not within the ring: nothing that ring says can be trusted any
         // more. Hang up (the peer falls back to UDP). Checked here rather than per packet: the
@@ -680,11 +694,12 @@ impl Link {
         empty
     }
 
-    /// Add the sockets of the inbound lanes that are not closing to `fds` (readable when the peer
-    /// rings, or hangs up).
-    pub fn doorbell_fds(&self, fds: &mut Vec<libc::pollfd>) {
-        let ev = |l: &Inbound| libc::pollfd { fd: l.conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        fds.extend(self.inbound.iter().filter(|l| !l.closing).map(ev));
+    /// The sockets of the inbound lanes that are not closing (readable when the peer rings, or
+    /// hangs up), kept up to date by [`Link::maintain`] for a thread that does not hold the
+    /// device lock. A lane dropped since may leave a closed or reused descriptor there until the
+    /// next `maintain`: a spurious wake-up at worst.
+    pub fn doorbell_fds(&self) -> Arc<Mutex<Vec<RawFd>>> {
+        Arc::clone(&self.doorbell_fds)
     }
 
     /// Whether any inbound lane is open (one that a peer can ring).

@@ -548,7 +548,7 @@ impl CompletionQueue {
         };
         let dev = &h.dev;
         let mut st = dev.lock();
-        dev.poll_enters(&mut st);
+        dev.app_returns(&mut st);
         let start = out.len();
         let n = st.hca.poll_cq(id, max, out)?;
         if n > 0 || max == 0 {
