@@ -1762,7 +1762,7 @@ fn run_side(
     if std::env::var_os("SOFTRDMA_PERF_DEBUG").is_some() {
         let (c, v, link) = (side.ctx.counters(), side.ctx.icrc_stats(), side.ctx.same_host_stats());
         eprintln!(
-            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}; same-host poller yields {} moves {}; CM IDs {}",
+            "{}: sent {} rcvd {} retransmits {} seq-naks {} ack-timeouts {} retry-rounds {}; ICRC verified {} recovered-id {} bad {}; corked posts {}; received in place {}; same-host poller yields {} moves {}; polls left armed {} armed wake-ups {}; CM IDs {}",
             side.dev_name,
             c.sent_pkts,
             c.rcvd_pkts,
@@ -1777,6 +1777,8 @@ fn run_side(
             side.ctx.rx_placed(),
             link.poller_yields,
             link.poller_moves,
+            link.polls_left_armed,
+            link.armed_wakeups,
             side.ctx.cm_id_count().unwrap_or(0)
         );
     }
