@@ -1086,12 +1086,14 @@ impl Device {
     /// the application is back); the application's next poll or post disarms them. Entries already waiting are taken
     /// in now.
     pub fn poll_leaves(&self, st: &mut State, cq: CqId, wcs: &[WorkCompletion]) {
-        // Cheapest first: a stream has sends pending.
+        // Cheapest first: a stream has sends pending, an exchange hands out receives; the lookups
+        // last.
         if wcs.is_empty()
             || st.hca.sends_pending()
             || self.app_armed.load(Ordering::Relaxed)
+            || wcs.iter().any(|wc| wc.opcode.is_receive())
             || !st.hca.cq_is_empty(cq)
-            || wcs.iter().any(|wc| wc.opcode.is_receive() || st.hca.recvs_posted(wc.qp_num))
+            || wcs.iter().any(|wc| st.hca.recvs_posted(wc.qp_num))
         {
             return;
         }
