@@ -11,6 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "../../verbs/tests/common/cpus.rs"]
+mod cpus;
+
+use cpus::{allow, allowed_cpus};
 use softrdma_verbs::daemon::admin::Admin;
 use softrdma_verbs::{
     open_device, Access, AhAttr, AsyncEvent, CmConnParam, CmEventChannel, CmEventKind, CompletionQueue, ConnectParams,
@@ -2136,31 +2140,6 @@ fn multicast_through_the_daemon() {
 }
 
 // ---- where clients poll -------------------------------------------------------------------------
-
-/// The CPUs this thread may run on.
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid set to fill; sched_getaffinity(0) writes this thread's.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
-    }
-}
-
-/// Allow thread `tid` (0: this one) only `cpus`; false if refused.
-fn allow(tid: i32, cpus: &[usize]) -> bool {
-    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET writes inside it (cpus come from
-    // sched_getaffinity, below CPU_SETSIZE); sched_setaffinity reads the set given.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for &c in cpus {
-            libc::CPU_SET(c, &mut set);
-        }
-        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-    }
-}
 
 /// A client thread that polls an empty CQ on the CPU softrdmad's device loop polls on
 /// (`SOFTRDMA_LOOP_CPU`: the test pinned the daemon there) moves to another CPU after a few

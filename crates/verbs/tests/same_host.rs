@@ -13,6 +13,7 @@ use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::cpus::{allow, allowed_cpus};
 use common::{pattern, wait_n, wait_one, Endpoint};
 use softrdma_abi::ring::{ring_bytes, Producer};
 use softrdma_abi::shm::Shm;
@@ -410,29 +411,6 @@ fn an_ack_behind_a_reply_waits_for_the_next_poll() {
     panic!("no poll left the ACK behind a reply in the lane in 200 rounds");
 }
 
-/// The CPUs this process may run on.
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid set to fill; sched_getaffinity(0) writes this thread's.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return Vec::new();
-        }
-        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
-    }
-}
-
-/// Pin this thread to `cpu`; false where that is not allowed.
-fn pin(cpu: usize) -> bool {
-    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET writes inside it; sched_setaffinity(0) acts on
-    // this thread and reads the set given.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-    }
-}
-
 /// `rounds` SEND ping-pongs between `a` (on `cpus.0`) and `b` (on `cpus.1`), each side
 /// busy-polling its CQ on a thread pinned to its CPU; false if pinning was refused.
 fn ping_pong_on(a: &Endpoint, b: &Endpoint, cpus: (usize, usize), rounds: u64) -> bool {
@@ -476,11 +454,11 @@ fn ping_pong_from(
     let pinned = std::sync::Barrier::new(2);
     let refused = std::sync::atomic::AtomicBool::new(false);
     let pin_both = |cpu| {
-        if !pin(cpu) {
+        if !allow(0, &[cpu]) {
             refused.store(true, std::sync::atomic::Ordering::SeqCst);
         }
         pinned.wait();
-        if release && !allow(&all) {
+        if release && !allow(0, &all) {
             refused.store(true, std::sync::atomic::Ordering::SeqCst);
         }
         pinned.wait();
@@ -512,18 +490,6 @@ fn ping_pong_from(
         });
         Some((ping.join().unwrap()?, pong.join().unwrap()?))
     })
-}
-
-/// Allow this thread `cpus`; false where that is refused.
-fn allow(cpus: &[usize]) -> bool {
-    // SAFETY: as in `pin`.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for &c in cpus {
-            libc::CPU_SET(c, &mut set);
-        }
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-    }
 }
 
 /// Two busy pollers of one lane's two ends on one CPU (the kernel puts a process woken by

@@ -1,8 +1,10 @@
 //! Helpers shared by the integration tests: one RC endpoint (device, PD, CQ, QP, one region),
 //! completion waiting with a deadline, data patterns, byte comparisons that name the first
-//! difference, and running a command (the namespace tests).
+//! difference, running a command (the namespace tests), and a thread's allowed CPUs (`cpus`).
 
 #![allow(dead_code)]
+
+pub mod cpus;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
