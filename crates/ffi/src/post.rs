@@ -242,12 +242,6 @@ pub unsafe extern "C" fn poll_cq(cq: *mut IbvCq, num_entries: c_int, wc: *mut Ib
             return -1;
         }
     };
-    if n == 0 {
-        // Busy pollers (perftest, the pingpong examples) would otherwise keep the device's I/O
-        // thread off the CPU on small machines while it holds the device lock; an empty poll
-        // already made progress itself, so give the core away once.
-        std::thread::yield_now();
-    }
     for (i, w) in buf.iter().take(n).enumerate() {
         // SAFETY: `wc` holds `num_entries` writable elements and i < n <= num_entries.
         unsafe { ptr::write(wc.add(i), wc_from(w)) };
