@@ -26,10 +26,11 @@
 //! it is for perftest. Every poll of an empty CQ drives the device (busy polling): latencies are
 //! busy-polling latencies. One difference stays: while the WRITE loop waits for its byte it polls
 //! the CQ too, which drives an embedded device; perftest's `ib_write_lat` only watches memory,
-//! and on an embedded device the peer's WRITE then waits for the I/O thread (a doorbell wakes it:
-//! tens of microseconds a hop on a busy 2-core machine, see docs/PERFORMANCE.md). (Until session 17 the loops let up to 8 posts wait for their
-//! completions, which perftest never does with tx depth 1: their figures were 15-20 % lower than
-//! what perftest's own loops get from the same stack.)
+//! and on an embedded device the peer's WRITE then waits for the I/O thread, which a doorbell
+//! wakes (a few to tens of microseconds a hop on a busy 2-core machine: docs/PERFORMANCE.md).
+//! Until session 17 the loops let up to 8 posts wait for their completions, which perftest never
+//! does with tx depth 1: their figures were 15-25 % lower than perftest's own loops get from the
+//! same stack.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -1298,8 +1299,9 @@ fn lat_run(
                 }
                 i += 1;
             }
-            // The client's last round: the answer to its last message.
-            if role == Role::Client && plan.duration.is_none() && i > 0 {
+            // The client's last round: the answer to its last message (with -D too: the server
+            // answers every message, and a reply left behind would answer the next size's first).
+            if role == Role::Client && i > 0 {
                 wcs.clear();
                 wait_on(side, Side::poll_lat_recv_cq, &mut wcs, None)?;
                 absorb_recv(side, &wcs)?;

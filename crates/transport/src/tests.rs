@@ -499,9 +499,6 @@ fn sent_packets(hca: &mut Hca, mem: &mut Flat) -> Vec<(u8, u32)> {
     out
 }
 
-/// A plain ACK lets one request packet of its QP go first, so a reply leaves before the ACK of
-/// the request it answers; one only, so requests behind it do not hold the ACK back. A NAK never
-/// waits.
 /// What the runtime asks before it leaves a device to its I/O thread: a send is pending from its
 /// post until the ACK completes it, a QP has receives posted until a SEND takes the last, and a
 /// CQ is empty once polled dry.
@@ -529,6 +526,9 @@ fn pending_sends_posted_receives_and_an_empty_cq_are_told() {
     assert!(!hca.recvs_posted(qpn) && !hca.cq_is_empty(cq));
 }
 
+/// A plain ACK lets one request packet of its QP go first, so a reply leaves before the ACK of
+/// the request it answers; one only, so requests behind it do not hold the ACK back. A NAK never
+/// waits.
 #[test]
 fn one_request_packet_goes_before_a_plain_ack() {
     let (mut hca, mut mem, qpn, cq) = requester(16);

@@ -149,10 +149,13 @@ pub(crate) struct State {
     udp_busy: bool,
     /// The last receive (`Device::receive_at`) took datagrams from the UDP sockets.
     rx_udp_now: bool,
-    /// How far arming a UDP-only device is trusted to be worth waking the I/O thread for (see
-    /// [`Device::poll_leaves`]): back to [`ARM_CREDIT`] when the I/O thread took over while the
-    /// application was away, one less each time the application came back first.
-    arm_credit: u8,
+    /// How far arming is trusted to be worth its cost (see [`Device::poll_leaves`]), back to
+    /// [`ARM_CREDIT`] whenever the I/O thread took over while the application was away. Asking
+    /// the lanes for doorbells: one less each time the application came back with a poll first
+    /// (it polls while it waits, and takes what arrives itself). Waking the I/O thread (no lane):
+    /// one less each time the application came back first at all.
+    lane_credit: u8,
+    wake_credit: u8,
     /// The I/O thread took over since the application last armed.
     arm_used: bool,
     tx_buf: Vec<u8>,
@@ -369,7 +372,8 @@ impl Device {
             udp_due: Instant::from_nanos(0),
             udp_busy: false,
             rx_udp_now: false,
-            arm_credit: ARM_CREDIT,
+            lane_credit: ARM_CREDIT,
+            wake_credit: ARM_CREDIT,
             arm_used: false,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             ahead_buf: vec![0; crate::same_host::MAX_PACKET],
@@ -421,7 +425,7 @@ impl Device {
     /// than the clock.
     pub fn run_quiet<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let mut st = self.lock();
-        self.app_returns(&mut st);
+        self.app_returns(&mut st, false);
         let then = Instant::from_nanos(self.app_progress.load(Ordering::Relaxed));
         let r = f(&mut st, then);
         self.dispatch_events(&mut st);
@@ -432,7 +436,7 @@ impl Device {
     /// left owed goes first: `f` may change a QP's state (an error state drops its queued ACKs).
     pub fn run<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let mut st = self.lock();
-        self.app_returns(&mut st);
+        self.app_returns(&mut st, false);
         let now = self.now();
         self.flush_owed(&mut st, now);
         let r = f(&mut st, now);
@@ -450,7 +454,7 @@ impl Device {
     /// not, that is tried after it (see [`Device::send_ahead`]).
     pub fn run_post<R>(&self, qpn: softrdma_wire::Qpn, f: impl FnOnce(&mut State, Instant) -> (R, bool)) -> R {
         let mut st = self.lock();
-        self.app_returns(&mut st);
+        self.app_returns(&mut st, false);
         let now = self.now();
         let direct = st.hca.direct_executed();
         let (r, ahead) = f(&mut st, now);
@@ -1062,61 +1066,78 @@ impl Device {
         (now, work, shared)
     }
 
-    /// An application thread is back (a poll or a post): the lanes a poll left armed are disarmed
-    /// (see [`Device::poll_leaves`]).
+    /// An application thread is back (`polling`: with a poll; else a post or another verb): the
+    /// device a poll left armed is disarmed (see [`Device::poll_leaves`]).
     #[inline]
-    pub fn app_returns(&self, st: &mut State) {
+    pub fn app_returns(&self, st: &mut State, polling: bool) {
         if self.app_armed.load(Ordering::Relaxed) {
             self.app_armed.store(false, Ordering::Relaxed);
-            st.link.sleep_done();
-            st.arm_credit = if st.arm_used { ARM_CREDIT } else { st.arm_credit.saturating_sub(1) };
+            // Only while the I/O thread stands aside: in its own sleep it asked for the doorbells
+            // itself and must go on hearing them (cancelled, a packet would wait for its timer).
+            if self.io_aside.load(Ordering::Relaxed) {
+                st.link.sleep_done();
+            }
+            if st.arm_used {
+                (st.lane_credit, st.wake_credit) = (ARM_CREDIT, ARM_CREDIT);
+            } else {
+                st.wake_credit = st.wake_credit.saturating_sub(1);
+                if polling {
+                    st.lane_credit = st.lane_credit.saturating_sub(1);
+                }
+            }
             st.arm_used = false;
         }
     }
 
     /// A poll of `cq` hands out the completions `wcs`. If they are all of sends of QPs with no
-    /// receive posted, that left the CQ empty and no send is pending, the application may now
+    /// receive posted, that left the CQ empty and no RC send is pending, the application may now
     /// wait for something no poll sees (one that waits for a message polls for it: a
     /// request-response exchange is left alone, whose peer would otherwise ring between the
-    /// request and the reply, and which would pay for the arming on every message): perftest's write
-    /// latency loop spins on the byte the peer's RDMA WRITE changes, and until its next post
-    /// nobody would take that WRITE from its lane but the I/O thread, which looks only every
-    /// [`BUSY_SLEEP`] while a thread polls (~0.3 ms a hop). So the inbound lanes are asked for
-    /// doorbells, which wake the I/O thread (see `io_loop`; each of its sleeps asks again until
-    /// the application is back); the application's next poll or post disarms them. Entries already waiting are taken
-    /// in now.
+    /// request and the reply, and which would pay for the arming on every message): perftest's
+    /// write latency loop spins on the byte the peer's RDMA WRITE changes, and until its next
+    /// post nobody would take that WRITE in but the I/O thread, which looks only every
+    /// [`BUSY_SLEEP`] while a thread polls (~0.3 ms a hop). So the device is armed: the inbound
+    /// lanes are asked for doorbells, which wake the I/O thread (see `io_loop`; each of its sleeps
+    /// asks again while the application is away), and with no lane the I/O thread is woken so that
+    /// its sleep watches the UDP sockets. The application's next poll or post disarms. Entries
+    /// already waiting in a lane are taken in now.
+    ///
+    /// Arming has a cost when the application comes back at once. Doorbell requests cost the
+    /// peer's publish a cache-line transfer and sometimes a system call: for nothing when the
+    /// application polls while it waits (`softrdma perf write-lat`'s loop, +5-15 %); so they stop
+    /// after [`ARM_CREDIT`] armings in a row that a poll ended before the I/O thread took over
+    /// (`State::lane_credit`; a post ending them says nothing: `ib_write_lat` posts as soon as the
+    /// peer's WRITE was taken in with its own ACK). A wake-up costs this thread a system call,
+    /// for nothing when a bandwidth loop whose window drained posts again at once (-4 % of the UDP
+    /// 64 B WRITE rate); so it stops after as many armings ended by any call
+    /// (`State::wake_credit`). One takeover restores both. Without them the I/O thread finds the
+    /// application away at its next look and arms then.
     pub fn poll_leaves(&self, st: &mut State, cq: CqId, wcs: &[WorkCompletion]) {
         // Cheapest first: a stream has sends pending, an exchange hands out receives; the lookups
-        // last.
+        // last. (This thread's poll disarmed on its way in.)
         if wcs.is_empty()
             || st.hca.sends_pending()
-            || self.app_armed.load(Ordering::Relaxed)
             || wcs.iter().any(|wc| wc.opcode.is_receive())
             || !st.hca.cq_is_empty(cq)
             || wcs.iter().any(|wc| st.hca.recvs_posted(wc.qp_num))
         {
             return;
         }
+        self.app_armed.store(true, Ordering::Relaxed);
+        st.link.stats.polls_left_armed += 1;
         if !st.link.has_inbound() {
-            // UDP only: an I/O thread asleep aside watches the UDP sockets while the application
-            // is away, from its next sleep on: wake it for one. That costs a system call and a
-            // wake-up, which a loop that posts again at once (a bandwidth test whose window
-            // drained: -4 % of a 64 B WRITE rate) pays for nothing; so only while arming has
-            // lately been followed by the I/O thread taking over (`State::arm_credit`).
-            self.app_armed.store(true, Ordering::Relaxed);
-            st.link.stats.polls_left_armed += 1;
-            if st.arm_credit > 0 && self.io_aside.load(Ordering::Relaxed) {
+            if st.wake_credit > 0 && self.io_aside.load(Ordering::Relaxed) {
                 let _ = self.wake();
             }
             return;
         }
+        if st.lane_credit == 0 {
+            return;
+        }
         for _ in 0..4 {
             if st.link.arm_inbound() {
-                self.app_armed.store(true, Ordering::Relaxed);
-                st.link.stats.polls_left_armed += 1;
                 return;
             }
-            st.link.sleep_done();
             let now = self.now();
             self.progress_at(st, now, false);
         }
@@ -1458,6 +1479,10 @@ impl Device {
             while self.wake_rx.recv(&mut buf).is_ok() {}
             let mut st = self.lock();
             st.link.sleep_done();
+            // The application left armed and is still away: this is the takeover it armed for.
+            if self.app_armed.load(Ordering::Relaxed) {
+                st.arm_used = true;
+            }
             // No thread polls now: the peers' pollers are told (they would yield for nobody).
             if !self.app_polling() {
                 st.link.poller_at(None);
@@ -1511,7 +1536,6 @@ impl Device {
         let away = self.app_armed.load(Ordering::Relaxed);
         if away {
             st.link.stats.armed_wakeups += 1;
-            st.arm_used = true;
         }
         away
     }
@@ -1606,8 +1630,8 @@ const LOOP_BATCHES: usize = 64;
 /// (`Link::loop_budget_used`).
 const CM_LOOP_ROUNDS: usize = 8;
 
-/// Times in a row arming a UDP-only device may find the application back before the I/O thread
-/// had anything to do, and still wake the I/O thread (see `State::arm_credit`).
+/// Armings in a row that may end with the application back before the I/O thread took over and
+/// still be paid for (see `State::lane_credit`).
 const ARM_CREDIT: u8 = 8;
 
 /// While same-host lanes are up, how often a busy-polling thread also reads the UDP sockets.

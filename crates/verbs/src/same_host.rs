@@ -155,10 +155,11 @@ pub struct SameHostStats {
     /// Moves of a polling thread off a CPU it shared with a peer's poller (poller.rs).
     pub poller_moves: u64,
     /// Polls that handed out their last send completions with nothing else to wait for and left
-    /// the inbound lanes asking for doorbells (the application may wait elsewhere: see the
-    /// runtime's `Device::poll_leaves`).
+    /// the device armed: the application may wait elsewhere, and the I/O thread is to hear what
+    /// arrives meanwhile on a lane or over UDP (see the runtime's `Device::poll_leaves`).
     pub polls_left_armed: u64,
-    /// Doorbells that then woke the I/O thread while the application was away.
+    /// Times a doorbell (or a datagram) then woke the I/O thread from its sleep aside while the
+    /// application was away.
     pub armed_wakeups: u64,
 }
 

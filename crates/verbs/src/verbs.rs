@@ -548,7 +548,7 @@ impl CompletionQueue {
         };
         let dev = &h.dev;
         let mut st = dev.lock();
-        dev.app_returns(&mut st);
+        dev.app_returns(&mut st, true);
         let start = out.len();
         let n = st.hca.poll_cq(id, max, out)?;
         if n > 0 || max == 0 {
