@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 #[path = "../../verbs/tests/common/cpus.rs"]
 mod cpus;
 
-use cpus::{allow, allowed_cpus};
+use cpus::{allow, allowed_cpus, cpus_to_move_between};
 use softrdma_verbs::daemon::admin::Admin;
 use softrdma_verbs::{
     open_device, Access, AhAttr, AsyncEvent, CmConnParam, CmEventChannel, CmEventKind, CompletionQueue, ConnectParams,
@@ -2193,11 +2193,7 @@ fn mover_role(ctx: &Context) {
 /// messages through one device on two CPUs, the loop then keeps a CPU to itself.
 #[test]
 fn a_client_polling_on_the_device_loops_cpu_moves_off() {
-    let cpus = allowed_cpus();
-    if cpus.len() < 2 || std::env::var_os("SOFTRDMA_POLLER_MOVE").is_some_and(|v| v == "0") {
-        eprintln!("skipped: one CPU, or moving turned off");
-        return;
-    }
+    let Some(cpus) = cpus_to_move_between() else { return };
     let dir = Daemon::dir("mover", "rxe0 netdev lo addr 127.0.0.1\n");
     // The loop keeps polling (and saying its CPU) for 5 s after the client's SEND.
     let d = Daemon::start_env(&dir, 18982, None, Vec::new(), vec![("SOFTRDMA_SPIN_US", "5000000")]);

@@ -1013,7 +1013,7 @@ impl Device {
     /// and the reply. What came through same-host lanes is flushed at once (an ACK there costs no
     /// system call, and a peer that waits for its send's completion before it goes on, as
     /// perftest's latency tests do, gets the ACK before the reply instead of after it: same-host
-    /// `send-lat` 0.63 → 0.59 µs, rdma-core's `ib_send_lat` 0.86 → 0.72 µs).
+    /// `send-lat` 0.63 → 0.58 µs, rdma-core's `ib_send_lat` 0.86 → 0.69 µs).
     ///
     /// A poll that finds nothing puts the polling thread's CPU into the device's outbound lanes,
     /// for the peers' pollers. If a peer's poller runs on this CPU, one of the two threads moves

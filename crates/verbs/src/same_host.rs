@@ -572,10 +572,12 @@ impl Link {
             return false;
         }
         let changed = self.maintain_now(now);
-        let open: Vec<RawFd> = self.inbound.iter().filter(|l| !l.closing).map(|l| l.conn.as_raw_fd()).collect();
+        let open = || self.inbound.iter().filter(|l| !l.closing).map(|l| l.conn.as_raw_fd());
         let mut shared = self.doorbell_fds.lock().expect("doorbell fds");
-        if *shared != open {
-            *shared = open;
+        // Rebuilt only when a lane came or went (no allocation on every maintenance).
+        if !shared.iter().copied().eq(open()) {
+            shared.clear();
+            shared.extend(open());
         }
         changed
     }

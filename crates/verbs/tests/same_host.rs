@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::cpus::{allow, allowed_cpus};
+use common::cpus::{allow, allowed_cpus, cpus_to_move_between};
 use common::{pattern, wait_n, wait_one, Endpoint};
 use softrdma_abi::ring::{ring_bytes, Producer};
 use softrdma_abi::shm::Shm;
@@ -656,11 +656,7 @@ fn disarming_leaves_the_io_threads_doorbells_alone() {
 /// again: each round needs its yields; every round whose mover yielded enough must have moved it.)
 #[test]
 fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
-    let cpus = allowed_cpus();
-    if cpus.len() < 2 || std::env::var_os("SOFTRDMA_POLLER_MOVE").is_some_and(|v| v == "0") {
-        eprintln!("skipped: one CPU, or moving turned off");
-        return;
-    }
+    let Some(cpus) = cpus_to_move_between() else { return };
     let mut checked = 0;
     for round in 0..20u8 {
         let (a, b, _) = pair(100 + round, [true, true]);

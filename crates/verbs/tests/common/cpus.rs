@@ -26,3 +26,14 @@ pub fn allow(tid: i32, cpus: &[usize]) -> bool {
         libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
     }
 }
+
+/// The CPUs this thread may run on, if a poller can be moved between them: at least two, and
+/// moving not turned off (`SOFTRDMA_POLLER_MOVE=0`); otherwise says why the test is skipped.
+pub fn cpus_to_move_between() -> Option<Vec<usize>> {
+    let cpus = allowed_cpus();
+    if cpus.len() < 2 || std::env::var_os("SOFTRDMA_POLLER_MOVE").is_some_and(|v| v == "0") {
+        eprintln!("skipped: one CPU, or moving turned off");
+        return None;
+    }
+    Some(cpus)
+}
