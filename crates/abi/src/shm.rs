@@ -29,11 +29,12 @@ unsafe impl Send for Shm {}
 // SAFETY: as above.
 unsafe impl Sync for Shm {}
 
-fn map(fd: &OwnedFd, len: usize) -> io::Result<*mut u8> {
+/// Map `len` bytes of `fd` shared; `populate`: fault every page in now (`MAP_POPULATE`).
+fn map(fd: &OwnedFd, len: usize, populate: bool) -> io::Result<*mut u8> {
+    let flags = if populate { libc::MAP_SHARED | libc::MAP_POPULATE } else { libc::MAP_SHARED };
     // SAFETY: a fresh shared mapping of a file we hold open; the kernel picks the address.
-    let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
-    };
+    let p =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0) };
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
@@ -74,16 +75,37 @@ fn memfd(name: &str, len: usize, seals: libc::c_int) -> io::Result<OwnedFd> {
 }
 
 impl Shm {
-    /// A new sealed memfd of `len` bytes (zeroed), mapped.
+    /// A new sealed memfd of `len` bytes (zeroed), mapped. Its pages come to be on first touch.
     pub fn create(name: &str, len: usize) -> io::Result<Shm> {
+        Shm::create_with(name, len, false)
+    }
+
+    /// [`Shm::create`] with every page allocated and mapped now (`MAP_POPULATE`), for a ring
+    /// whose first lap carries latency-sensitive traffic: a same-host lane (2.3 MiB) faulted in
+    /// slot by slot made both sides take a page fault per slot for its first lap, which on a VM
+    /// cost the first 9-17 ms of a ping-pong 15-100× their steady speed (docs/PERFORMANCE.md).
+    pub fn create_populated(name: &str, len: usize) -> io::Result<Shm> {
+        Shm::create_with(name, len, true)
+    }
+
+    fn create_with(name: &str, len: usize, populate: bool) -> io::Result<Shm> {
         let fd = sealed_memfd(name, len)?;
-        let ptr = map(&fd, len)?;
+        let ptr = map(&fd, len, populate)?;
         Ok(Shm { fd, ptr, len })
     }
 
     /// Map a memfd received from the daemon, checking that it is at least `len` bytes long and
     /// sealed against shrinking.
     pub fn open(fd: OwnedFd, len: usize) -> io::Result<Shm> {
+        Shm::open_with(fd, len, false)
+    }
+
+    /// [`Shm::open`] with every page mapped now (see [`Shm::create_populated`]).
+    pub fn open_populated(fd: OwnedFd, len: usize) -> io::Result<Shm> {
+        Shm::open_with(fd, len, true)
+    }
+
+    fn open_with(fd: OwnedFd, len: usize, populate: bool) -> io::Result<Shm> {
         // SAFETY: fstat into a zeroed struct we own.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
@@ -95,7 +117,7 @@ impl Shm {
         if (st.st_size as usize) < len || seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "shared ring memory of the wrong size or unsealed"));
         }
-        let ptr = map(&fd, len)?;
+        let ptr = map(&fd, len, populate)?;
         Ok(Shm { fd, ptr, len })
     }
 
@@ -271,6 +293,38 @@ impl Drop for RegionMap {
 mod tests {
     use super::*;
     use crate::ring::{Consumer, Producer};
+
+    /// Bytes of the mapping at `ptr` that have a page mapped now (its `Rss` in /proc/self/smaps).
+    fn resident(ptr: *mut u8) -> usize {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let at = ptr as usize;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
+            if let Some((a, b)) = range.filter(|_| !line.ends_with(" kB")) {
+                let (a, b) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16));
+                inside = matches!((a, b), (Ok(a), Ok(b)) if (a..b).contains(&at));
+            } else if let Some(kb) = line.strip_prefix("Rss:").filter(|_| inside) {
+                return kb.trim().trim_end_matches(" kB").trim().parse::<usize>().unwrap() * 1024;
+            }
+        }
+        panic!("mapping at {ptr:?} not in /proc/self/smaps");
+    }
+
+    /// A populated mapping has every page in place before it is touched, on the side that creates
+    /// the memfd and on the side that opens it; a plain one has none.
+    #[test]
+    fn populated_mappings_have_their_pages_from_the_start() {
+        let len = 64 * PAGE;
+        let plain = Shm::create("test", len).unwrap();
+        assert_eq!(resident(plain.ptr), 0);
+        let made = Shm::create_populated("test", len).unwrap();
+        assert_eq!(resident(made.ptr), len);
+        let opened = Shm::open_populated(made.fd().try_clone().unwrap(), len).unwrap();
+        assert_eq!(resident(opened.ptr), len);
+        let opened_plain = Shm::open(made.fd().try_clone().unwrap(), len).unwrap();
+        assert_eq!(resident(opened_plain.ptr), 0);
+    }
 
     #[test]
     fn sealed_memfd_shared_by_two_mappings() {

@@ -22,7 +22,8 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{
-    AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, Mtu, RxInfo, SendWr, Transmit, VerbsError, WorkCompletion,
+    AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, ModifyQp, Mtu, QpState, RxInfo, SendWr, Transmit,
+    VerbsError, WcOpcode, WorkCompletion,
 };
 use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
@@ -552,6 +553,29 @@ impl Device {
         if fill_ahead(mem, tx_errors, &t, buf) {
             link.publish(li, t.len);
         }
+    }
+
+    /// Modify QP `qpn` (as `Hca::modify_qp`). A connected QP that gets its path (INIT to RTR)
+    /// and leads to another softrdma device on this host has the same-host lane to it opened now
+    /// rather than by its first packet, which would otherwise wait for the connection and for
+    /// the ring's pages (see same_host.rs; ~2-3 ms once per lane on this VM, while the peer polls).
+    pub fn modify_qp(
+        &self,
+        st: &mut State,
+        qpn: softrdma_wire::Qpn,
+        attr: &ModifyQp,
+        now: Instant,
+    ) -> std::result::Result<(), VerbsError> {
+        st.hca.modify_qp(qpn, attr, now, &mut st.mem)?;
+        if attr.state == Some(QpState::Rtr) {
+            if let Some(dgid) = st.hca.peer_gid(qpn) {
+                let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
+                if let Some(src) = self.port.local_for(&dst).filter(|&src| src != dst) {
+                    st.link.lane_for(dst, src, now);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Send what a poll left owed (see [`Device::poll_progress`]), if anything.
@@ -1090,7 +1114,8 @@ impl Device {
     }
 
     /// A poll of `cq` hands out the completions `wcs`. If they are all of sends of QPs with no
-    /// receive posted, that left the CQ empty and no RC send is pending, the application may now
+    /// receive posted, at least one a SEND or an RDMA WRITE (a READ or an atomic brings its
+    /// answer with it), that left the CQ empty and no RC send is pending, the application may now
     /// wait for something no poll sees (one that waits for a message polls for it: a
     /// request-response exchange is left alone, whose peer would otherwise ring between the
     /// request and the reply, and which would pay for the arming on every message): perftest's
@@ -1113,11 +1138,14 @@ impl Device {
     /// (`State::wake_credit`). One takeover restores both. Without them the I/O thread finds the
     /// application away at its next look and arms then.
     pub fn poll_leaves(&self, st: &mut State, cq: CqId, wcs: &[WorkCompletion]) {
-        // Cheapest first: a stream has sends pending, an exchange hands out receives; the lookups
-        // last. (This thread's poll disarmed on its way in.)
+        // Cheapest first: a stream has sends pending, an exchange hands out receives, a READ or an
+        // atomic hands the application what it asked for (it goes on with that; `read-lat` and
+        // `atomic-lat` post again at once, and arming cost each of their round trips 0.1 µs);
+        // the lookups last. (This thread's poll disarmed on its way in.)
         if wcs.is_empty()
             || st.hca.sends_pending()
             || wcs.iter().any(|wc| wc.opcode.is_receive())
+            || !wcs.iter().any(|wc| matches!(wc.opcode, WcOpcode::Send | WcOpcode::RdmaWrite))
             || !st.hca.cq_is_empty(cq)
             || wcs.iter().any(|wc| st.hca.recvs_posted(wc.qp_num))
         {

@@ -23,7 +23,10 @@
 //!
 //! On success the sender creates a sealed memfd (it cannot be shrunk under the receiver's mapping)
 //! holding one [`softrdma_abi::ring`] ring of [`SLOT_SIZE`]-byte slots and passes it with
-//! `SCM_RIGHTS`, with a hello naming its own source `ip:port` and the destination. The listener
+//! `SCM_RIGHTS`, with a hello naming its own source `ip:port` and the destination. Both sides map
+//! it with every page in place (`MAP_POPULATE`, ~2-3 ms once per lane on this VM): faulted in on
+//! first touch, each slot of the first lap cost both sides a page fault while the other side
+//! waited, and a ping-pong's first 9-17 ms ran 15-100× slower than the rest. The listener
 //! (in its progress or I/O loop) accepts, checks the hello and maps the ring as an inbound lane.
 //! A slot is a [`SLOT_HEADER`]-byte header (the packet length, little-endian u32) then the UDP
 //! payload exactly as it would go on the wire (BTH … ICRC), so the engine and the CM (QP1 MADs)
@@ -824,7 +827,8 @@ fn connect(src: SocketAddr, dst: SocketAddr, slots: u32) -> io::Result<OutLane> 
     }
     let conn = Conn::from_fd(fd);
     same_user(&conn)?;
-    let shm = Shm::create("softrdma-lane", ring_bytes(slots, SLOT_SIZE))?;
+    // Every page now, not one fault per slot on the first lap (see the module comment).
+    let shm = Shm::create_populated("softrdma-lane", ring_bytes(slots, SLOT_SIZE))?;
     let ring = shm.ring(0, slots, SLOT_SIZE)?;
     ring.init();
     let hello = format!("{HELLO} {src} {dst} {slots} {SLOT_SIZE}");
@@ -865,8 +869,8 @@ fn accept(conn: Conn, local: SocketAddr) -> io::Result<Inbound> {
     }
     let fd = fds.pop().ok_or_else(|| bad("no ring"))?;
     // Shm::open checks the memfd is sealed against shrinking: the peer cannot truncate it under
-    // our mapping (a SIGBUS on our next read).
-    let shm = Shm::open(fd, ring_bytes(slots, SLOT_SIZE))?;
+    // our mapping (a SIGBUS on our next read). Populated, as on the sender's side.
+    let shm = Shm::open_populated(fd, ring_bytes(slots, SLOT_SIZE))?;
     let ring = shm.ring(0, slots, SLOT_SIZE)?;
     if !ring.header_ok() {
         return Err(bad("ring header"));

@@ -703,10 +703,7 @@ impl QueuePair {
         }
         match &self.imp {
             QpImp::Embedded { h, .. } => {
-                h.dev.run(|st, now| {
-                    let st = &mut *st;
-                    st.hca.modify_qp(self.qpn, attr, now, &mut st.mem)
-                })?;
+                h.dev.run(|st, now| h.dev.modify_qp(st, self.qpn, attr, now))?;
                 Ok(())
             }
             QpImp::Daemon(q) => q.modify(attr),

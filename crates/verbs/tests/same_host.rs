@@ -539,6 +539,50 @@ fn a_request_through_a_lane_is_acked_at_once() {
     assert_eq!((a.ctx.flushes_left_owed(), b.ctx.flushes_left_owed()), (0, 0));
 }
 
+/// A connected QP whose peer is a softrdma device on this host has its lane open once it is
+/// ready to receive (INIT to RTR), before its first packet: the first message of an exchange
+/// does not wait for the connection and the ring's memory. A peer with the link off is tried
+/// and left to UDP the same way.
+#[test]
+fn a_connected_qp_has_its_lane_before_its_first_packet() {
+    let (a, b, _) = pair(48, [true, true]);
+    for ep in [&a, &b] {
+        let s = stats(ep);
+        assert_eq!((s.connects, s.lanes_out, s.tx_pkts), (1, 1, 0), "{s:?}");
+    }
+    write_read(&a, &b, 64, 3);
+    let s = stats(&a);
+    assert_eq!((s.connects, s.lanes_out), (1, 1), "one lane, opened once: {s:?}");
+    assert!(s.tx_pkts >= 2, "{s:?}");
+    let (c, _d, _) = pair(49, [true, false]);
+    let s = stats(&c);
+    assert_eq!((s.connects, s.connect_failures, s.lanes_out), (0, 1, 0), "{s:?}");
+}
+
+/// A poll that hands out a READ's or an atomic's completion does not arm the device: the
+/// application has what it asked for (perftest's read and atomic latency loops post again at
+/// once, and arming cost each round trip 0.1 µs); an RDMA WRITE's completion, with nothing else
+/// to wait for, does.
+#[test]
+fn a_read_or_atomic_completion_leaves_the_device_unarmed() {
+    let (a, b, _) = pair(50, [true, true]);
+    let remote = |off: u64| (b.mr.addr() + off, b.mr.rkey());
+    for round in 0..20u64 {
+        let (remote_addr, rkey) = remote(4096);
+        a.post(round * 3 + 1, SendOp::Read { remote_addr, rkey }, 0, 64);
+        wait_one(&a.cq, round * 3 + 1);
+        let (remote_addr, rkey) = remote(8192);
+        a.post(round * 3 + 2, SendOp::FetchAdd { remote_addr, rkey, add: 1 }, 256, 8);
+        wait_one(&a.cq, round * 3 + 2);
+    }
+    assert_eq!(stats(&a).polls_left_armed, 0, "{:?}", stats(&a));
+    assert_eq!(b.mr.to_vec(8192, 8).unwrap(), 20u64.to_ne_bytes(), "every FETCH_ADD executed once");
+    let (remote_addr, rkey) = remote(4096);
+    a.post(100, SendOp::Write { remote_addr, rkey }, 0, 64);
+    wait_one(&a.cq, 100);
+    assert_eq!(stats(&a).polls_left_armed, 1, "{:?}", stats(&a));
+}
+
 /// An application that waits for its peer's RDMA WRITE by watching its memory and polls no CQ
 /// meanwhile (perftest's write latency loop) is not left waiting for the I/O thread's next look:
 /// the poll that handed out its own WRITE's completion, with no receive posted and nothing else

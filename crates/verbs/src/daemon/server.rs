@@ -1780,7 +1780,7 @@ impl Session {
                     .run(|st, now| {
                         // A drain (SQD) includes them, as do the flush completions of ERR.
                         take_posted(dev, svc, qpn, st, now);
-                        st.hca.modify_qp(qpn, &m, now, &mut st.mem)
+                        dev.dev.modify_qp(st, qpn, &m, now)
                     })
                     .map_err(Refusal::Verbs)?;
                 ok(Response::Ok)
