@@ -14,63 +14,17 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cpus::{allow, allowed_cpus, cpus_to_move_between};
+use common::pair::{connect, free_port, ip, open, pair, stats};
 use common::{pattern, wait_n, wait_one, Endpoint};
 use softrdma_abi::ring::{ring_bytes, Producer};
 use softrdma_abi::shm::Shm;
 use softrdma_abi::sock::Conn;
 use softrdma_verbs::{
-    ConnectParams, Context, DeviceBuilder, Gid, Payload, Psn, QpCap, QpInitAttr, QpType, Qpn, SameHostStats, SendFlags,
-    SendOp, SendWr, WcStatus,
+    ConnectParams, Gid, Payload, Psn, QpCap, QpInitAttr, QpType, Qpn, SendFlags, SendOp, SendWr, WcStatus,
 };
 
 /// The slot size a lane's hello must announce (same_host.rs: 8-byte header + 4608, in whole lines).
 const SLOT_SIZE: u32 = 4672;
-
-fn ip(net: u8, last: u8) -> Ipv4Addr {
-    Ipv4Addr::new(127, 0, net, last)
-}
-
-fn open(name: &str, addr: Ipv4Addr, port: u16, same_host: bool) -> Context {
-    DeviceBuilder::new(name, "lo")
-        .addr(IpAddr::V4(addr))
-        .udp_port(port)
-        .same_host(same_host)
-        .open()
-        .expect("open device")
-}
-
-/// A UDP port free on all of `addrs` right now.
-fn free_port(addrs: &[Ipv4Addr]) -> u16 {
-    'again: loop {
-        let a = UdpSocket::bind((addrs[0], 0)).unwrap();
-        let port = a.local_addr().unwrap().port();
-        for b in &addrs[1..] {
-            if UdpSocket::bind((*b, port)).is_err() {
-                continue 'again;
-            }
-        }
-        return port;
-    }
-}
-
-fn connect(ep: &Endpoint, peer_qpn: u32, peer: Ipv4Addr) {
-    let mut p = ConnectParams::new(Qpn::new(peer_qpn), Psn::new(0), Gid::from_ip(IpAddr::V4(peer)), Psn::new(0));
-    // Short timeouts: a dead peer ends in a retry-exceeded completion within a second.
-    p.timeout = 12;
-    p.retry_cnt = 3;
-    ep.qp.connect(&ep.pd, &p).expect("connect");
-}
-
-/// Two endpoints on one host connected to each other.
-fn pair(net: u8, same_host: [bool; 2]) -> (Endpoint, Endpoint, u16) {
-    let (ia, ib) = (ip(net, 1), ip(net, 2));
-    let port = free_port(&[ia, ib]);
-    let a = Endpoint::new(open(&format!("sh{net}a"), ia, port, same_host[0]), 1 << 20, 64);
-    let b = Endpoint::new(open(&format!("sh{net}b"), ib, port, same_host[1]), 1 << 20, 64);
-    connect(&a, b.qp.qpn().value(), ib);
-    connect(&b, a.qp.qpn().value(), ia);
-    (a, b, port)
-}
 
 /// RDMA WRITE `len` bytes from `a` to `b`, READ them back, and compare byte for byte.
 fn write_read(a: &Endpoint, b: &Endpoint, len: usize, seed: u32) {
@@ -219,10 +173,6 @@ fn lane_conn(dst: SocketAddr) -> Conn {
     name.extend_from_slice(format!("softrdma-roce/{dst}").as_bytes());
     let path = std::path::Path::new(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&name));
     Conn::connect(path).expect("connect to the device's lane listener")
-}
-
-fn stats(ep: &Endpoint) -> SameHostStats {
-    ep.ctx.same_host_stats()
 }
 
 #[test]

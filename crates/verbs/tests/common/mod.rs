@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod cpus;
+pub mod pair;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
