@@ -159,6 +159,9 @@ pub(crate) struct State {
     wake_credit: u8,
     /// The I/O thread took over since the application last armed.
     arm_used: bool,
+    /// Calls of application threads into the device (polls, posts, other verbs): the I/O thread
+    /// polls before it sleeps only while no call comes (see `io_loop`).
+    app_calls: u64,
     tx_buf: Vec<u8>,
     /// Where a small message's packet is built before it is copied into a lane (see
     /// [`Device::post_send`]).
@@ -376,6 +379,7 @@ impl Device {
             lane_credit: ARM_CREDIT,
             wake_credit: ARM_CREDIT,
             arm_used: false,
+            app_calls: 0,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             ahead_buf: vec![0; crate::same_host::MAX_PACKET],
             tx_meta: Vec::with_capacity(udp::BATCH),
@@ -1094,6 +1098,7 @@ impl Device {
     /// device a poll left armed is disarmed (see [`Device::poll_leaves`]).
     #[inline]
     pub fn app_returns(&self, st: &mut State, polling: bool) {
+        st.app_calls = st.app_calls.wrapping_add(1);
         if self.app_armed.load(Ordering::Relaxed) {
             self.app_armed.store(false, Ordering::Relaxed);
             // Only while the I/O thread stands aside: in its own sleep it asked for the doorbells
@@ -1464,6 +1469,10 @@ impl Device {
         let mut link_checked = std::time::Instant::now();
         // Until when this thread polls instead of sleeping: IO_SPIN after the last work it did.
         let mut spin_until: Option<Instant> = None;
+        // The application threads' calls as this thread's last poll saw them, while it polls;
+        // and until when it does not poll between packets (an application thread called in).
+        let mut calls_seen: Option<u64> = None;
+        let mut quiet_until = Instant::ZERO;
         while !self.stop.load(Ordering::Acquire) {
             if link_checked.elapsed() >= IDLE_WAIT {
                 link_checked = std::time::Instant::now();
@@ -1482,17 +1491,24 @@ impl Device {
             // Before the lock: a poll that sees this thread aside under the lock may leave a
             // flush owed, which this thread then finds below.
             self.io_aside.store(false, Ordering::Relaxed);
-            // Poll before sleeping: while no application thread has polled this device for a
-            // while (the passive side of RDMA READs, WRITEs and atomics: perftest's servers wait in
-            // a socket), this thread keeps looking for IO_SPIN after it last found work. Asleep,
-            // each request would cost the peer a doorbell and wait for this thread's wake-up on an
-            // idle vCPU: `ib_read_lat` 29 µs a round trip instead of 0.8. Not while the
-            // application polls now and then: two applications spinning in memory on two cores
-            // (`ib_write_lat`) leave no core to spin on, and a woken thread gets one sooner.
+            // Poll before sleeping: on a device no application thread calls into (the passive
+            // side of RDMA READs, WRITEs and atomics: perftest's servers wait in a socket), this
+            // thread keeps looking for IO_SPIN after it last found work. Asleep, each request
+            // would cost the peer a doorbell and wait for this thread's wake-up on an idle vCPU:
+            // `ib_read_lat` 29 µs a round trip instead of 0.8. An application thread that calls
+            // in while this thread polls sends it back to sleeping between packets for APP_GONE:
+            // two applications spinning in memory on two cores (`ib_write_lat`) leave no core to
+            // spin on, and a woken thread gets one sooner; one that posts and polls all the time
+            // (`write-bw -q 10000`, whose polls always find completions) would meet this thread
+            // at the lock on every call (-30 % there).
             if let Some(until) = spin_until {
                 let mut st = self.lock();
                 let now = self.now();
-                if now < until && self.app_gone(now) {
+                if calls_seen.is_some_and(|c| c != st.app_calls) {
+                    quiet_until = now + APP_GONE;
+                }
+                if now < until && now >= quiet_until {
+                    calls_seen = Some(st.app_calls);
                     // Looking now: nobody need wake this thread for a deadline.
                     st.io_wake_at = Some(now);
                     self.flush_owed(&mut st, now);
@@ -1504,6 +1520,7 @@ impl Device {
                     continue;
                 }
                 spin_until = None;
+                calls_seen = None;
             }
             let wait = {
                 let mut st = self.lock();
@@ -1545,7 +1562,7 @@ impl Device {
             let now = self.now();
             // What a poll left owed goes before what arrives now can change a QP's state.
             self.flush_owed(&mut st, now);
-            if self.progress_at(&mut st, now, true) {
+            if self.progress_at(&mut st, now, true) && now >= quiet_until {
                 spin_until = Some(now + IO_SPIN);
             }
         }
@@ -1598,12 +1615,6 @@ impl Device {
     }
 
     /// An application thread made progress within the last BUSY_WINDOW.
-    /// No application thread polled this device for [`APP_GONE`], or ever (see `io_loop`).
-    fn app_gone(&self, now: Instant) -> bool {
-        let last = self.app_progress.load(Ordering::Relaxed);
-        last == 0 || now.as_nanos().saturating_sub(last) >= APP_GONE.as_nanos() as u64
-    }
-
     fn app_polling(&self) -> bool {
         let last = self.app_progress.load(Ordering::Relaxed);
         last != 0 && self.now().as_nanos().saturating_sub(last) < BUSY_WINDOW.as_nanos() as u64
@@ -1706,8 +1717,8 @@ const IDLE_WAIT: Duration = Duration::from_millis(200);
 /// How long the I/O thread keeps polling after it last found work before it sleeps again, while
 /// no application thread polls the device (see `io_loop`).
 const IO_SPIN: Duration = Duration::from_micros(50);
-/// How long since an application thread last polled the device before the I/O thread polls
-/// between packets instead of sleeping.
+/// How long the I/O thread sleeps between packets again, rather than polling, once an
+/// application thread called into the device while it polled.
 const APP_GONE: Duration = Duration::from_millis(10);
 
 /// Owner of a running device: stops and joins the I/O thread when the last verbs object is gone.
