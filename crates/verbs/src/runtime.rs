@@ -159,9 +159,6 @@ pub(crate) struct State {
     wake_credit: u8,
     /// The I/O thread took over since the application last armed.
     arm_used: bool,
-    /// Calls of application threads into the device (polls, posts, other verbs): the I/O thread
-    /// polls before it sleeps only while no call comes (see `io_loop`).
-    app_calls: u64,
     tx_buf: Vec<u8>,
     /// Where a small message's packet is built before it is copied into a lane (see
     /// [`Device::post_send`]).
@@ -379,7 +376,6 @@ impl Device {
             lane_credit: ARM_CREDIT,
             wake_credit: ARM_CREDIT,
             arm_used: false,
-            app_calls: 0,
             tx_buf: vec![0; udp::BATCH * TX_SLOT],
             ahead_buf: vec![0; crate::same_host::MAX_PACKET],
             tx_meta: Vec::with_capacity(udp::BATCH),
@@ -1098,7 +1094,6 @@ impl Device {
     /// device a poll left armed is disarmed (see [`Device::poll_leaves`]).
     #[inline]
     pub fn app_returns(&self, st: &mut State, polling: bool) {
-        st.app_calls = st.app_calls.wrapping_add(1);
         if self.app_armed.load(Ordering::Relaxed) {
             self.app_armed.store(false, Ordering::Relaxed);
             // Only while the I/O thread stands aside: in its own sleep it asked for the doorbells
@@ -1469,9 +1464,7 @@ impl Device {
         let mut link_checked = std::time::Instant::now();
         // Until when this thread polls instead of sleeping: IO_SPIN after the last work it did.
         let mut spin_until: Option<Instant> = None;
-        // The application threads' calls as this thread's last poll saw them, while it polls;
-        // and until when it does not poll between packets (an application thread called in).
-        let mut calls_seen: Option<u64> = None;
+        // Until when it does not poll between packets (an application thread was found in).
         let mut quiet_until = Instant::ZERO;
         while !self.stop.load(Ordering::Acquire) {
             if link_checked.elapsed() >= IDLE_WAIT {
@@ -1502,13 +1495,14 @@ impl Device {
             // (`write-bw -q 10000`, whose polls always find completions) would meet this thread
             // at the lock on every call (-30 % there).
             if let Some(until) = spin_until {
-                let mut st = self.lock();
                 let now = self.now();
-                if calls_seen.is_some_and(|c| c != st.app_calls) {
+                // The lock held means an application thread is in a call (a cheaper sign than a
+                // count its every call would update).
+                let st = self.state.try_lock();
+                if st.is_err() {
                     quiet_until = now + APP_GONE;
                 }
-                if now < until && now >= quiet_until {
-                    calls_seen = Some(st.app_calls);
+                if let (Ok(mut st), true) = (st, now < until && now >= quiet_until) {
                     // Looking now: nobody need wake this thread for a deadline.
                     st.io_wake_at = Some(now);
                     self.flush_owed(&mut st, now);
@@ -1520,7 +1514,6 @@ impl Device {
                     continue;
                 }
                 spin_until = None;
-                calls_seen = None;
             }
             let wait = {
                 let mut st = self.lock();
