@@ -556,9 +556,11 @@ impl Device {
     }
 
     /// Modify QP `qpn` (as `Hca::modify_qp`). A connected QP that gets its path (INIT to RTR)
-    /// and leads to another softrdma device on this host has the same-host lane to it opened now
-    /// rather than by its first packet, which would otherwise wait for the connection and for
-    /// the ring's pages (see same_host.rs; ~2-3 ms once per lane on this VM, while the peer polls).
+    /// has the same-host lane to its peer tried now rather than by its first packet, which would
+    /// otherwise wait for the connection and for the ring's pages (see same_host.rs; ~2-3 ms once
+    /// per lane on this VM, while the peer polls). A peer that is not a softrdma device on this
+    /// host costs one refused connect, cached for a second (`Link::lane_for`), as its first
+    /// packet's attempt did.
     pub fn modify_qp(
         &self,
         st: &mut State,
@@ -1506,11 +1508,15 @@ impl Device {
                     // Looking now: nobody need wake this thread for a deadline.
                     st.io_wake_at = Some(now);
                     self.flush_owed(&mut st, now);
-                    if self.progress_at(&mut st, now, false) {
-                        spin_until = Some(now + IO_SPIN);
-                    }
+                    let work = self.progress_at(&mut st, now, false);
                     drop(st);
-                    std::hint::spin_loop();
+                    if work {
+                        spin_until = Some(now + IO_SPIN);
+                    } else {
+                        // A look that found nothing gives the core away for a moment: the
+                        // requester's polling thread may be waiting for this very core.
+                        std::thread::yield_now();
+                    }
                     continue;
                 }
                 spin_until = None;
