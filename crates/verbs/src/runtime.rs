@@ -570,14 +570,19 @@ impl Device {
     ) -> std::result::Result<(), VerbsError> {
         st.hca.modify_qp(qpn, attr, now, &mut st.mem)?;
         if attr.state == Some(QpState::Rtr) {
-            if let Some(dgid) = st.hca.peer_gid(qpn) {
-                let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
-                if let Some(src) = self.port.local_for(&dst).filter(|&src| src != dst) {
-                    st.link.lane_for(dst, src, now);
-                }
+            let addrs = st.hca.peer_gid(qpn).and_then(|dgid| self.addrs_for(dgid));
+            if let Some((dst, src)) = addrs.filter(|(dst, src)| dst != src) {
+                st.link.lane_for(dst, src, now);
             }
         }
         Ok(())
+    }
+
+    /// Where packets for the port with GID `dgid` go (its address at our RoCE UDP port) and the
+    /// address of ours they leave from; `None` if no socket of ours has that address family.
+    fn addrs_for(&self, dgid: [u8; 16]) -> Option<(SocketAddr, SocketAddr)> {
+        let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
+        Some((dst, self.port.local_for(&dst)?))
     }
 
     /// Send what a poll left owed (see [`Device::poll_progress`]), if anything.
@@ -616,8 +621,7 @@ impl Device {
             let mut to_self: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
             let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
             cm.drain(hca, mem, now, |dgid, pkt| {
-                let dst = SocketAddr::new(Gid(dgid).to_ip(), self.port.port());
-                let sent = self.port.local_for(&dst).is_some_and(|src| {
+                let sent = self.addrs_for(dgid).is_some_and(|(dst, src)| {
                     if src == dst && link.loops_back() {
                         to_self.push((pkt.to_vec(), dst));
                         return true;
@@ -706,8 +710,7 @@ impl Device {
                 let (dst, src) = match *tx_peer {
                     Some((dgid, dst, src)) if dgid == t.av.dgid => (dst, src),
                     _ => {
-                        let dst = SocketAddr::new(Gid(t.av.dgid).to_ip(), self.port.port());
-                        let Some(src) = self.port.local_for(&dst) else {
+                        let Some((dst, src)) = self.addrs_for(t.av.dgid) else {
                             *tx_errors += 1;
                             continue;
                         };
@@ -1490,7 +1493,7 @@ impl Device {
             // side of RDMA READs, WRITEs and atomics: perftest's servers wait in a socket), this
             // thread keeps looking for IO_SPIN after it last found work. Asleep, each request
             // would cost the peer a doorbell and wait for this thread's wake-up on an idle vCPU:
-            // `ib_read_lat` 29 µs a round trip instead of 0.8. An application thread that calls
+            // `ib_read_lat` 29 µs a round trip instead of 0.9. An application thread that calls
             // in while this thread polls sends it back to sleeping between packets for APP_GONE:
             // two applications spinning in memory on two cores (`ib_write_lat`) leave no core to
             // spin on, and a woken thread gets one sooner; one that posts and polls all the time
@@ -1713,11 +1716,11 @@ const UDP_EVERY: Duration = Duration::from_micros(50);
 /// The longest the I/O thread sleeps without a deadline (it also rechecks `stop` this often).
 const IDLE_WAIT: Duration = Duration::from_millis(200);
 
-/// How long the I/O thread keeps polling after it last found work before it sleeps again, while
-/// no application thread polls the device (see `io_loop`).
+/// How long the I/O thread keeps polling after it last found work before it sleeps again, unless
+/// it found an application thread in a call (see `io_loop`).
 const IO_SPIN: Duration = Duration::from_micros(50);
-/// How long the I/O thread sleeps between packets again, rather than polling, once an
-/// application thread called into the device while it polled.
+/// How long the I/O thread sleeps between packets again, rather than polling, once it found an
+/// application thread in a call (the device lock held) while it polled.
 const APP_GONE: Duration = Duration::from_millis(10);
 
 /// Owner of a running device: stops and joins the I/O thread when the last verbs object is gone.
