@@ -279,9 +279,15 @@ impl Producer {
     /// full. Nothing is published until [`Producer::publish`]; taking the slot again without
     /// publishing returns the same slot.
     pub fn slot_mut(&mut self) -> Option<&mut [u8]> {
-        if self.room == 0 {
+        self.slot_mut_keeping(0)
+    }
+
+    /// [`Producer::slot_mut`] that leaves the last `keep` free slots alone: `None` when no more
+    /// than `keep` are free. (A same-host lane keeps one for the entry that says its ring moved.)
+    pub fn slot_mut_keeping(&mut self, keep: u32) -> Option<&mut [u8]> {
+        if self.room <= keep {
             self.room = self.free();
-            if self.room == 0 {
+            if self.room <= keep {
                 return None;
             }
         }

@@ -251,6 +251,14 @@ impl Conn {
     /// End of file (the peer closed) is `Ok(None)`.
     pub fn recv(&self) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
         let mut buf = vec![0u8; MAX_MSG];
+        let Some((n, fds)) = self.recv_into(&mut buf)? else { return Ok(None) };
+        buf.truncate(n);
+        Ok(Some((buf, fds)))
+    }
+
+    /// Receive one message into `buf` (a longer one is an error) and the descriptors that came
+    /// with it; returns its length. End of file (the peer closed) is `Ok(None)`.
+    pub fn recv_into(&self, buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
         let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() };
         let mut cbuf = [MaybeUninit::<u64>::zeroed(); 16];
         // SAFETY: msghdr is plain data; all-zero is valid.
@@ -291,8 +299,7 @@ impl Conn {
         if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "message or descriptors truncated"));
         }
-        buf.truncate(n);
-        Ok(Some((buf, fds)))
+        Ok(Some((n, fds)))
     }
 }
 

@@ -39,6 +39,16 @@
 //! [`SameHostStats::ring_corrupt`] and the lane dropped), slot lengths against the slot
 //! ([`SameHostStats::rx_malformed`]), and the engine parses the packet as it parses the network's.
 //!
+//! A ring starts with [`FIRST_SLOTS`] slots (150 KiB): request-response traffic never has more
+//! than a few packets in a lane, and with N devices talking all-to-all there are N(N-1) rings.
+//! A ring found full while it is smaller than `SOFTRDMA_SAME_HOST_SLOTS` (512 by default) grows
+//! [`GROWTH`] times, the sender keeping one slot free for it: the sender creates the larger ring,
+//! sends its memfd on the lane's connection (a [`GROW`] message), then publishes the kept slot with
+//! the length [`MOVED`] and writes on in the new ring. The receiver, reaching that slot, maps the
+//! ring the message brought (it was sent first, so it is there to read) and reads on from its
+//! start, so the packets keep their order across the move. A slot that says it moved when no
+//! larger ring came is a broken lane (dropped and counted as [`SameHostStats::ring_corrupt`]).
+//!
 //! A full ring does not drop: the packet that found it full waits in the lane's one-packet
 //! overflow buffer and the runtime stops taking packets from the engine ([`Link::congested`])
 //! until the receiver made room, so the link is lossless like a socket buffer that is never
@@ -58,6 +68,7 @@
 //! Connection housekeeping (accepting lanes, noticing hang-ups) is one `poll` with no timeout at
 //! most every [`MAINTAIN_EVERY`] from the busy-polling path, and at once when the I/O thread wakes.
 
+use std::collections::VecDeque;
 use std::ffi::OsStr;
 use std::io;
 use std::net::SocketAddr;
@@ -67,7 +78,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use softrdma_abi::ring::{ring_bytes, Consumer, Producer};
+use softrdma_abi::ring::{ring_bytes, Consumer, Producer, Ring};
 use softrdma_abi::shm::Shm;
 use softrdma_abi::sock::{geteuid, Conn, Listener};
 use softrdma_transport::Instant;
@@ -83,9 +94,17 @@ pub(crate) const SLOT_HEADER: usize = 8;
 pub(crate) const MAX_PACKET: usize = 4096 + 512;
 /// Bytes per slot, a whole number of cache lines.
 pub(crate) const SLOT_SIZE: u32 = ((SLOT_HEADER + MAX_PACKET).div_ceil(64) * 64) as u32;
-/// Slots per lane unless `SOFTRDMA_SAME_HOST_SLOTS` says otherwise: four QPs' full windows (129
-/// packets each) fit, 2.3 MiB of shared memory.
+/// The most slots a lane's ring grows to unless `SOFTRDMA_SAME_HOST_SLOTS` says otherwise: four
+/// QPs' full windows (129 packets each) fit, 2.3 MiB of shared memory.
 pub(crate) const DEFAULT_SLOTS: u32 = 512;
+/// Slots a lane's ring starts with (150 KiB): request-response traffic never has more than a few
+/// packets in a lane, and a device talking to N peers makes N rings.
+pub(crate) const FIRST_SLOTS: u32 = 32;
+/// How much larger a ring found full is made each time, up to the link's slot count.
+const GROWTH: u32 = 4;
+/// The length a slot says when the ring moved: the producer's next entries are in the ring the
+/// last [`GROW`] message on the lane's connection brought.
+const MOVED: u32 = u32::MAX;
 /// The most slots a hello may announce (a sanity bound on the mapping a peer makes us create).
 const MAX_SLOTS: u32 = 1 << 14;
 /// How long a destination that refused a lane (or hung one up) keeps using UDP before we try again.
@@ -100,7 +119,9 @@ pub(crate) const MAINTAIN_EVERY: Duration = Duration::from_millis(1);
 /// Entries taken from one lane per progress call (bounded work per call).
 const LANE_BUDGET: usize = 256;
 /// First word of the hello.
-const HELLO: &str = "softrdma-lane/1";
+const HELLO: &str = "softrdma-lane/2";
+/// First word of the message that brings a lane's larger ring (its descriptor attached).
+const GROW: &str = "grow";
 
 /// Counters of the same-host link of one device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -127,8 +148,14 @@ pub struct SameHostStats {
     pub tx_dropped: u64,
     /// Slots whose length did not fit the slot (dropped).
     pub rx_malformed: u64,
-    /// Lanes dropped because the peer broke the ring's indices.
+    /// Lanes dropped because the peer broke the ring's indices, or moved to a ring it did not
+    /// send.
     pub ring_corrupt: u64,
+    /// Outbound rings replaced by larger ones: each found full (its receiver behind) while it was
+    /// smaller than `SOFTRDMA_SAME_HOST_SLOTS`.
+    pub rings_grown: u64,
+    /// Slots of all outbound rings up now (each is 4,672 bytes of shared memory).
+    pub ring_slots_out: u64,
     /// Lanes we opened, attempts that found no softrdma device (or were refused).
     pub connects: u64,
     /// See `connects`.
@@ -199,6 +226,8 @@ same_host_counters!(
     tx_dropped,
     rx_malformed,
     ring_corrupt,
+    rings_grown,
+    ring_slots_out,
     connects,
     connect_failures,
     accepts,
@@ -248,6 +277,9 @@ fn set_nonblocking(fd: RawFd) -> io::Result<()> {
 /// Our half of a lane we send on.
 struct OutLane {
     prod: Producer,
+    /// Free slots no packet may take: one while the ring may still grow (for the entry that says
+    /// it moved), else none.
+    keep: u32,
     /// A packet that found the ring full (`pending_len` bytes; 0: none), allocated with the lane.
     pending: Vec<u8>,
     pending_len: usize,
@@ -256,6 +288,13 @@ struct OutLane {
     _shm: Shm,
     /// Entries published since the last doorbell check.
     dirty: bool,
+}
+
+impl OutLane {
+    /// The next free slot for a packet, `None` if the ring is full.
+    fn slot(&mut self) -> Option<&mut [u8]> {
+        self.prod.slot_mut_keeping(self.keep)
+    }
 }
 
 /// A destination we have sent to: its lane, or when to try again.
@@ -276,6 +315,35 @@ struct Inbound {
     /// The sender hung up: deliver what is left in the ring (its last packets, a DREQ, are as
     /// good as datagrams still in a socket buffer), then drop the lane.
     closing: bool,
+    /// Larger rings the sender sent ([`GROW`] messages read from the connection), with their slot
+    /// counts, oldest first: each is where the entries go on after a [`MOVED`] slot.
+    moves: VecDeque<(OwnedFd, u32)>,
+    /// The sender moved to a ring it did not send (or one we could not map): drop the lane.
+    broken: bool,
+}
+
+impl Inbound {
+    /// The current ring said it [`MOVED`]: go on in the next ring the sender sent.
+    fn move_on(&mut self) -> io::Result<()> {
+        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+        if self.moves.is_empty() {
+            // The sender sends the ring before it publishes the slot that says it moved.
+            drain(self);
+        }
+        let (fd, slots) = self.moves.pop_front().ok_or_else(|| bad("moved to no ring"))?;
+        if !slots.is_power_of_two() || slots <= self.cons.ring().capacity() || slots > MAX_SLOTS {
+            return Err(bad("grown ring of the wrong size"));
+        }
+        let shm = Shm::open_populated(fd, ring_bytes(slots, SLOT_SIZE))?;
+        let ring = shm.ring(0, slots, SLOT_SIZE)?;
+        if !ring.header_ok() {
+            return Err(bad("ring header"));
+        }
+        // The old consumer goes before the mapping it reads.
+        self.cons = Consumer::new(ring);
+        self._shm = shm;
+        Ok(())
+    }
 }
 
 /// The same-host link of one device (behind the device lock).
@@ -381,6 +449,7 @@ impl Link {
         match connect(src, dst, self.slots) {
             Ok(lane) => {
                 lane.prod.ring().set_producer_cpu(self.poller_cpu);
+                self.stats.ring_slots_out += u64::from(lane.prod.ring().capacity());
                 o.lane = Some(lane);
                 self.stats.connects += 1;
                 self.stats.lanes_out += 1;
@@ -420,7 +489,7 @@ impl Link {
     /// Where to build the next packet: the free slot (packet area) of the lane the last one went to.
     pub fn spec_slot(&mut self) -> Option<(usize, &mut [u8])> {
         let i = self.spec?;
-        let s = self.outbound[i].lane.as_mut()?.prod.slot_mut()?;
+        let s = self.outbound[i].lane.as_mut()?.slot()?;
         Some((i, &mut s[SLOT_HEADER..]))
     }
 
@@ -429,14 +498,14 @@ impl Link {
     /// packet waits parked for it (that one goes first). Publish with [`Link::publish`].
     pub fn slot_ahead(&mut self, i: usize) -> Option<&mut [u8]> {
         let lane = self.outbound.get_mut(i)?.lane.as_mut().filter(|l| l.pending_len == 0)?;
-        let s = lane.prod.slot_mut()?;
+        let s = lane.slot()?;
         Some(&mut s[SLOT_HEADER..])
     }
 
     /// Publish the packet of `len` bytes built in lane `i`'s [`Link::spec_slot`].
     pub fn publish(&mut self, i: usize, len: usize) {
         let Some(lane) = self.outbound[i].lane.as_mut() else { return };
-        let Some(s) = lane.prod.slot_mut() else { return };
+        let Some(s) = lane.slot() else { return };
         s[..4].copy_from_slice(&(len as u32).to_le_bytes());
         lane.prod.publish_tagged();
         lane.dirty = true;
@@ -447,25 +516,32 @@ impl Link {
 
     /// Copy the packet of `len` bytes built in lane `i`'s unpublished slot into `out`.
     pub fn copy_unpublished(&mut self, i: usize, out: &mut [u8]) {
-        if let Some(s) = self.outbound[i].lane.as_mut().and_then(|l| l.prod.slot_mut()) {
+        if let Some(s) = self.outbound[i].lane.as_mut().and_then(|l| l.slot()) {
             out.copy_from_slice(&s[SLOT_HEADER..][..out.len()]);
         }
     }
 
-    /// Copy `pkt` into lane `i` and publish it. A full ring keeps it in the lane's overflow
-    /// buffer (the link is then [`Link::congested`]); false (counted) if that is taken too, or the
-    /// packet is too large.
+    /// Copy `pkt` into lane `i` and publish it. A full ring grows if it may ([`Link::grow`]), or
+    /// keeps the packet in the lane's overflow buffer (the link is then [`Link::congested`]);
+    /// false (counted) if that is taken too, or the packet is too large.
     pub fn push(&mut self, i: usize, pkt: &[u8]) -> bool {
-        let Some(lane) = self.outbound[i].lane.as_mut() else { return false };
+        let Some(lane) = self.outbound[i].lane.as_ref() else { return false };
         if pkt.len() > MAX_PACKET {
             return false;
         }
         if lane.pending_len == 0 {
-            if let Some(s) = lane.prod.slot_mut() {
+            for _ in 0..2 {
+                let Some(s) = self.outbound[i].lane.as_mut().and_then(|l| l.slot()) else {
+                    if self.grow(i) {
+                        continue;
+                    }
+                    break;
+                };
                 s[SLOT_HEADER..][..pkt.len()].copy_from_slice(pkt);
                 self.publish(i, pkt.len());
                 return true;
             }
+            let Some(lane) = self.outbound[i].lane.as_mut() else { return false };
             lane.pending[..pkt.len()].copy_from_slice(pkt);
             lane.pending_len = pkt.len();
             self.stats.tx_ring_full += 1;
@@ -479,10 +555,14 @@ impl Link {
     /// Returns whether the link is still [`Link::congested`].
     pub fn flush_pending(&mut self) -> bool {
         let mut congested = false;
-        for (i, o) in self.outbound.iter_mut().enumerate() {
-            let Some(lane) = o.lane.as_mut().filter(|l| l.pending_len > 0) else { continue };
+        for i in 0..self.outbound.len() {
+            let full = |l: &mut OutLane| l.pending_len > 0 && l.slot().is_none();
+            if self.outbound[i].lane.as_mut().is_some_and(full) {
+                self.grow(i);
+            }
+            let Some(lane) = self.outbound[i].lane.as_mut().filter(|l| l.pending_len > 0) else { continue };
             let len = lane.pending_len;
-            match lane.prod.slot_mut() {
+            match lane.prod.slot_mut_keeping(lane.keep) {
                 Some(s) => {
                     s[SLOT_HEADER..][..len].copy_from_slice(&lane.pending[..len]);
                     s[..4].copy_from_slice(&(len as u32).to_le_bytes());
@@ -497,6 +577,36 @@ impl Link {
             }
         }
         congested
+    }
+
+    /// Replace lane `i`'s full ring with one [`GROWTH`] times larger, if it is smaller than the
+    /// link's slot count: the receiver gets the new ring first (a [`GROW`] message with its
+    /// descriptor), then the old ring's kept slot says [`MOVED`], and the next packets go to the
+    /// new ring. Returns whether it grew; a ring that cannot be made or sent leaves the lane as it
+    /// was (full, so the packet waits for room).
+    fn grow(&mut self, i: usize) -> bool {
+        let poller = self.poller_cpu;
+        let Some(lane) = self.outbound[i].lane.as_mut().filter(|l| l.keep > 0) else { return false };
+        let old = lane.prod.ring().capacity();
+        let slots = old.saturating_mul(GROWTH).min(self.slots);
+        let Ok((shm, ring)) = new_ring(slots) else { return false };
+        let msg = format!("{GROW} {slots}");
+        if lane.conn.send(msg.as_bytes(), &[shm.fd().as_raw_fd()]).is_err() {
+            return false;
+        }
+        // The kept slot: always free while `keep` is 1.
+        let Some(s) = lane.prod.slot_mut() else { return false };
+        s[..4].copy_from_slice(&MOVED.to_le_bytes());
+        lane.prod.publish_tagged();
+        ring.set_producer_cpu(poller);
+        // The old producer goes before the mapping it writes.
+        lane.prod = Producer::new(ring);
+        lane._shm = shm;
+        lane.keep = u32::from(slots < self.slots);
+        lane.dirty = true;
+        self.stats.rings_grown += 1;
+        self.stats.ring_slots_out += u64::from(slots - old);
+        true
     }
 
     /// Whether a lane's ring is full with a packet waiting, or the last flush stopped taking
@@ -564,6 +674,7 @@ impl Link {
         s.rx_pkts += d.rx_pkts;
         s.rx_bytes += d.rx_bytes;
         s.rx_malformed += d.rx_malformed;
+        s.ring_corrupt += d.ring_corrupt;
         s.lanes_in = lanes.lanes.len() as u64;
         self.inbound = lanes.lanes;
     }
@@ -619,7 +730,8 @@ impl Link {
                     continue;
                 }
                 if pfds[k].revents & hup != 0 {
-                    o.lane = None;
+                    let slots = o.lane.take().map_or(0, |l| l.prod.ring().capacity());
+                    self.stats.ring_slots_out -= u64::from(slots);
                     o.retry_at = now + RETRY;
                     self.stats.peer_gone += 1;
                     self.stats.lanes_out -= 1;
@@ -634,7 +746,7 @@ impl Link {
                 let lane = &mut self.inbound[i];
                 let mut gone = r & hup != 0;
                 if r & libc::POLLIN != 0 {
-                    gone |= !drain(lane.conn.as_raw_fd());
+                    gone |= !drain(lane);
                 }
                 if gone {
                     lane.closing = true;
@@ -733,6 +845,7 @@ struct LaneCounts {
     rx_pkts: u64,
     rx_bytes: u64,
     rx_malformed: u64,
+    ring_corrupt: u64,
 }
 
 impl Lanes {
@@ -747,7 +860,16 @@ impl Lanes {
                 // The slot's tag says whether it holds the next entry (one cache line for a small
                 // packet); the producer index is checked by `Link::maintain`.
                 let Some(slot) = lane.cons.front_tagged() else { break };
-                let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]) as usize;
+                let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]);
+                if len == MOVED {
+                    if lane.move_on().is_err() {
+                        lane.broken = true;
+                        self.stats.ring_corrupt += 1;
+                        break;
+                    }
+                    continue;
+                }
+                let len = len as usize;
                 match slot.get(SLOT_HEADER..).and_then(|p| p.get(..len)).filter(|_| len <= MAX_PACKET) {
                     Some(pkt) => {
                         if !f(pkt, lane.src, lane.local, taken) {
@@ -762,30 +884,32 @@ impl Lanes {
                 lane.cons.advance();
             }
         }
-        if self.lanes.iter().any(|l| l.closing) {
-            self.lanes.retain(|l| !l.closing || l.cons.front_tagged().is_some());
+        if self.lanes.iter().any(|l| l.closing || l.broken) {
+            self.lanes.retain(|l| !l.broken && (!l.closing || l.cons.front_tagged().is_some()));
         }
         got
     }
 }
 
-/// Read the doorbell bytes waiting on `fd`; false if the peer hung up.
-fn drain(fd: RawFd) -> bool {
+/// Read what waits on an inbound lane's (non-blocking) connection: doorbells, and the sender's
+/// larger rings ([`GROW`] messages, kept in [`Inbound::moves`] until the ring says it moved);
+/// false if the peer hung up.
+fn drain(lane: &mut Inbound) -> bool {
     let mut b = [0u8; 64];
     loop {
-        // SAFETY: a non-blocking receive into a live buffer of the length given.
-        let rc = unsafe { libc::recv(fd, b.as_mut_ptr() as *mut libc::c_void, b.len(), libc::MSG_DONTWAIT) };
-        if rc > 0 {
-            continue;
-        }
-        if rc == 0 {
-            return false;
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => return true,
-            _ => return false,
+        match lane.conn.recv_into(&mut b) {
+            Ok(Some((n, mut fds))) => {
+                let mut words = std::str::from_utf8(&b[..n]).unwrap_or("").split(' ');
+                if words.next() == Some(GROW) && fds.len() == 1 {
+                    // A count that does not parse is refused when the ring says it moved.
+                    let slots = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+                    lane.moves.push_back((fds.remove(0), slots));
+                }
+            }
+            Ok(None) => return false,
+            // A message too long for a doorbell or a ring is nothing we sent: skip it.
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => continue,
+            Err(e) => return e.kind() == io::ErrorKind::WouldBlock,
         }
     }
 }
@@ -797,8 +921,16 @@ fn same_user(conn: &Conn) -> io::Result<()> {
     Ok(())
 }
 
-/// Open a lane to the device that owns `dst`.
-fn connect(src: SocketAddr, dst: SocketAddr, slots: u32) -> io::Result<OutLane> {
+/// A new lane ring of `slots` slots, every page in place (see the module comment).
+fn new_ring(slots: u32) -> io::Result<(Shm, Ring)> {
+    let shm = Shm::create_populated("softrdma-lane", ring_bytes(slots, SLOT_SIZE))?;
+    let ring = shm.ring(0, slots, SLOT_SIZE)?;
+    ring.init();
+    Ok((shm, ring))
+}
+
+/// Open a lane to the device that owns `dst`, with a ring that may grow to `max_slots`.
+fn connect(src: SocketAddr, dst: SocketAddr, max_slots: u32) -> io::Result<OutLane> {
     // A non-blocking connect: a listener with a full backlog refuses (EAGAIN) instead of making
     // us wait with the device lock held.
     // SAFETY: plain socket(2).
@@ -827,14 +959,13 @@ fn connect(src: SocketAddr, dst: SocketAddr, slots: u32) -> io::Result<OutLane> 
     }
     let conn = Conn::from_fd(fd);
     same_user(&conn)?;
-    // Every page now, not one fault per slot on the first lap (see the module comment).
-    let shm = Shm::create_populated("softrdma-lane", ring_bytes(slots, SLOT_SIZE))?;
-    let ring = shm.ring(0, slots, SLOT_SIZE)?;
-    ring.init();
+    let slots = max_slots.min(FIRST_SLOTS);
+    let (shm, ring) = new_ring(slots)?;
     let hello = format!("{HELLO} {src} {dst} {slots} {SLOT_SIZE}");
     conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()])?;
     Ok(OutLane {
         prod: Producer::new(ring),
+        keep: u32::from(slots < max_slots),
         pending: vec![0; MAX_PACKET],
         pending_len: 0,
         conn,
@@ -877,7 +1008,16 @@ fn accept(conn: Conn, local: SocketAddr) -> io::Result<Inbound> {
     }
     conn.set_read_timeout(None)?;
     set_nonblocking(conn.as_raw_fd())?;
-    Ok(Inbound { cons: Consumer::new(ring), conn, _shm: shm, src, local, closing: false })
+    Ok(Inbound {
+        cons: Consumer::new(ring),
+        conn,
+        _shm: shm,
+        src,
+        local,
+        closing: false,
+        moves: VecDeque::new(),
+        broken: false,
+    })
 }
 
 #[cfg(test)]
@@ -896,7 +1036,7 @@ mod tests {
         let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
         s = SameHostStats::from_named(&list);
         assert_eq!(s.named(), list);
-        assert_eq!(names.len(), 25);
+        assert_eq!(names.len(), 27);
         assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
     }
 }

@@ -187,13 +187,13 @@ fn a_corrupted_ring_is_counted_and_dropped_without_panics() {
     let ring = shm.ring(0, slots, SLOT_SIZE).unwrap();
     ring.init();
     let conn = lane_conn(b_addr);
-    let hello = format!("softrdma-lane/1 127.0.19.9:{} {b_addr} {slots} {SLOT_SIZE}", b_addr.port());
+    let hello = format!("softrdma-lane/2 127.0.19.9:{} {b_addr} {slots} {SLOT_SIZE}", b_addr.port());
     conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
     eventually(Duration::from_secs(5), "B to accept the lane", || stats(&b).lanes_in == 2);
     let mut p = Producer::new(ring);
     let drops = b.ctx.counters().drop_malformed;
-    // 1. Lengths that do not fit the slot.
-    for len in [u32::MAX, SLOT_SIZE, 4096 + 512 + 1] {
+    // 1. Lengths that do not fit the slot (u32::MAX says the ring moved: see below).
+    for len in [u32::MAX - 1, SLOT_SIZE, 4096 + 512 + 1] {
         let s = p.slot_mut().unwrap();
         s[..4].copy_from_slice(&len.to_le_bytes());
         p.publish_tagged();
@@ -237,13 +237,15 @@ fn a_hello_that_lies_is_refused() {
     shm.ring(0, 16, SLOT_SIZE).unwrap().init();
     for hello in [
         // Another destination than the listener's address.
-        format!("softrdma-lane/1 127.0.20.9:1 127.0.20.3:{} 16 {SLOT_SIZE}", b_addr.port()),
+        format!("softrdma-lane/2 127.0.20.9:1 127.0.20.3:{} 16 {SLOT_SIZE}", b_addr.port()),
         // A ring larger than the memory.
-        format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 1024 {SLOT_SIZE}"),
+        format!("softrdma-lane/2 127.0.20.9:1 {b_addr} 1024 {SLOT_SIZE}"),
         // Another slot size, a count that is no power of two, garbage.
-        format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 16 4096"),
-        format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 15 {SLOT_SIZE}"),
-        "softrdma-lane/1 x y z w".to_string(),
+        format!("softrdma-lane/2 127.0.20.9:1 {b_addr} 16 4096"),
+        format!("softrdma-lane/2 127.0.20.9:1 {b_addr} 15 {SLOT_SIZE}"),
+        "softrdma-lane/2 x y z w".to_string(),
+        // A peer of the first lane protocol (whose rings never move).
+        format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 16 {SLOT_SIZE}"),
     ] {
         let conn = lane_conn(b_addr);
         conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
@@ -257,12 +259,12 @@ fn a_hello_that_lies_is_refused() {
     assert!(raw >= 0);
     // SAFETY: we own `raw`; ftruncate to the ring's size.
     assert_eq!(unsafe { libc::ftruncate(raw, ring_bytes(16, SLOT_SIZE) as libc::off_t) }, 0);
-    conn.send(format!("softrdma-lane/1 127.0.20.9:1 {b_addr} 16 {SLOT_SIZE}").as_bytes(), &[raw]).unwrap();
+    conn.send(format!("softrdma-lane/2 127.0.20.9:1 {b_addr} 16 {SLOT_SIZE}").as_bytes(), &[raw]).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     assert!(conn.recv().unwrap().is_none(), "unsealed memory refused");
     // SAFETY: closing our own descriptor.
     unsafe { libc::close(raw) };
-    eventually(Duration::from_secs(5), "the refusals to be counted", || stats(&b).refused == 6);
+    eventually(Duration::from_secs(5), "the refusals to be counted", || stats(&b).refused == 7);
     assert_eq!(stats(&b).lanes_in, 1);
     write_read(&a, &b, 1000, 6);
 }
@@ -306,7 +308,7 @@ fn an_ack_behind_a_reply_waits_for_the_next_poll() {
         let ring = shm.ring(0, slots, SLOT_SIZE).unwrap();
         ring.init();
         let conn = lane_conn(a_addr);
-        let hello = format!("softrdma-lane/1 {src}:{port} {a_addr} {slots} {SLOT_SIZE}");
+        let hello = format!("softrdma-lane/2 {src}:{port} {a_addr} {slots} {SLOT_SIZE}");
         conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
         shms.borrow_mut().push((shm, conn));
         Producer::new(ring)
@@ -674,4 +676,116 @@ fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
     }
     // Spreading them within 8 round trips, 20 times out of 20, is not something the kernel does.
     assert!(checked > 0, "the pollers never yielded enough to move");
+}
+
+/// A lane's ring starts small (request-response traffic never fills it) and grows, four times at a
+/// time up to 512 slots, when its receiver falls behind. The QPs that fill it are UC: nothing is
+/// retransmitted, so a packet lost or reordered where the ring moves leaves a WRITE missing or torn
+/// in the receiver's memory.
+#[test]
+fn a_lane_ring_starts_small_and_grows_without_losing_a_packet() {
+    let (a, b, _) = pair(52, [true, true]);
+    for seed in 0..20 {
+        write_read(&a, &b, 64, seed);
+    }
+    let (sa, sb) = (stats(&a), stats(&b));
+    assert!(sa.lanes_out == 1 && sa.ring_slots_out == 32 && sa.rings_grown == 0, "{sa:?}");
+    assert!(sb.lanes_out == 1 && sb.ring_slots_out == 32 && sb.rings_grown == 0, "{sb:?}");
+    let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let attr = |cq| QpInitAttr { qp_type: QpType::Uc, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false };
+    let (qa, qb) = (a.pd.create_qp(&attr(&a.cq)).unwrap(), b.pd.create_qp(&attr(&b.cq)).unwrap());
+    let params = |qpn, ip| ConnectParams::new(qpn, Psn::new(0), Gid::from_ip(IpAddr::V4(ip)), Psn::new(0));
+    qa.connect(&a.pd, &params(qb.qpn(), ip(52, 2))).unwrap();
+    qb.connect(&b.pd, &params(qa.qpn(), ip(52, 1))).unwrap();
+    // Each round: 64 WRITEs of 16 KiB (four packets each) posted at once, 256 packets in a row.
+    const MSG: usize = 16 << 10;
+    let mut grown_at = None;
+    for round in 0..20u32 {
+        let data = pattern(64 * MSG, 100 + round);
+        a.mr.write(0, &data).unwrap();
+        for k in 0..64 {
+            let write = SendOp::Write { remote_addr: b.mr.addr() + (k * MSG) as u64, rkey: b.mr.rkey() };
+            let payload = Payload::Sgl(vec![a.sge(k * MSG, MSG)].into());
+            let wr = SendWr { wr_id: k as u64, op: write, payload, flags: SendFlags::SIGNALED, ud: None };
+            qa.post_send(wr).unwrap();
+        }
+        let wcs = wait_n(&a.cq, 64, Duration::from_secs(30));
+        assert!(wcs.iter().all(|wc| wc.status == WcStatus::Success), "{wcs:?}");
+        eventually(Duration::from_secs(10), "every WRITE of the round in B's memory", || {
+            b.mr.to_vec(0, 64 * MSG).unwrap() == data
+        });
+        if stats(&a).ring_slots_out == 512 {
+            grown_at = Some(round);
+            break;
+        }
+    }
+    let (sa, sb) = (stats(&a), stats(&b));
+    assert!(grown_at.is_some(), "the ring never grew to 512 slots: {sa:?}");
+    assert!(sa.lanes_out == 1 && sa.rings_grown == 2 && sa.tx_dropped == 0, "{sa:?}");
+    assert!(sb.lanes_in == 1 && sb.ring_corrupt == 0 && sb.rx_malformed == 0 && sb.peer_gone == 0, "{sb:?}");
+    // The grown lane carries RC traffic both ways as before.
+    write_read(&a, &b, 300_000, 7);
+    write_read(&b, &a, 300_000, 8);
+    assert_eq!(stats(&a).lanes_out, 1);
+}
+
+/// A sender that says its ring moved without sending the ring, or moves to a smaller one, has its
+/// lane dropped (counted in `ring_corrupt`, and hung up on); one that sends a larger ring first is
+/// followed into it. The device's other lane works throughout.
+#[test]
+fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
+    let (a, b, port) = pair(53, [true, true]);
+    write_read(&a, &b, 70_000, 9);
+    let b_addr = SocketAddr::new(IpAddr::V4(ip(53, 2)), port);
+    let ring_of = |slots: u32| {
+        let shm = Shm::create("mover", ring_bytes(slots, SLOT_SIZE)).unwrap();
+        shm.ring(0, slots, SLOT_SIZE).unwrap().init();
+        shm
+    };
+    let say_moved = |p: &mut Producer| {
+        let s = p.slot_mut().unwrap();
+        s[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        p.publish_tagged();
+    };
+    let open_lane = |from: u8| {
+        let shm = ring_of(16);
+        let conn = lane_conn(b_addr);
+        let hello = format!("softrdma-lane/2 127.0.53.{from}:{port} {b_addr} 16 {SLOT_SIZE}");
+        conn.send(hello.as_bytes(), &[shm.fd().as_raw_fd()]).unwrap();
+        eventually(Duration::from_secs(5), "B to accept the lane", || stats(&b).lanes_in == 2);
+        (Producer::new(shm.ring(0, 16, SLOT_SIZE).unwrap()), shm, conn)
+    };
+    let hung_up = |conn: &Conn| {
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert!(conn.recv().unwrap().is_none(), "B hung up");
+    };
+    // 1. Moved, and no ring sent.
+    let (mut p, _shm, conn) = open_lane(9);
+    say_moved(&mut p);
+    eventually(Duration::from_secs(5), "B to drop the lane", || stats(&b).ring_corrupt == 1);
+    hung_up(&conn);
+    eventually(Duration::from_secs(5), "the lane gone", || stats(&b).lanes_in == 1);
+    // 2. Moved to a ring smaller than the one it leaves.
+    let (mut p, _shm, conn) = open_lane(10);
+    let small = ring_of(8);
+    conn.send(b"grow 8", &[small.fd().as_raw_fd()]).unwrap();
+    say_moved(&mut p);
+    eventually(Duration::from_secs(5), "B to drop the lane", || stats(&b).ring_corrupt == 2);
+    hung_up(&conn);
+    eventually(Duration::from_secs(5), "the lane gone", || stats(&b).lanes_in == 1);
+    // 3. A larger ring sent first: B reads on in it (the garbage length there is counted).
+    let (mut p, _shm, conn) = open_lane(11);
+    let large = ring_of(64);
+    conn.send(b"grow 64", &[large.fd().as_raw_fd()]).unwrap();
+    say_moved(&mut p);
+    let mut q = Producer::new(large.ring(0, 64, SLOT_SIZE).unwrap());
+    let malformed = stats(&b).rx_malformed;
+    let s = q.slot_mut().unwrap();
+    s[..4].copy_from_slice(&(SLOT_SIZE + 1).to_le_bytes());
+    q.publish_tagged();
+    eventually(Duration::from_secs(5), "B to read the new ring", || stats(&b).rx_malformed == malformed + 1);
+    let sb = stats(&b);
+    assert!(sb.lanes_in == 2 && sb.ring_corrupt == 2, "{sb:?}");
+    write_read(&a, &b, 70_000, 10);
+    assert_eq!(stats(&a).lanes_out, 1);
 }
