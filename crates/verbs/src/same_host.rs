@@ -102,6 +102,9 @@ pub(crate) const DEFAULT_SLOTS: u32 = 512;
 pub(crate) const FIRST_SLOTS: u32 = 32;
 /// How much larger a ring found full is made each time, up to the link's slot count.
 const GROWTH: u32 = 4;
+/// The most rings a receiver keeps that its sender sent and did not move to yet (growing from 4
+/// slots to [`MAX_SLOTS`] takes six).
+const MAX_MOVES: usize = 8;
 /// The length a slot says when the ring moved: the producer's next entries are in the ring the
 /// last [`GROW`] message on the lane's connection brought.
 const MOVED: u32 = u32::MAX;
@@ -582,20 +585,23 @@ impl Link {
     /// Replace lane `i`'s full ring with one [`GROWTH`] times larger, if it is smaller than the
     /// link's slot count: the receiver gets the new ring first (a [`GROW`] message with its
     /// descriptor), then the old ring's kept slot says [`MOVED`], and the next packets go to the
-    /// new ring. Returns whether it grew; a ring that cannot be made or sent leaves the lane as it
-    /// was (full, so the packet waits for room).
+    /// new ring. Returns whether it grew. A ring that cannot be made or sent (no memory, a
+    /// receiver that does not read its connection) ends the lane's growing: the kept slot is
+    /// free for packets, and no later full ring tries again.
     fn grow(&mut self, i: usize) -> bool {
         let poller = self.poller_cpu;
         let Some(lane) = self.outbound[i].lane.as_mut().filter(|l| l.keep > 0) else { return false };
         let old = lane.prod.ring().capacity();
         let slots = old.saturating_mul(GROWTH).min(self.slots);
-        let Ok((shm, ring)) = new_ring(slots) else { return false };
-        let msg = format!("{GROW} {slots}");
-        if lane.conn.send(msg.as_bytes(), &[shm.fd().as_raw_fd()]).is_err() {
+        let sent = new_ring(slots).and_then(|(shm, ring)| {
+            lane.conn.send(format!("{GROW} {slots}").as_bytes(), &[shm.fd().as_raw_fd()])?;
+            Ok((shm, ring))
+        });
+        // The kept slot is free while `keep` is 1.
+        let (Ok((shm, ring)), Some(s)) = (sent, lane.prod.slot_mut()) else {
+            lane.keep = 0;
             return false;
-        }
-        // The kept slot: always free while `keep` is 1.
-        let Some(s) = lane.prod.slot_mut() else { return false };
+        };
         s[..4].copy_from_slice(&MOVED.to_le_bytes());
         lane.prod.publish_tagged();
         ring.set_producer_cpu(poller);
@@ -901,6 +907,10 @@ fn drain(lane: &mut Inbound) -> bool {
             Ok(Some((n, mut fds))) => {
                 let mut words = std::str::from_utf8(&b[..n]).unwrap_or("").split(' ');
                 if words.next() == Some(GROW) && fds.len() == 1 {
+                    if lane.moves.len() == MAX_MOVES {
+                        // More rings than a lane can grow through: not a softrdma sender.
+                        return false;
+                    }
                     // A count that does not parse is refused when the ring says it moved.
                     let slots = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
                     lane.moves.push_back((fds.remove(0), slots));

@@ -731,7 +731,8 @@ fn a_lane_ring_starts_small_and_grows_without_losing_a_packet() {
 
 /// A sender that says its ring moved without sending the ring, or moves to a smaller one, has its
 /// lane dropped (counted in `ring_corrupt`, and hung up on); one that sends a larger ring first is
-/// followed into it. The device's other lane works throughout.
+/// followed into it; one that sends more rings than a lane grows through is hung up on. The
+/// device's other lane works throughout.
 #[test]
 fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
     let (a, b, port) = pair(53, [true, true]);
@@ -786,6 +787,16 @@ fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
     eventually(Duration::from_secs(5), "B to read the new ring", || stats(&b).rx_malformed == malformed + 1);
     let sb = stats(&b);
     assert!(sb.lanes_in == 2 && sb.ring_corrupt == 2, "{sb:?}");
+    // 4. More rings than any lane grows through, never moved to: hung up on as a peer gone.
+    let gone = stats(&b).peer_gone;
+    for _ in 0..9 {
+        conn.send(b"grow 128", &[large.fd().as_raw_fd()]).unwrap();
+    }
+    hung_up(&conn);
+    eventually(Duration::from_secs(5), "the lane gone", || {
+        let s = stats(&b);
+        s.lanes_in == 1 && s.peer_gone == gone + 1
+    });
     write_read(&a, &b, 70_000, 10);
     assert_eq!(stats(&a).lanes_out, 1);
 }
