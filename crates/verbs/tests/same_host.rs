@@ -833,20 +833,22 @@ fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
         conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         assert!(conn.recv().unwrap().is_none(), "B hung up");
     };
+    // The lane is dropped as broken (the `corrupt`th), B hangs up, its other lane stays.
+    let dropped = |conn: &Conn, corrupt: u64| {
+        eventually(Duration::from_secs(5), "B to drop the lane", || stats(&b).ring_corrupt == corrupt);
+        hung_up(conn);
+        eventually(Duration::from_secs(5), "the lane gone", || stats(&b).lanes_in == 1);
+    };
     // 1. Moved, and no ring sent.
     let (mut p, _shm, conn) = open_lane(9);
     say_moved(&mut p);
-    eventually(Duration::from_secs(5), "B to drop the lane", || stats(&b).ring_corrupt == 1);
-    hung_up(&conn);
-    eventually(Duration::from_secs(5), "the lane gone", || stats(&b).lanes_in == 1);
+    dropped(&conn, 1);
     // 2. Moved to a ring smaller than the one it leaves.
     let (mut p, _shm, conn) = open_lane(10);
     let small = ring_of(8);
     conn.send(b"grow 8", &[small.fd().as_raw_fd()]).unwrap();
     say_moved(&mut p);
-    eventually(Duration::from_secs(5), "B to drop the lane", || stats(&b).ring_corrupt == 2);
-    hung_up(&conn);
-    eventually(Duration::from_secs(5), "the lane gone", || stats(&b).lanes_in == 1);
+    dropped(&conn, 2);
     // 3. A larger ring sent first: B reads on in it (the garbage length there is counted).
     let (mut p, _shm, conn) = open_lane(11);
     let large = ring_of(64);
