@@ -234,6 +234,11 @@ impl Producer {
         self.ring.capacity.saturating_sub(used)
     }
 
+    /// Entries written (published or staged) since the ring began: the producer's own index.
+    pub fn produced(&self) -> u32 {
+        self.next
+    }
+
     /// Entries written (published or staged) and not yet consumed.
     pub fn in_flight(&self) -> u32 {
         self.ring.capacity - self.free()

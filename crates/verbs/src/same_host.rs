@@ -43,11 +43,13 @@
 //! than a few packets in a lane, and with N devices talking all-to-all there are N(N-1) rings.
 //! A ring found full while it is smaller than `SOFTRDMA_SAME_HOST_SLOTS` (512 by default) grows
 //! [`GROWTH`] times, the sender keeping one slot free for it: the sender creates the larger ring,
-//! sends its memfd on the lane's connection (a [`GROW`] message), then publishes the kept slot with
+//! sends its memfd on the lane's connection (a [`MOVE`] message), then publishes the kept slot with
 //! the length [`MOVED`] and writes on in the new ring. The receiver, reaching that slot, maps the
 //! ring the message brought (it was sent first, so it is there to read) and reads on from its
-//! start, so the packets keep their order across the move. A slot that says it moved when no
-//! larger ring came is a broken lane (dropped and counted as [`SameHostStats::ring_corrupt`]).
+//! start, so the packets keep their order across the move. A grown ring that has carried nothing
+//! for [`SHRINK_AFTER`], its receiver having taken everything, moves back to the first size the
+//! same way (checked by [`Link::maintain`]). A slot that says it moved when no ring came, or a ring
+//! of no lane's size, is a broken lane (dropped and counted as [`SameHostStats::ring_corrupt`]).
 //!
 //! A full ring does not drop: the packet that found it full waits in the lane's one-packet
 //! overflow buffer and the runtime stops taking packets from the engine ([`Link::congested`])
@@ -102,12 +104,16 @@ pub(crate) const DEFAULT_SLOTS: u32 = 512;
 pub(crate) const FIRST_SLOTS: u32 = 32;
 /// How much larger a ring found full is made each time, up to the link's slot count.
 const GROWTH: u32 = 4;
-/// The most rings a receiver keeps that its sender sent and did not move to yet (growing from 4
-/// slots to [`MAX_SLOTS`] takes six).
+/// The most rings a receiver keeps that its sender sent and did not move to yet (a sender moves
+/// to a smaller ring only once we took everything, and growing from 4 slots to [`MAX_SLOTS`]
+/// takes six moves).
 const MAX_MOVES: usize = 8;
 /// The length a slot says when the ring moved: the producer's next entries are in the ring the
-/// last [`GROW`] message on the lane's connection brought.
+/// last [`MOVE`] message on the lane's connection brought.
 const MOVED: u32 = u32::MAX;
+/// How long a ring larger than [`FIRST_SLOTS`] carries nothing before its sender moves back to
+/// one of that size (the memory of a lane that grew in a burst goes back once it is quiet).
+const SHRINK_AFTER: Duration = Duration::from_secs(2);
 /// The most slots a hello may announce (a sanity bound on the mapping a peer makes us create).
 const MAX_SLOTS: u32 = 1 << 14;
 /// How long a destination that refused a lane (or hung one up) keeps using UDP before we try again.
@@ -123,8 +129,8 @@ pub(crate) const MAINTAIN_EVERY: Duration = Duration::from_millis(1);
 const LANE_BUDGET: usize = 256;
 /// First word of the hello.
 const HELLO: &str = "softrdma-lane/2";
-/// First word of the message that brings a lane's larger ring (its descriptor attached).
-const GROW: &str = "grow";
+/// First word of the message that brings a lane's next ring (its descriptor attached).
+const MOVE: &str = "move";
 
 /// Counters of the same-host link of one device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -157,6 +163,8 @@ pub struct SameHostStats {
     /// Outbound rings replaced by larger ones: each found full (its receiver behind) while it was
     /// smaller than `SOFTRDMA_SAME_HOST_SLOTS`.
     pub rings_grown: u64,
+    /// Grown outbound rings moved back to the first size after carrying nothing for two seconds.
+    pub rings_shrunk: u64,
     /// Slots of all outbound rings up now (each is 4,672 bytes of shared memory).
     pub ring_slots_out: u64,
     /// Lanes we opened, attempts that found no softrdma device (or were refused).
@@ -230,6 +238,7 @@ same_host_counters!(
     rx_malformed,
     ring_corrupt,
     rings_grown,
+    rings_shrunk,
     ring_slots_out,
     connects,
     connect_failures,
@@ -291,6 +300,8 @@ struct OutLane {
     _shm: Shm,
     /// Entries published since the last doorbell check.
     dirty: bool,
+    /// The producer's index at the last [`Link::maintain`] that saw it change, and when.
+    quiet: (u32, Instant),
 }
 
 impl OutLane {
@@ -318,10 +329,11 @@ struct Inbound {
     /// The sender hung up: deliver what is left in the ring (its last packets, a DREQ, are as
     /// good as datagrams still in a socket buffer), then drop the lane.
     closing: bool,
-    /// Larger rings the sender sent ([`GROW`] messages read from the connection), with their slot
-    /// counts, oldest first: each is where the entries go on after a [`MOVED`] slot.
+    /// Rings the sender sent ([`MOVE`] messages read from the connection), with their slot counts,
+    /// oldest first: each is where the entries go on after a [`MOVED`] slot.
     moves: VecDeque<(OwnedFd, u32)>,
-    /// The sender moved to a ring it did not send (or one we could not map): drop the lane.
+    /// The sender moved to a ring it did not send (or one of no lane's size, or one we could not
+    /// map): drop the lane.
     broken: bool,
 }
 
@@ -334,8 +346,8 @@ impl Inbound {
             drain(self);
         }
         let (fd, slots) = self.moves.pop_front().ok_or_else(|| bad("moved to no ring"))?;
-        if !slots.is_power_of_two() || slots <= self.cons.ring().capacity() || slots > MAX_SLOTS {
-            return Err(bad("grown ring of the wrong size"));
+        if !slots_ok(slots) {
+            return Err(bad("moved to a ring of no lane's size"));
         }
         let shm = Shm::open_populated(fd, ring_bytes(slots, SLOT_SIZE))?;
         let ring = shm.ring(0, slots, SLOT_SIZE)?;
@@ -449,7 +461,7 @@ impl Link {
             return None;
         }
         o.retry_at = now + RETRY;
-        match connect(src, dst, self.slots) {
+        match connect(src, dst, self.slots, now) {
             Ok(lane) => {
                 lane.prod.ring().set_producer_cpu(self.poller_cpu);
                 self.stats.ring_slots_out += u64::from(lane.prod.ring().capacity());
@@ -583,36 +595,68 @@ impl Link {
     }
 
     /// Replace lane `i`'s full ring with one [`GROWTH`] times larger, if it is smaller than the
-    /// link's slot count: the receiver gets the new ring first (a [`GROW`] message with its
-    /// descriptor), then the old ring's kept slot says [`MOVED`], and the next packets go to the
-    /// new ring. Returns whether it grew. A ring that cannot be made or sent (no memory, a
-    /// receiver that does not read its connection) ends the lane's growing: the kept slot is
-    /// free for packets, and no later full ring tries again.
+    /// link's slot count ([`Link::move_ring`]). Returns whether it grew. A ring that cannot be
+    /// made or sent (no memory, a receiver that does not read its connection) ends the lane's
+    /// growing: the kept slot is free for packets, and no later full ring tries again.
     fn grow(&mut self, i: usize) -> bool {
-        let poller = self.poller_cpu;
         let Some(lane) = self.outbound[i].lane.as_mut().filter(|l| l.keep > 0) else { return false };
+        let slots = lane.prod.ring().capacity().saturating_mul(GROWTH).min(self.slots);
+        if !self.move_ring(i, slots) {
+            if let Some(lane) = self.outbound[i].lane.as_mut() {
+                lane.keep = 0;
+            }
+            return false;
+        }
+        self.stats.rings_grown += 1;
+        true
+    }
+
+    /// Move lane `i` to a new ring of `slots` slots: the receiver gets it first (a [`MOVE`]
+    /// message with its descriptor), then a free slot of the old ring (the kept one, when the ring
+    /// is full) says [`MOVED`], and the next packets go to the new ring. False if the ring cannot
+    /// be made or sent, or the old one has no free slot; the lane is then as it was.
+    fn move_ring(&mut self, i: usize, slots: u32) -> bool {
+        let (poller, max) = (self.poller_cpu, self.slots);
+        let Some(lane) = self.outbound[i].lane.as_mut() else { return false };
         let old = lane.prod.ring().capacity();
-        let slots = old.saturating_mul(GROWTH).min(self.slots);
         let sent = new_ring(slots).and_then(|(shm, ring)| {
-            lane.conn.send(format!("{GROW} {slots}").as_bytes(), &[shm.fd().as_raw_fd()])?;
+            lane.conn.send(format!("{MOVE} {slots}").as_bytes(), &[shm.fd().as_raw_fd()])?;
             Ok((shm, ring))
         });
-        // The kept slot is free while `keep` is 1.
-        let (Ok((shm, ring)), Some(s)) = (sent, lane.prod.slot_mut()) else {
-            lane.keep = 0;
-            return false;
-        };
+        let (Ok((shm, ring)), Some(s)) = (sent, lane.prod.slot_mut()) else { return false };
         s[..4].copy_from_slice(&MOVED.to_le_bytes());
         lane.prod.publish_tagged();
         ring.set_producer_cpu(poller);
         // The old producer goes before the mapping it writes.
         lane.prod = Producer::new(ring);
         lane._shm = shm;
-        lane.keep = u32::from(slots < self.slots);
+        lane.keep = u32::from(slots < max);
         lane.dirty = true;
-        self.stats.rings_grown += 1;
-        self.stats.ring_slots_out += u64::from(slots - old);
+        self.stats.ring_slots_out = self.stats.ring_slots_out - u64::from(old) + u64::from(slots);
         true
+    }
+
+    /// Move every grown outbound ring that has carried nothing for [`SHRINK_AFTER`], and whose
+    /// receiver has taken everything, back to a ring of the first size.
+    fn shrink_quiet(&mut self, now: Instant) {
+        let first = self.slots.min(FIRST_SLOTS);
+        for i in 0..self.outbound.len() {
+            let Some(lane) = self.outbound[i].lane.as_mut() else { continue };
+            let at = lane.prod.produced();
+            if at != lane.quiet.0 {
+                lane.quiet = (at, now);
+                continue;
+            }
+            if lane.prod.ring().capacity() <= first || now < lane.quiet.1 + SHRINK_AFTER || lane.prod.in_flight() > 0 {
+                continue;
+            }
+            let moved = self.move_ring(i, first);
+            self.stats.rings_shrunk += u64::from(moved);
+            if let Some(lane) = self.outbound[i].lane.as_mut() {
+                // Tried again after another quiet spell if it failed.
+                lane.quiet = (lane.prod.produced(), now);
+            }
+        }
     }
 
     /// Whether a lane's ring is full with a packet waiting, or the last flush stopped taking
@@ -685,8 +729,8 @@ impl Link {
         self.inbound = lanes.lanes;
     }
 
-    /// Accept new lanes and notice hung-up ones: at most every [`MAINTAIN_EVERY`] unless `force`.
-    /// Returns whether a lane came or went.
+    /// Accept new lanes, notice hung-up ones and move quiet grown rings back to the first size:
+    /// at most every [`MAINTAIN_EVERY`] unless `force`. Returns whether a lane came or went.
     pub fn maintain(&mut self, now: Instant, force: bool) -> bool {
         if !self.enabled || (!force && now < self.next_maintain) {
             return false;
@@ -712,6 +756,7 @@ impl Link {
         self.stats.ring_corrupt += (n - self.inbound.len()) as u64;
         self.stats.lanes_in = self.inbound.len() as u64;
         self.next_maintain = now + MAINTAIN_EVERY;
+        self.shrink_quiet(now);
         let mut pfds = std::mem::take(&mut self.pfds);
         pfds.clear();
         let ev = |fd: RawFd, events: libc::c_short| libc::pollfd { fd, events, revents: 0 };
@@ -898,7 +943,7 @@ impl Lanes {
 }
 
 /// Read what waits on an inbound lane's (non-blocking) connection: doorbells, and the sender's
-/// larger rings ([`GROW`] messages, kept in [`Inbound::moves`] until the ring says it moved);
+/// next rings ([`MOVE`] messages, kept in [`Inbound::moves`] until the ring says it moved);
 /// false if the peer hung up.
 fn drain(lane: &mut Inbound) -> bool {
     let mut b = [0u8; 64];
@@ -906,7 +951,7 @@ fn drain(lane: &mut Inbound) -> bool {
         match lane.conn.recv_into(&mut b) {
             Ok(Some((n, mut fds))) => {
                 let mut words = std::str::from_utf8(&b[..n]).unwrap_or("").split(' ');
-                if words.next() == Some(GROW) && fds.len() == 1 {
+                if words.next() == Some(MOVE) && fds.len() == 1 {
                     if lane.moves.len() == MAX_MOVES {
                         // More rings than a lane can grow through: not a softrdma sender.
                         return false;
@@ -931,6 +976,11 @@ fn same_user(conn: &Conn) -> io::Result<()> {
     Ok(())
 }
 
+/// Whether a ring of `slots` slots is one a lane may have (a power of two, at most [`MAX_SLOTS`]).
+fn slots_ok(slots: u32) -> bool {
+    slots.is_power_of_two() && slots <= MAX_SLOTS
+}
+
 /// A new lane ring of `slots` slots, every page in place (see the module comment).
 fn new_ring(slots: u32) -> io::Result<(Shm, Ring)> {
     let shm = Shm::create_populated("softrdma-lane", ring_bytes(slots, SLOT_SIZE))?;
@@ -939,8 +989,8 @@ fn new_ring(slots: u32) -> io::Result<(Shm, Ring)> {
     Ok((shm, ring))
 }
 
-/// Open a lane to the device that owns `dst`, with a ring that may grow to `max_slots`.
-fn connect(src: SocketAddr, dst: SocketAddr, max_slots: u32) -> io::Result<OutLane> {
+/// Open a lane to the device that owns `dst` at `now`, with a ring that may grow to `max_slots`.
+fn connect(src: SocketAddr, dst: SocketAddr, max_slots: u32, now: Instant) -> io::Result<OutLane> {
     // A non-blocking connect: a listener with a full backlog refuses (EAGAIN) instead of making
     // us wait with the device lock held.
     // SAFETY: plain socket(2).
@@ -976,6 +1026,7 @@ fn connect(src: SocketAddr, dst: SocketAddr, max_slots: u32) -> io::Result<OutLa
     Ok(OutLane {
         prod: Producer::new(ring),
         keep: u32::from(slots < max_slots),
+        quiet: (0, now),
         pending: vec![0; MAX_PACKET],
         pending_len: 0,
         conn,
@@ -998,13 +1049,7 @@ fn accept(conn: Conn, local: SocketAddr) -> io::Result<Inbound> {
     let dst: SocketAddr = dst.parse().map_err(|_| bad("bad destination"))?;
     let slots: u32 = slots.parse().map_err(|_| bad("bad slot count"))?;
     let slot_size: u32 = slot_size.parse().map_err(|_| bad("bad slot size"))?;
-    if magic != HELLO
-        || dst != local
-        || src.port() == 0
-        || slot_size != SLOT_SIZE
-        || !slots.is_power_of_two()
-        || slots > MAX_SLOTS
-        || fds.len() != 1
+    if magic != HELLO || dst != local || src.port() == 0 || slot_size != SLOT_SIZE || !slots_ok(slots) || fds.len() != 1
     {
         return Err(bad("hello refused"));
     }
@@ -1046,7 +1091,7 @@ mod tests {
         let list: Vec<(String, u64)> = names.iter().enumerate().map(|(i, (n, _))| (n.clone(), i as u64)).collect();
         s = SameHostStats::from_named(&list);
         assert_eq!(s.named(), list);
-        assert_eq!(names.len(), 27);
+        assert_eq!(names.len(), 28);
         assert!(names.iter().all(|(n, _)| n.starts_with("same_host_")));
     }
 }

@@ -679,12 +679,13 @@ fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
 }
 
 /// A lane's ring starts with 32 slots and grows four times at a time, up to 512, whenever its
-/// sender finds it full. The receiver here is the test itself, which takes nothing until A has
-/// sent everything: A fills the 32-slot ring (31 packets and the slot saying it moved), then the
-/// 128-slot one, then writes on in the 512-slot one. Read back in order, following the rings as a
-/// device does, the packets are all there, PSN after PSN.
+/// sender finds it full, and goes back to 32 once it has been quiet for two seconds. The receiver
+/// here is the test itself, which takes nothing until A has sent everything: A fills the 32-slot
+/// ring (31 packets and the slot saying it moved), then the 128-slot one, then writes on in the
+/// 512-slot one. Read back in order, following the rings as a device does, the packets are all
+/// there, PSN after PSN, and so are those sent after the ring shrank.
 #[test]
-fn a_lane_ring_starts_small_and_grows_when_full() {
+fn a_lane_ring_starts_small_grows_when_full_and_shrinks_when_quiet() {
     use softrdma_abi::ring::Consumer;
     use softrdma_abi::sock::Listener;
     let (ia, ib) = (ip(54, 1), ip(54, 2));
@@ -728,27 +729,52 @@ fn a_lane_ring_starts_small_and_grows_when_full() {
     let sa = stats(&a);
     assert!(sa.rings_grown == 2 && sa.ring_slots_out == 512 && sa.tx_pkts == 200, "{sa:?}");
     let (mut psn, mut rings) = (0u32, vec![32]);
-    while psn < 200 {
-        let slot = cons.front_tagged().unwrap_or_else(|| panic!("packet {psn} missing"));
-        let len = u32::from_le_bytes(slot[..4].try_into().unwrap());
-        if len == u32::MAX {
-            let (msg, mut fds) = conn.recv().unwrap().expect("the grown ring");
-            let slots: u32 = String::from_utf8(msg).unwrap().strip_prefix("grow ").unwrap().parse().unwrap();
-            assert_eq!(slots, rings.last().unwrap() * 4);
-            rings.push(slots);
-            let grown = Shm::open(fds.remove(0), ring_bytes(slots, SLOT_SIZE)).unwrap();
-            cons = Consumer::new(grown.ring(0, slots, SLOT_SIZE).unwrap());
-            shm = grown;
-            continue;
+    // Take the packets up to PSN `until`, following the rings as a device does.
+    let mut take = |until: u32, psn: &mut u32, rings: &mut Vec<u32>| {
+        while *psn < until {
+            let slot = cons.front_tagged().unwrap_or_else(|| panic!("packet {psn} missing"));
+            let len = u32::from_le_bytes(slot[..4].try_into().unwrap());
+            if len == u32::MAX {
+                let (msg, mut fds) = conn.recv().unwrap().expect("the next ring");
+                let slots: u32 = String::from_utf8(msg).unwrap().strip_prefix("move ").unwrap().parse().unwrap();
+                rings.push(slots);
+                let next = Shm::open(fds.remove(0), ring_bytes(slots, SLOT_SIZE)).unwrap();
+                cons = Consumer::new(next.ring(0, slots, SLOT_SIZE).unwrap());
+                shm = next;
+                continue;
+            }
+            let pkt = softrdma_wire::IbPacket::new_checked(&slot[8..][..len as usize]).unwrap();
+            assert_eq!(pkt.bth().psn().value(), *psn, "packets out of order");
+            assert_eq!(pkt.payload().len(), 4096);
+            *psn += 1;
+            cons.advance();
         }
-        let pkt = softrdma_wire::IbPacket::new_checked(&slot[8..][..len as usize]).unwrap();
-        assert_eq!(pkt.bth().psn().value(), psn, "packets out of order");
-        assert_eq!(pkt.payload().len(), 4096);
-        psn += 1;
-        cons.advance();
-    }
-    assert!(cons.front_tagged().is_none(), "more than 200 packets");
+        assert!(cons.front_tagged().is_none(), "more than {until} packets");
+    };
+    take(200, &mut psn, &mut rings);
     assert_eq!(rings, [32, 128, 512]);
+    // Quiet for two seconds with everything taken: A moves back to 32 slots (its maintenance runs
+    // while it polls), and its next packets come in that ring.
+    let t = Instant::now();
+    while stats(&a).rings_shrunk == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "the grown ring never shrank: {:?}", stats(&a));
+        a.cq.poll(1, &mut Vec::new()).unwrap();
+        std::thread::yield_now();
+    }
+    assert!(t.elapsed() >= Duration::from_millis(1500), "shrank before the lane was quiet");
+    let sa = stats(&a);
+    assert!(sa.rings_shrunk == 1 && sa.ring_slots_out == 32 && sa.rings_grown == 2, "{sa:?}");
+    let wrs = (0..4).map(|k| SendWr {
+        wr_id: 100 + k as u64,
+        op: SendOp::Write { remote_addr: 0x1000 + (k * MSG) as u64, rkey: 0x99 },
+        payload: Payload::Sgl(vec![a.sge(k * MSG, MSG)].into()),
+        flags: SendFlags::SIGNALED,
+        ud: None,
+    });
+    qa.post_send_list(wrs).unwrap();
+    wait_n(&a.cq, 4, Duration::from_secs(30));
+    take(216, &mut psn, &mut rings);
+    assert_eq!(rings, [32, 128, 512, 32]);
     drop(shm);
 }
 
@@ -802,10 +828,10 @@ fn a_growing_lane_loses_no_packet() {
     assert_eq!(stats(&a).lanes_out, 1);
 }
 
-/// A sender that says its ring moved without sending the ring, or moves to a smaller one, has its
-/// lane dropped (counted in `ring_corrupt`, and hung up on); one that sends a larger ring first is
-/// followed into it; one that sends more rings than a lane grows through is hung up on. The
-/// device's other lane works throughout.
+/// A sender that says its ring moved without sending the ring, or moves to a ring of no lane's
+/// size, has its lane dropped (counted in `ring_corrupt`, and hung up on); one that sends a ring
+/// first is followed into it; one that sends more rings than a lane moves through is hung up on.
+/// The device's other lane works throughout.
 #[test]
 fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
     let (a, b, port) = pair(53, [true, true]);
@@ -843,16 +869,16 @@ fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
     let (mut p, _shm, conn) = open_lane(9);
     say_moved(&mut p);
     dropped(&conn, 1);
-    // 2. Moved to a ring smaller than the one it leaves.
+    // 2. Moved to a ring of a size no lane has.
     let (mut p, _shm, conn) = open_lane(10);
-    let small = ring_of(8);
-    conn.send(b"grow 8", &[small.fd().as_raw_fd()]).unwrap();
+    let odd = ring_of(8);
+    conn.send(b"move 12", &[odd.fd().as_raw_fd()]).unwrap();
     say_moved(&mut p);
     dropped(&conn, 2);
     // 3. A larger ring sent first: B reads on in it (the garbage length there is counted).
     let (mut p, _shm, conn) = open_lane(11);
     let large = ring_of(64);
-    conn.send(b"grow 64", &[large.fd().as_raw_fd()]).unwrap();
+    conn.send(b"move 64", &[large.fd().as_raw_fd()]).unwrap();
     say_moved(&mut p);
     let mut q = Producer::new(large.ring(0, 64, SLOT_SIZE).unwrap());
     let malformed = stats(&b).rx_malformed;
@@ -865,7 +891,7 @@ fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
     // 4. More rings than any lane grows through, never moved to: hung up on as a peer gone.
     let gone = stats(&b).peer_gone;
     for _ in 0..9 {
-        conn.send(b"grow 128", &[large.fd().as_raw_fd()]).unwrap();
+        conn.send(b"move 128", &[large.fd().as_raw_fd()]).unwrap();
     }
     hung_up(&conn);
     eventually(Duration::from_secs(5), "the lane gone", || {
