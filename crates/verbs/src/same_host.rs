@@ -158,7 +158,7 @@ pub struct SameHostStats {
     /// Slots whose length did not fit the slot (dropped).
     pub rx_malformed: u64,
     /// Lanes dropped because the peer broke the ring's indices, or moved to a ring it did not
-    /// send.
+    /// send or of no lane's size (or one we could not map: out of memory or descriptors).
     pub ring_corrupt: u64,
     /// Outbound rings replaced by larger ones: each found full (its receiver behind) while it was
     /// smaller than `SOFTRDMA_SAME_HOST_SLOTS`.
@@ -341,9 +341,10 @@ impl Inbound {
     /// The current ring said it [`MOVED`]: go on in the next ring the sender sent.
     fn move_on(&mut self) -> io::Result<()> {
         let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
-        if self.moves.is_empty() {
-            // The sender sends the ring before it publishes the slot that says it moved.
-            drain(self);
+        if self.moves.is_empty() && !drain(self) {
+            // The sender sends the ring before it publishes the slot that says it moved; what
+            // drain found is kept, and the lane goes once the ring is read.
+            self.closing = true;
         }
         let (fd, slots) = self.moves.pop_front().ok_or_else(|| bad("moved to no ring"))?;
         if !slots_ok(slots) {
@@ -613,19 +614,31 @@ impl Link {
 
     /// Move lane `i` to a new ring of `slots` slots: the receiver gets it first (a [`MOVE`]
     /// message with its descriptor), then a free slot of the old ring (the kept one, when the ring
-    /// is full) says [`MOVED`], and the next packets go to the new ring. False if the ring cannot
-    /// be made or sent, or the old one has no free slot; the lane is then as it was.
+    /// is full) says [`MOVED`], and the next packets go to the new ring. False if the old ring
+    /// has no free slot, or the new one cannot be made or sent; the lane is then as it was.
+    ///
+    /// A receiver that asked the old ring for a doorbell is rung here: it may have read the
+    /// message and gone back to sleep before the slot said it moved, and later doorbell checks
+    /// look at the new ring only.
     fn move_ring(&mut self, i: usize, slots: u32) -> bool {
         let (poller, max) = (self.poller_cpu, self.slots);
         let Some(lane) = self.outbound[i].lane.as_mut() else { return false };
+        if lane.prod.slot_mut().is_none() {
+            return false;
+        }
         let old = lane.prod.ring().capacity();
         let sent = new_ring(slots).and_then(|(shm, ring)| {
             lane.conn.send(format!("{MOVE} {slots}").as_bytes(), &[shm.fd().as_raw_fd()])?;
             Ok((shm, ring))
         });
+        // The slot is still free: nothing else produces into this ring.
         let (Ok((shm, ring)), Some(s)) = (sent, lane.prod.slot_mut()) else { return false };
         s[..4].copy_from_slice(&MOVED.to_le_bytes());
         lane.prod.publish_tagged();
+        if lane.prod.take_doorbell_request() {
+            ring_doorbell(&lane.conn);
+            self.stats.doorbells += 1;
+        }
         ring.set_producer_cpu(poller);
         // The old producer goes before the mapping it writes.
         lane.prod = Producer::new(ring);
@@ -692,16 +705,7 @@ impl Link {
             lane.dirty = false;
             if lane.prod.take_doorbell_request() {
                 self.stats.doorbells += 1;
-                // SAFETY: a one-byte send from a live buffer on our socket; never blocks. A full
-                // socket means a doorbell is already pending, which is as good.
-                unsafe {
-                    libc::send(
-                        lane.conn.as_raw_fd(),
-                        [1u8].as_ptr() as *const libc::c_void,
-                        1,
-                        libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                    )
-                };
+                ring_doorbell(&lane.conn);
             }
         }
     }
@@ -907,7 +911,10 @@ impl Lanes {
     pub fn receive(&mut self, mut f: impl FnMut(&[u8], SocketAddr, SocketAddr, usize) -> bool) -> usize {
         let mut got = 0;
         for lane in &mut self.lanes {
-            for taken in 0..LANE_BUDGET {
+            let mut taken = 0;
+            // A slot saying the ring moved counts for nothing: a lane's first packet in a call is
+            // taken with `taken` 0 wherever it is.
+            while taken < LANE_BUDGET {
                 // The slot's tag says whether it holds the next entry (one cache line for a small
                 // packet); the producer index is checked by `Link::maintain`.
                 let Some(slot) = lane.cons.front_tagged() else { break };
@@ -933,6 +940,7 @@ impl Lanes {
                     None => self.stats.rx_malformed += 1,
                 }
                 lane.cons.advance();
+                taken += 1;
             }
         }
         if self.lanes.iter().any(|l| l.closing || l.broken) {
@@ -940,6 +948,15 @@ impl Lanes {
         }
         got
     }
+}
+
+/// Wake the receiver at the other end of `conn`: one byte.
+fn ring_doorbell(conn: &Conn) {
+    // SAFETY: a one-byte send from a live buffer on our socket; never blocks. A full socket means
+    // a doorbell is already pending, which is as good.
+    unsafe {
+        libc::send(conn.as_raw_fd(), [1u8].as_ptr() as *const libc::c_void, 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+    };
 }
 
 /// Read what waits on an inbound lane's (non-blocking) connection: doorbells, and the sender's

@@ -714,6 +714,9 @@ fn a_lane_ring_starts_small_grows_when_full_and_shrinks_when_quiet() {
     let mut shm = Shm::open(fds.remove(0), ring_bytes(32, SLOT_SIZE)).unwrap();
     let mut cons = Consumer::new(shm.ring(0, 32, SLOT_SIZE).unwrap());
     assert_eq!(stats(&a).ring_slots_out, 32);
+    // Asleep on the first ring, as a device's I/O thread would be: A rings it when the ring moves
+    // (later doorbell checks look at the new ring only).
+    assert!(cons.request_doorbell());
     // 50 WRITEs of 16 KiB: 200 packets, none taken until all are sent.
     const MSG: usize = 16 << 10;
     let wrs = (0..50).map(|k| SendWr {
@@ -728,14 +731,18 @@ fn a_lane_ring_starts_small_grows_when_full_and_shrinks_when_quiet() {
     assert!(wcs.iter().all(|wc| wc.status == WcStatus::Success), "{wcs:?}");
     let sa = stats(&a);
     assert!(sa.rings_grown == 2 && sa.ring_slots_out == 512 && sa.tx_pkts == 200, "{sa:?}");
-    let (mut psn, mut rings) = (0u32, vec![32]);
+    let (mut psn, mut rings, mut doorbells) = (0u32, vec![32], 0);
     // Take the packets up to PSN `until`, following the rings as a device does.
     let mut take = |until: u32, psn: &mut u32, rings: &mut Vec<u32>| {
         while *psn < until {
             let slot = cons.front_tagged().unwrap_or_else(|| panic!("packet {psn} missing"));
             let len = u32::from_le_bytes(slot[..4].try_into().unwrap());
             if len == u32::MAX {
-                let (msg, mut fds) = conn.recv().unwrap().expect("the next ring");
+                let (mut msg, mut fds) = conn.recv().unwrap().expect("the next ring");
+                while msg == [1] {
+                    doorbells += 1;
+                    (msg, fds) = conn.recv().unwrap().expect("the next ring");
+                }
                 let slots: u32 = String::from_utf8(msg).unwrap().strip_prefix("move ").unwrap().parse().unwrap();
                 rings.push(slots);
                 let next = Shm::open(fds.remove(0), ring_bytes(slots, SLOT_SIZE)).unwrap();
@@ -753,6 +760,7 @@ fn a_lane_ring_starts_small_grows_when_full_and_shrinks_when_quiet() {
     };
     take(200, &mut psn, &mut rings);
     assert_eq!(rings, [32, 128, 512]);
+    assert_eq!(stats(&a).doorbells, 1, "the first ring's doorbell, rung as it moved");
     // Quiet for two seconds with everything taken: A moves back to 32 slots (its maintenance runs
     // while it polls), and its next packets come in that ring.
     let t = Instant::now();
@@ -775,6 +783,7 @@ fn a_lane_ring_starts_small_grows_when_full_and_shrinks_when_quiet() {
     wait_n(&a.cq, 4, Duration::from_secs(30));
     take(216, &mut psn, &mut rings);
     assert_eq!(rings, [32, 128, 512, 32]);
+    assert_eq!((doorbells, stats(&a).doorbells), (1, 1));
     drop(shm);
 }
 
