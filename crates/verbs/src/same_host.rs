@@ -108,6 +108,9 @@ const GROWTH: u32 = 4;
 /// to a smaller ring only once we took everything, and growing from 4 slots to [`MAX_SLOTS`]
 /// takes six moves).
 const MAX_MOVES: usize = 8;
+/// The most moves one receive follows on a lane (each maps a ring, up to 76 MiB populated: a
+/// sender that keeps moving must not hold the device lock); the rest wait for the next call.
+const MOVES_PER_CALL: usize = 2;
 /// The length a slot says when the ring moved: the producer's next entries are in the ring the
 /// last [`MOVE`] message on the lane's connection brought.
 const MOVED: u32 = u32::MAX;
@@ -347,8 +350,8 @@ impl Inbound {
             self.closing = true;
         }
         let (fd, slots) = self.moves.pop_front().ok_or_else(|| bad("moved to no ring"))?;
-        if !slots_ok(slots) {
-            return Err(bad("moved to a ring of no lane's size"));
+        if !slots_ok(slots) || slots == self.cons.ring().capacity() {
+            return Err(bad("moved to a ring of no lane's size, or of its own"));
         }
         let shm = Shm::open_populated(fd, ring_bytes(slots, SLOT_SIZE))?;
         let ring = shm.ring(0, slots, SLOT_SIZE)?;
@@ -645,6 +648,8 @@ impl Link {
         lane._shm = shm;
         lane.keep = u32::from(slots < max);
         lane.dirty = true;
+        // The new ring's index starts again from 0: its quiet spell starts at the next look.
+        lane.quiet.0 = u32::MAX;
         self.stats.ring_slots_out = self.stats.ring_slots_out - u64::from(old) + u64::from(slots);
         true
     }
@@ -660,7 +665,10 @@ impl Link {
                 lane.quiet = (at, now);
                 continue;
             }
-            if lane.prod.ring().capacity() <= first || now < lane.quiet.1 + SHRINK_AFTER || lane.prod.in_flight() > 0 {
+            // Not grown, not quiet long enough, a packet waiting for room (the receiver stalled:
+            // the traffic did not stop), or entries the receiver has not taken yet.
+            let small = lane.prod.ring().capacity() <= first;
+            if small || now < lane.quiet.1 + SHRINK_AFTER || lane.pending_len > 0 || lane.prod.in_flight() > 0 {
                 continue;
             }
             let moved = self.move_ring(i, first);
@@ -729,6 +737,7 @@ impl Link {
         s.rx_bytes += d.rx_bytes;
         s.rx_malformed += d.rx_malformed;
         s.ring_corrupt += d.ring_corrupt;
+        s.peer_gone += d.peer_gone;
         s.lanes_in = lanes.lanes.len() as u64;
         self.inbound = lanes.lanes;
     }
@@ -901,6 +910,7 @@ struct LaneCounts {
     rx_bytes: u64,
     rx_malformed: u64,
     ring_corrupt: u64,
+    peer_gone: u64,
 }
 
 impl Lanes {
@@ -911,20 +921,25 @@ impl Lanes {
     pub fn receive(&mut self, mut f: impl FnMut(&[u8], SocketAddr, SocketAddr, usize) -> bool) -> usize {
         let mut got = 0;
         for lane in &mut self.lanes {
-            let mut taken = 0;
-            // A slot saying the ring moved counts for nothing: a lane's first packet in a call is
-            // taken with `taken` 0 wherever it is.
-            while taken < LANE_BUDGET {
+            let (mut taken, mut moved) = (0, 0);
+            // A slot saying the ring moved is not a packet: a lane's first packet in a call is
+            // taken with `taken` 0 wherever it is. Moves have a budget of their own (a sender
+            // that keeps moving cannot hold the device here).
+            while taken < LANE_BUDGET && moved < MOVES_PER_CALL {
                 // The slot's tag says whether it holds the next entry (one cache line for a small
                 // packet); the producer index is checked by `Link::maintain`.
                 let Some(slot) = lane.cons.front_tagged() else { break };
                 let len = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]);
                 if len == MOVED {
-                    if lane.move_on().is_err() {
+                    let was_closing = lane.closing;
+                    let ok = lane.move_on().is_ok();
+                    self.stats.peer_gone += u64::from(lane.closing && !was_closing);
+                    if !ok {
                         lane.broken = true;
                         self.stats.ring_corrupt += 1;
                         break;
                     }
+                    moved += 1;
                     continue;
                 }
                 let len = len as usize;
