@@ -788,10 +788,11 @@ fn a_lane_ring_starts_small_grows_when_full_and_shrinks_when_quiet() {
     drop(shm);
 }
 
-/// A lane that grows loses nothing: UC WRITEs (which nothing retransmits, so a packet lost or
-/// reordered where the ring moves leaves a WRITE missing or torn in the receiver's memory) from A
-/// to B, 256 packets at once in one flush (the receiver's doorbell comes at its end), until the
-/// lane has grown; each round checked byte for byte. Then RC traffic both ways on the grown lane.
+/// A lane that grows and shrinks loses nothing: UC WRITEs (which nothing retransmits, so a packet
+/// lost or reordered where the ring moves leaves a WRITE missing or torn in the receiver's memory)
+/// from A to B, 256 packets at once in one flush (the receiver's doorbell comes at its end), until
+/// the lane has grown, and again after it shrank on its own; each round checked byte for byte.
+/// Then RC traffic both ways.
 #[test]
 fn a_growing_lane_loses_no_packet() {
     let (a, b, _) = pair(52, [true, true]);
@@ -809,8 +810,8 @@ fn a_growing_lane_loses_no_packet() {
     qb.connect(&b.pd, &params(qa.qpn(), ip(52, 1))).unwrap();
     // Each round: 64 WRITEs of 16 KiB (four packets each) in one post.
     const MSG: usize = 16 << 10;
-    for round in 0..50u32 {
-        let data = pattern(64 * MSG, 100 + round);
+    let round = |seed: u32| {
+        let data = pattern(64 * MSG, seed);
         a.mr.write(0, &data).unwrap();
         qa.post_send_list((0..64).map(|k| SendWr {
             wr_id: k as u64,
@@ -825,12 +826,22 @@ fn a_growing_lane_loses_no_packet() {
         eventually(Duration::from_secs(10), "every WRITE of the round in B's memory", || {
             b.mr.to_vec(0, 64 * MSG).unwrap() == data
         });
+    };
+    for seed in 100..150 {
+        round(seed);
         if stats(&a).rings_grown > 0 {
             break;
         }
     }
     let (sa, sb) = (stats(&a), stats(&b));
     assert!(sa.lanes_out == 1 && sa.rings_grown >= 1 && sa.tx_dropped == 0, "never grew: {sa:?}");
+    assert!(sb.lanes_in == 1 && sb.ring_corrupt == 0 && sb.rx_malformed == 0 && sb.peer_gone == 0, "{sb:?}");
+    // Left alone (no thread polls A: its I/O thread looks every 200 ms), the lane goes back to 32
+    // slots after 2 s, B follows, and the next round arrives whole in the small ring.
+    eventually(Duration::from_secs(30), "the quiet lane to shrink", || stats(&a).rings_shrunk == 1);
+    assert_eq!(stats(&a).ring_slots_out, 32);
+    round(200);
+    let sb = stats(&b);
     assert!(sb.lanes_in == 1 && sb.ring_corrupt == 0 && sb.rx_malformed == 0 && sb.peer_gone == 0, "{sb:?}");
     // The grown lane carries RC traffic both ways as before.
     write_read(&a, &b, 300_000, 7);
