@@ -312,6 +312,16 @@ impl OutLane {
     fn slot(&mut self) -> Option<&mut [u8]> {
         self.prod.slot_mut_keeping(self.keep)
     }
+
+    /// Copy the packet waiting for room into the free slot, unpublished: its length, or `None` if
+    /// no packet waits or the ring is still full.
+    fn unpark(&mut self) -> Option<usize> {
+        let len = self.pending_len;
+        let s = self.prod.slot_mut_keeping(self.keep).filter(|_| len > 0)?;
+        s[SLOT_HEADER..][..len].copy_from_slice(&self.pending[..len]);
+        self.pending_len = 0;
+        Some(len)
+    }
 }
 
 /// A destination we have sent to: its lane, or when to try again.
@@ -549,13 +559,8 @@ impl Link {
             return false;
         }
         if lane.pending_len == 0 {
-            for _ in 0..2 {
-                let Some(s) = self.outbound[i].lane.as_mut().and_then(|l| l.slot()) else {
-                    if self.grow(i) {
-                        continue;
-                    }
-                    break;
-                };
+            let room = self.make_room(i);
+            if let Some(s) = self.outbound[i].lane.as_mut().filter(|_| room).and_then(OutLane::slot) {
                 s[SLOT_HEADER..][..pkt.len()].copy_from_slice(pkt);
                 self.publish(i, pkt.len());
                 return true;
@@ -575,27 +580,23 @@ impl Link {
     pub fn flush_pending(&mut self) -> bool {
         let mut congested = false;
         for i in 0..self.outbound.len() {
-            let full = |l: &mut OutLane| l.pending_len > 0 && l.slot().is_none();
-            if self.outbound[i].lane.as_mut().is_some_and(full) {
-                self.grow(i);
+            if self.outbound[i].lane.as_ref().is_none_or(|l| l.pending_len == 0) {
+                continue;
             }
-            let Some(lane) = self.outbound[i].lane.as_mut().filter(|l| l.pending_len > 0) else { continue };
-            let len = lane.pending_len;
-            match lane.prod.slot_mut_keeping(lane.keep) {
-                Some(s) => {
-                    s[SLOT_HEADER..][..len].copy_from_slice(&lane.pending[..len]);
-                    s[..4].copy_from_slice(&(len as u32).to_le_bytes());
-                    lane.prod.publish_tagged();
-                    lane.dirty = true;
-                    lane.pending_len = 0;
-                    self.stats.tx_pkts += 1;
-                    self.stats.tx_bytes += len as u64;
-                    self.spec = Some(i);
-                }
+            let room = self.make_room(i);
+            match self.outbound[i].lane.as_mut().filter(|_| room).and_then(OutLane::unpark) {
+                Some(len) => self.publish(i, len),
                 None => congested = true,
             }
         }
         congested
+    }
+
+    /// Whether lane `i` has a free slot for a packet, its ring grown first if it was full and may
+    /// grow ([`Link::grow`]).
+    fn make_room(&mut self, i: usize) -> bool {
+        let Some(lane) = self.outbound[i].lane.as_mut() else { return false };
+        lane.slot().is_some() || self.grow(i)
     }
 
     /// Replace lane `i`'s full ring with one [`GROWTH`] times larger, if it is smaller than the
