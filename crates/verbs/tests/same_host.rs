@@ -890,17 +890,19 @@ fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
     let (mut p, _shm, conn) = open_lane(9);
     say_moved(&mut p);
     dropped(&conn, 1);
+    // A lane from `from` that sends a ring of `slots` slots announced with `msg`, then moves.
+    let move_with = |from: u8, slots: u32, msg: &[u8]| {
+        let (mut p, shm, conn) = open_lane(from);
+        let next = ring_of(slots);
+        conn.send(msg, &[next.fd().as_raw_fd()]).unwrap();
+        say_moved(&mut p);
+        (shm, conn)
+    };
     // 2. Moved to a ring of a size no lane has.
-    let (mut p, _shm, conn) = open_lane(10);
-    let odd = ring_of(8);
-    conn.send(b"move 12", &[odd.fd().as_raw_fd()]).unwrap();
-    say_moved(&mut p);
+    let (_shm, conn) = move_with(10, 8, b"move 12");
     dropped(&conn, 2);
     // 3. Moved to a ring of its own size (no sender does: it grows, or goes back to the first size).
-    let (mut p, _shm, conn) = open_lane(12);
-    let same = ring_of(16);
-    conn.send(b"move 16", &[same.fd().as_raw_fd()]).unwrap();
-    say_moved(&mut p);
+    let (_shm, conn) = move_with(12, 16, b"move 16");
     dropped(&conn, 3);
     // 4. A larger ring sent first: B reads on in it (the garbage length there is counted).
     let (mut p, _shm, conn) = open_lane(11);
