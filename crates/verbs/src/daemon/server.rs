@@ -1045,13 +1045,22 @@ impl SvcDevice {
             // Until the requests are taken, a READ's or an atomic's target is read from there too.
             st.mem.serve_remote_reads(true);
         }
+        let mut sends = false;
         for (qpn, q) in svc.qps.iter_mut() {
             let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
             let (taken, bad) = q.take_sends(*qpn, pid, st, now, &mut sc.buf, read_ahead);
-            work |= taken;
+            sends |= taken;
             svc.bad_wqes += bad;
         }
+        work |= sends;
         st.mem.serve_remote_reads(false);
+        // A client that posted receives to one QP and then sends to it from another may have
+        // published both while the receives above were taken: the sends were taken, and their
+        // packets are delivered by the progress below, so the receives published before them go
+        // into the engine first (a UD datagram finding none is dropped, an RC SEND NAKed for RNR).
+        if sends {
+            work |= svc.take_recvs(st, now, &mut sc.buf);
+        }
         // Network and timers.
         let before = (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
         self.dev.progress(st);
