@@ -518,16 +518,23 @@ impl InPlace {
     /// The payload slices point into registered regions. They stay valid while the device lock is
     /// held (deregistration takes it); the caller sends them before releasing it.
     pub(crate) fn parts<'a>(&self, pkt: &'a [u8]) -> ([&'a [u8]; 4], usize) {
-        let mut parts: [&[u8]; 4] = [&pkt[..self.at], &[], &[], &[]];
-        for (i, &(p, l)) in self.ptrs[..self.n].iter().enumerate() {
+        let (head, tail) = (&pkt[..self.at], &pkt[self.at + self.len..]);
+        let piece = |i: usize| {
+            let (p, l) = self.ptrs[i];
             // SAFETY: `MrTable::in_place` resolved (p, l) inside a live registered buffer of this
             // process; it stays registered while the device lock is held (see above). The bytes may
             // be changed by the application meanwhile, as a NIC's DMA may read changing memory; they
             // are plain bytes, any value is valid.
-            parts[1 + i] = unsafe { std::slice::from_raw_parts(p, l) };
+            unsafe { std::slice::from_raw_parts(p, l) }
+        };
+        // Each arm builds the array whole: filled in by index, its pieces were stored in halves
+        // and read back whole, a stall on store forwarding per piece (2 % of a UDP sender's time).
+        const _: () = assert!(DeferredPayload::MAX_PIECES == 2);
+        match self.n {
+            0 => ([head, tail, &[], &[]], 2),
+            1 => ([head, piece(0), tail, &[]], 3),
+            _ => ([head, piece(0), piece(1), tail], 4),
         }
-        parts[1 + self.n] = &pkt[self.at + self.len..];
-        (parts, 2 + self.n)
     }
 
     /// Copy the payload, piece by piece, from where it is to `dst`. Each piece may overlap its
@@ -572,28 +579,46 @@ impl MrTable {
         &self,
         d: &DeferredPayload,
         pkt: &mut [u8],
-    ) -> core::result::Result<Option<InPlace>, MemError> {
-        let ip = self.local_pieces(d)?;
-        if ip.is_none() {
+        out: &mut Option<InPlace>,
+    ) -> core::result::Result<(), MemError> {
+        if !self.local_pieces(d, out)? {
             self.fill(d, pkt)?;
         }
-        Ok(ip)
+        Ok(())
     }
 
     /// A deferred payload's pieces as pointers into this process's memory (a client's mapped
-    /// memfd region included); `Ok(None)` when a piece is in a region reached through process_vm.
-    pub(crate) fn local_pieces(&self, d: &DeferredPayload) -> core::result::Result<Option<InPlace>, MemError> {
-        let mut ip =
-            InPlace { at: d.at, len: d.len, n: d.n, ptrs: [(std::ptr::null(), 0); DeferredPayload::MAX_PIECES] };
+    /// memfd region included), written to `out`; `Ok(false)` (and `out` None) when a piece is in a
+    /// region reached through process_vm. Written where the caller keeps it: an `InPlace` is
+    /// 56 bytes, and moving it out through the results cost the UDP sender's flush stalls on
+    /// forwarding its stores.
+    pub(crate) fn local_pieces(
+        &self,
+        d: &DeferredPayload,
+        out: &mut Option<InPlace>,
+    ) -> core::result::Result<bool, MemError> {
+        let ip = out.insert(InPlace {
+            at: d.at,
+            len: d.len,
+            n: d.n,
+            ptrs: [(std::ptr::null(), 0); DeferredPayload::MAX_PIECES],
+        });
         for (slot, s) in ip.ptrs.iter_mut().zip(d.pieces()) {
-            match self.resolve(d.pd, s.lkey, s.addr, u64::from(s.length), Access::NONE)? {
-                Loc::Local(p) => *slot = (p as *const u8, s.length as usize),
-                Loc::Remote(..) => return Ok(None),
+            match self.resolve(d.pd, s.lkey, s.addr, u64::from(s.length), Access::NONE) {
+                Ok(Loc::Local(p)) => *slot = (p as *const u8, s.length as usize),
+                Ok(Loc::Remote(..)) => {
+                    *out = None;
+                    return Ok(false);
+                }
+                Err(e) => {
+                    *out = None;
+                    return Err(e);
+                }
             }
         }
         // The pieces are read through the pointers: after the writes kept behind.
         self.write_pending();
-        Ok(Some(ip))
+        Ok(true)
     }
 }
 

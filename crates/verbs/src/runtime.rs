@@ -737,19 +737,17 @@ impl Device {
                 // the packet goes to UDP (`sendmsg` gathers it from there); on a lane it is copied
                 // into the packet (into the ring slot when the engine built it there, above).
                 let lane = link.lane_for(dst, src, now);
-                let mut ip = None;
                 if let (Some(d), None) = (&t.deferred, built_in) {
                     let resolved = match lane {
-                        Some(_) => mem.fill(d, &mut slot[..t.len]).map(|()| None),
-                        None => mem.in_place(d, slot),
+                        Some(_) => mem.fill(d, &mut slot[..t.len]),
+                        // Written where the batch keeps it (an `InPlace` is too large to move
+                        // around per packet).
+                        None => mem.in_place(d, slot, &mut in_place.get_or_insert([None; udp::BATCH])[tx_meta.len()]),
                     };
-                    match resolved {
-                        Ok(r) => ip = r,
-                        // The engine checked the keys under this lock: cannot happen.
-                        Err(_) => {
-                            *tx_errors += 1;
-                            continue;
-                        }
+                    // The engine checked the keys under this lock: cannot happen.
+                    if resolved.is_err() {
+                        *tx_errors += 1;
+                        continue;
                     }
                 }
                 match (lane, built_in) {
@@ -767,9 +765,6 @@ impl Device {
                             link.copy_unpublished(bi, &mut slot[..t.len]);
                         }
                         link.clear_spec();
-                        if ip.is_some() {
-                            in_place.get_or_insert([None; udp::BATCH])[tx_meta.len()] = ip;
-                        }
                         tx_meta.push((t.len, dst, src, i));
                     }
                 }
@@ -842,7 +837,7 @@ impl Device {
         in_place: Option<&[Option<InPlace>]>,
     ) -> u64 {
         let k = meta.len();
-        let in_place = |j: usize| in_place.and_then(|a| a[j]);
+        let in_place = |j: usize| in_place.and_then(|a| a[j].as_ref());
         let mut groups = [(0usize, 0usize); udp::BATCH];
         let ng = if self.port.gso() {
             let mut lens = [(0usize, SocketAddr::from(([0, 0, 0, 0], 0))); udp::BATCH];

@@ -577,7 +577,8 @@ impl UdpSealer {
 
     /// [`udp_payload_icrc_parts`] with this sealer: `parts` concatenated are the packet up to its
     /// ICRC (the sealer's length less four bytes), the first holding at least the BTH. A small
-    /// packet in one part is patched in a copy and goes through the CRC in one pass.
+    /// first part (a small packet, or the headers of one whose payload is in further parts) is
+    /// patched in a copy and goes through the CRC in one pass.
     pub fn icrc_parts(&self, parts: &[&[u8]], ident: u16) -> Result<u32> {
         let (first, rest) = parts.split_first().ok_or(Error::Truncated)?;
         if first.len() < BTH_LEN {
@@ -590,12 +591,13 @@ impl UdpSealer {
         let patch = self.bth_patch(ident);
         let mut h = self.base.clone();
         let mut b = [0u8; SEAL_COPY];
-        let n = if rest.is_empty() && first.len() <= SEAL_COPY { first.len() } else { BTH_LEN };
-        b[..n].copy_from_slice(&first[..n]);
-        for (x, p) in b[..4].iter_mut().zip(&patch) {
-            *x ^= p;
-        }
+        let n = if first.len() <= SEAL_COPY { first.len() } else { BTH_LEN };
+        // The patched word is made in a register and stored once: XORed in the copy, it was read
+        // back across the copy's stores, a stall on store forwarding per packet.
+        let word = |s: &[u8]| u32::from_ne_bytes([s[0], s[1], s[2], s[3]]);
+        b[..4].copy_from_slice(&(word(first) ^ word(&patch)).to_ne_bytes());
         b[4] = patch[4];
+        b[5..n].copy_from_slice(&first[5..n]);
         h.update(&b[..n]);
         if n < first.len() {
             h.update(&first[n..]);
