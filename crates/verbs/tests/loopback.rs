@@ -278,6 +278,33 @@ fn rc_every_operation(first: u8, port: u16, between: Between) {
     assert!(mb.to_vec(0, 2 * BIG).unwrap().iter().all(|&x| x == 0x5a), "the target was written");
 }
 
+/// Two devices over UDP: a WRITE and a SEND whose payload is gathered from two regions land byte
+/// for byte. Their packets leave with the payload where it is (an iovec into the regions, not a
+/// copy), and the one that straddles the two SGEs carries two pieces, sealed and sent in order.
+#[test]
+fn rc_gathers_a_payload_from_two_regions_over_udp() {
+    let (a, b) = Between::Udp.sides(31, 48806, QpType::Rc);
+    connect(&a, &b, Mtu::M4096);
+    // 6,000 + 7,000 bytes: packets of 4,096 (first SGE), 1,904 + 2,192 (both), 4,096 and 712.
+    let (one, two) = (pattern(6000, 1), pattern(7000, 2));
+    let (m1, m2) = (a.pd.reg_mr(8192, rights()).unwrap(), a.pd.reg_mr(8192, rights()).unwrap());
+    m1.write(100, &one).unwrap();
+    m2.write(300, &two).unwrap();
+    let sgl = || Payload::Sgl(vec![m1.sge(100, one.len()).unwrap(), m2.sge(300, two.len()).unwrap()].into());
+    let want = [one.clone(), two.clone()].concat();
+    let mb = b.pd.reg_mr(2 * 16384, rights()).unwrap();
+    b.qp.post_recv(RecvWr { wr_id: 9, sgl: vec![mb.sge(16384, 16384).unwrap()].into() }).unwrap();
+    for (wr_id, op) in [(1, SendOp::Write { remote_addr: mb.addr() + 5, rkey: mb.rkey() }), (2, SendOp::Send)] {
+        a.qp.post_send(SendWr { wr_id, op, payload: sgl(), flags: SendFlags::SIGNALED, ud: None }).unwrap();
+        assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::Success, "wr {wr_id}");
+    }
+    assert_eq!(wait(&b.cq, 1)[0].byte_len, want.len() as u32);
+    assert!(mb.to_vec(5, want.len()).unwrap() == want, "write data");
+    assert!(mb.to_vec(16384, want.len()).unwrap() == want, "send data");
+    let icrc = b.ctx.icrc_stats();
+    assert!(icrc.verified >= 8 && icrc.bad == 0, "{icrc:?}");
+}
+
 /// Two QPs of one device: a WRITE whose packets take their payload from two SGEs (a packet split
 /// across them, a last packet with pad) is placed region to region byte for byte; a WRITE with
 /// immediate that finds no receive posted writes nothing of its last packet until a receive comes
