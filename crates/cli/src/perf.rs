@@ -642,7 +642,7 @@ struct Side {
 /// The path MTU of the test: -m, or the port's active MTU.
 fn path_mtu(ctx: &Context, plan: &Plan) -> Result<Mtu, String> {
     let port = ctx.query_port(1).map_err(|e| format!("Couldn't query port: {e}"))?;
-    Ok(plan.mtu.unwrap_or(Mtu::from_bytes(port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024)))
+    Ok(plan.mtu.unwrap_or(port.active_mtu))
 }
 
 fn random_psn(salt: u32) -> u32 {

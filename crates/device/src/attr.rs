@@ -33,8 +33,6 @@
 //! * width/speed: ib_core's `ib_get_eth_speed` mapping of the Ethernet link speed, with an unknown
 //!   speed taken as 1 Gb/s (→ 1X, 2.5 Gbps), which is what the golden VM shows.
 
-use std::fmt;
-
 use crate::gid::{Guid, GID_TABLE_LEN};
 use crate::netdev::Netdev;
 
@@ -50,62 +48,12 @@ pub const PORT_CAP_CM_SUP: u32 = 1 << 16;
 /// The default P_Key, the only entry of an rxe port's P_Key table.
 pub const DEFAULT_PKEY: u16 = 0xffff;
 
-/// An InfiniBand path MTU (`enum ibv_mtu`): the payload size of one packet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Mtu {
-    /// 256 bytes (enum value 1).
-    Mtu256 = 1,
-    /// 512 bytes (2).
-    Mtu512 = 2,
-    /// 1024 bytes (3).
-    Mtu1024 = 3,
-    /// 2048 bytes (4).
-    Mtu2048 = 4,
-    /// 4096 bytes (5).
-    Mtu4096 = 5,
-}
+pub use softrdma_wire::Mtu;
 
-impl Mtu {
-    /// All MTUs, smallest first.
-    pub const ALL: [Mtu; 5] = [Mtu::Mtu256, Mtu::Mtu512, Mtu::Mtu1024, Mtu::Mtu2048, Mtu::Mtu4096];
-
-    /// The size in bytes.
-    pub fn bytes(self) -> u32 {
-        128 << (self as u32)
-    }
-
-    /// The MTU of exactly `bytes` bytes (256, 512, 1024, 2048 or 4096).
-    pub fn from_bytes(bytes: u32) -> Option<Mtu> {
-        Mtu::ALL.into_iter().find(|m| m.bytes() == bytes)
-    }
-
-    /// The `enum ibv_mtu` / `enum ib_mtu` number (1..=5).
-    pub fn ib_enum(self) -> u8 {
-        self as u8
-    }
-
-    /// The MTU for an `enum ibv_mtu` number.
-    pub fn from_ib_enum(n: u8) -> Option<Mtu> {
-        Mtu::ALL.into_iter().find(|m| m.ib_enum() == n)
-    }
-
-    /// The largest MTU not above `bytes`, if any (rxe `rxe_mtu_int_to_enum`).
-    pub fn floor(bytes: u32) -> Option<Mtu> {
-        Mtu::ALL.into_iter().rev().find(|m| m.bytes() <= bytes)
-    }
-
-    /// The active MTU of a RoCE port on a netdev with MTU `netdev_mtu`, as rxe computes it
-    /// (`rxe_set_mtu`): [`Mtu::floor`] of `netdev_mtu - 80`, or 256 when even that does not fit.
-    pub fn for_netdev_mtu(netdev_mtu: u32) -> Mtu {
-        Mtu::floor(netdev_mtu.saturating_sub(RXE_MAX_HDR_LENGTH)).unwrap_or(Mtu::Mtu256)
-    }
-}
-
-impl fmt::Display for Mtu {
-    /// The byte count, as `ibv_devinfo` prints it (`1024`).
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.bytes(), f)
-    }
+/// The active MTU of a RoCE port on a netdev with MTU `netdev_mtu`, as rxe computes it
+/// (`rxe_set_mtu`): [`Mtu::floor`] of `netdev_mtu - 80`, or 256 when even that does not fit.
+pub fn active_mtu_for_netdev(netdev_mtu: u32) -> Mtu {
+    Mtu::floor(netdev_mtu.saturating_sub(RXE_MAX_HDR_LENGTH) as usize).unwrap_or(Mtu::M256)
 }
 
 /// Logical port state (`enum ibv_port_state`).
@@ -562,8 +510,8 @@ impl PortAttr {
         let (active_width, active_speed) = ib_width_speed(netdev.speed_mbps);
         PortAttr {
             state,
-            max_mtu: Mtu::Mtu4096,
-            active_mtu: Mtu::for_netdev_mtu(netdev.mtu),
+            max_mtu: Mtu::M4096,
+            active_mtu: active_mtu_for_netdev(netdev.mtu),
             gid_tbl_len: GID_TABLE_LEN as u32,
             port_cap_flags: PORT_CAP_CM_SUP,
             port_cap_flags2: 0,
@@ -649,42 +597,20 @@ mod tests {
     use crate::netdev::{IfFlags, MacAddr};
 
     #[test]
-    fn mtu_conversions() {
-        for (m, bytes, n) in [
-            (Mtu::Mtu256, 256, 1),
-            (Mtu::Mtu512, 512, 2),
-            (Mtu::Mtu1024, 1024, 3),
-            (Mtu::Mtu2048, 2048, 4),
-            (Mtu::Mtu4096, 4096, 5),
-        ] {
-            assert_eq!(m.bytes(), bytes);
-            assert_eq!(Mtu::from_bytes(bytes), Some(m));
-            assert_eq!(m.ib_enum(), n);
-            assert_eq!(Mtu::from_ib_enum(n), Some(m));
-            assert_eq!(m.to_string(), bytes.to_string());
-        }
-        assert_eq!(Mtu::from_bytes(1500), None);
-        assert_eq!(Mtu::from_ib_enum(0), None);
-        assert_eq!(Mtu::from_ib_enum(6), None);
-        assert_eq!(Mtu::floor(255), None);
-        assert_eq!(Mtu::floor(1500), Some(Mtu::Mtu1024));
-    }
-
-    #[test]
     fn active_mtu_like_rxe() {
         for (netdev_mtu, want) in [
-            (0, Mtu::Mtu256),
-            (300, Mtu::Mtu256),
-            (1023 + 80, Mtu::Mtu512),
-            (1024 + 80, Mtu::Mtu1024),
-            (1500, Mtu::Mtu1024), // golden eth0
-            (2047 + 80, Mtu::Mtu1024),
-            (2048 + 80, Mtu::Mtu2048),
-            (4176, Mtu::Mtu4096),
-            (9000, Mtu::Mtu4096),
-            (65536, Mtu::Mtu4096), // lo
+            (0, Mtu::M256),
+            (300, Mtu::M256),
+            (1023 + 80, Mtu::M512),
+            (1024 + 80, Mtu::M1024),
+            (1500, Mtu::M1024), // golden eth0
+            (2047 + 80, Mtu::M1024),
+            (2048 + 80, Mtu::M2048),
+            (4176, Mtu::M4096),
+            (9000, Mtu::M4096),
+            (65536, Mtu::M4096), // lo
         ] {
-            assert_eq!(Mtu::for_netdev_mtu(netdev_mtu), want, "{netdev_mtu}");
+            assert_eq!(active_mtu_for_netdev(netdev_mtu), want, "{netdev_mtu}");
         }
     }
 
@@ -738,8 +664,8 @@ mod tests {
         let p = PortAttr::for_netdev(&nd(true, true, 1500, None));
         assert_eq!(p.state, PortState::Active);
         assert_eq!(p.phys_state, PhysState::LinkUp);
-        assert_eq!(p.active_mtu, Mtu::Mtu1024);
-        assert_eq!(p.max_mtu, Mtu::Mtu4096);
+        assert_eq!(p.active_mtu, Mtu::M1024);
+        assert_eq!(p.max_mtu, Mtu::M4096);
         assert_eq!((p.active_width, p.active_speed), (1, 1));
         assert_eq!(p.gid_tbl_len, 1024);
         assert_eq!(p.port_cap_flags, 0x0001_0000);

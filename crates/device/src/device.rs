@@ -200,7 +200,7 @@ mod tests {
         assert_eq!(d.node_guid().to_string(), "5054:00ff:fe77:0902");
         assert_eq!(d.attr.sys_image_guid, d.node_guid());
         assert_eq!(d.port.state, PortState::Active);
-        assert_eq!(d.port.active_mtu, Mtu::Mtu1024);
+        assert_eq!(d.port.active_mtu, Mtu::M1024);
         assert_eq!(d.gid(1, 1).unwrap().gid.to_string(), "::ffff:10.77.9.2");
         assert_eq!(d.pkeys, [0xffff]);
     }
@@ -237,7 +237,7 @@ mod tests {
     #[test]
     fn opens_loopback_device_on_this_host() {
         let d = DeviceInfo::open(&DeviceConfig::new("rxe0", "lo")).unwrap();
-        assert_eq!(d.port.active_mtu, Mtu::Mtu4096);
+        assert_eq!(d.port.active_mtu, Mtu::M4096);
         assert!(d.gids.find(&"127.0.0.1".parse().unwrap(), crate::gid::GidType::RoceV2).is_some());
     }
 }

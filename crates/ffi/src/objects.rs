@@ -892,14 +892,7 @@ fn modify_from(a: &IbvQpAttr, mask: c_int) -> Result<ModifyQp, (c_int, &'static 
         access: on(m::ACCESS_FLAGS).then(|| Access::from_bits(a.qp_access_flags & 0xf)),
         av: if on(m::AV) { Some(av_from(&a.ah_attr).map_err(bad)?) } else { None },
         path_mtu: if on(m::PATH_MTU) {
-            Some(match a.path_mtu {
-                1 => Mtu::M256,
-                2 => Mtu::M512,
-                3 => Mtu::M1024,
-                4 => Mtu::M2048,
-                5 => Mtu::M4096,
-                _ => return Err(bad("path_mtu")),
-            })
+            Some(u8::try_from(a.path_mtu).ok().and_then(Mtu::from_ib_enum).ok_or(bad("path_mtu"))?)
         } else {
             None
         },

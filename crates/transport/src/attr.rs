@@ -63,35 +63,7 @@ impl QpState {
     }
 }
 
-/// IB path MTU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Mtu {
-    /// 256 bytes.
-    M256 = 1,
-    /// 512 bytes.
-    M512 = 2,
-    /// 1024 bytes.
-    M1024 = 3,
-    /// 2048 bytes.
-    M2048 = 4,
-    /// 4096 bytes.
-    M4096 = 5,
-}
-
-impl Mtu {
-    /// All MTUs, smallest first.
-    pub const ALL: [Mtu; 5] = [Mtu::M256, Mtu::M512, Mtu::M1024, Mtu::M2048, Mtu::M4096];
-
-    /// Payload bytes per packet.
-    pub const fn bytes(self) -> usize {
-        256 << (self as usize - 1)
-    }
-
-    /// From a byte count (exact).
-    pub fn from_bytes(b: usize) -> Option<Mtu> {
-        Self::ALL.into_iter().find(|m| m.bytes() == b)
-    }
-}
+pub use softrdma_wire::Mtu;
 
 /// Where packets of a QP (RC/UC) or of a UD work request go: the contents of an address handle.
 /// The engine passes it through to [`crate::Transmit`] untouched.

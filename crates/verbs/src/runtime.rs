@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use softrdma_device::{DeviceInfo, Gid};
 use softrdma_transport::{
-    AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, ModifyQp, Mtu, QpState, RxInfo, SendWr, Transmit,
-    VerbsError, WcOpcode, WorkCompletion,
+    AsyncEvent, Config, CqId, DeferredPayload, Hca, Instant, ModifyQp, QpState, RxInfo, SendWr, Transmit, VerbsError,
+    WcOpcode, WorkCompletion,
 };
 use softrdma_wire::roce::{seal_udp_payload, ud_grh_area, IcrcCache, UdpVerdict, VerifyStats};
 use softrdma_wire::{IbPacket, ICRC_LEN};
@@ -301,7 +301,7 @@ fn cm_agent(info: &DeviceInfo, port: &UdpPort) -> softrdma_cm::CmAgent {
             Some((a.ip(), u8::try_from(index).ok()?))
         })
         .collect();
-    let mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
+    let mtu = info.port.active_mtu;
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let seed = t.as_nanos() as u64 ^ (u64::from(std::process::id()) << 40);
     softrdma_cm::CmAgent::new(softrdma_cm::AgentConfig::new(info.node_guid().0, addrs, mtu, seed))
@@ -322,7 +322,7 @@ impl Device {
         let cm = CmState::new(cm_agent(&info, &port));
         let link = Link::new(same_host, port.sockets().map(|(_, a)| *a));
         let lane_fds = link.doorbell_fds();
-        let port_mtu = Mtu::from_bytes(info.port.active_mtu.bytes() as usize).unwrap_or(Mtu::M1024);
+        let port_mtu = info.port.active_mtu;
         let max_rd_atomic = info.attr.max_qp_rd_atom.min(255) as u8;
         // Real links lose packets in bursts of congestion: adapt the go-back-N window to loss.
         // Many QPs share the path and the peer's socket buffer: together they keep about four
