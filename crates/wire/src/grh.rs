@@ -12,7 +12,7 @@
 //! It has the layout of an IPv6 header on purpose. It follows the LRH on native IB links when
 //! LNH = 3, and is the first header of a RoCEv1 frame (EtherType 0x8915).
 
-use crate::field::{set_u16, set_u32, u16_at, u32_at};
+use crate::ipv6::Ipv6Packet;
 use crate::{Error, Result};
 
 /// Length of the GRH.
@@ -25,90 +25,79 @@ pub const NXT_HDR_IBA: u8 = 0x1b;
 /// A 128-bit global identifier (an IPv6 address for RoCE).
 pub type Gid = [u8; 16];
 
-mod field {
-    pub const VER_TC_FLOW: usize = 0;
-    pub const PAYLEN: usize = 4;
-    pub const NXT_HDR: usize = 6;
-    pub const HOP_LMT: usize = 7;
-    pub const SGID: usize = 8;
-    pub const DGID: usize = 24;
-}
-
-fn gid_at(b: &[u8], at: usize) -> Gid {
-    let mut g = [0u8; 16];
-    g.copy_from_slice(&b[at..at + 16]);
-    g
-}
-
 view!(
-    /// A view of a GRH at the start of a buffer.
+    /// A view of a GRH at the start of a buffer. Its fields are an IPv6 header's, read and
+    /// written through [`Ipv6Packet`]'s accessors, with GIDs for addresses.
     GrhPacket, GRH_LEN
 );
 
 impl<T: AsRef<[u8]>> GrhPacket<T> {
-    fn b(&self) -> &[u8] {
-        self.buffer.as_ref()
+    fn ip(&self) -> Ipv6Packet<&[u8]> {
+        Ipv6Packet::new_unchecked(self.buffer.as_ref())
     }
 
     /// IP version (6).
     pub fn ip_version(&self) -> u8 {
-        self.b()[field::VER_TC_FLOW] >> 4
+        self.ip().version()
     }
     /// Traffic class.
     pub fn traffic_class(&self) -> u8 {
-        (u32_at(self.b(), field::VER_TC_FLOW) >> 20) as u8
+        self.ip().traffic_class()
     }
     /// Flow label (20 bits).
     pub fn flow_label(&self) -> u32 {
-        u32_at(self.b(), field::VER_TC_FLOW) & 0x000f_ffff
+        self.ip().flow_label()
     }
     /// Payload length: bytes after the GRH through the ICRC.
     pub fn payload_len(&self) -> u16 {
-        u16_at(self.b(), field::PAYLEN)
+        self.ip().payload_len()
     }
     /// Next header.
     pub fn next_header(&self) -> u8 {
-        self.b()[field::NXT_HDR]
+        self.ip().next_header()
     }
     /// Hop limit.
     pub fn hop_limit(&self) -> u8 {
-        self.b()[field::HOP_LMT]
+        self.ip().hop_limit()
     }
     /// Source GID.
     pub fn sgid(&self) -> Gid {
-        gid_at(self.b(), field::SGID)
+        self.ip().src_addr().octets()
     }
     /// Destination GID.
     pub fn dgid(&self) -> Gid {
-        gid_at(self.b(), field::DGID)
+        self.ip().dst_addr().octets()
     }
 }
 
 impl<T: AsRef<[u8]> + AsMut<[u8]>> GrhPacket<T> {
+    fn ip_mut(&mut self) -> Ipv6Packet<&mut [u8]> {
+        Ipv6Packet::new_unchecked(self.buffer.as_mut())
+    }
+
     /// Set IPVer 6, the traffic class and the flow label (low 20 bits).
     pub fn set_version_class_flow(&mut self, traffic_class: u8, flow_label: u32) {
-        let w = (u32::from(IP_VERSION) << 28) | (u32::from(traffic_class) << 20) | (flow_label & 0x000f_ffff);
-        set_u32(self.buffer.as_mut(), field::VER_TC_FLOW, w);
+        self.ip_mut().set_version_class_flow(traffic_class, flow_label);
     }
     /// Set the payload length.
     pub fn set_payload_len(&mut self, v: u16) {
-        set_u16(self.buffer.as_mut(), field::PAYLEN, v);
+        self.ip_mut().set_payload_len(v);
     }
     /// Set the next header.
     pub fn set_next_header(&mut self, v: u8) {
-        self.buffer.as_mut()[field::NXT_HDR] = v;
+        self.ip_mut().set_next_header(v);
     }
     /// Set the hop limit.
     pub fn set_hop_limit(&mut self, v: u8) {
-        self.buffer.as_mut()[field::HOP_LMT] = v;
+        self.ip_mut().set_hop_limit(v);
     }
     /// Set the source GID.
     pub fn set_sgid(&mut self, g: &Gid) {
-        self.buffer.as_mut()[field::SGID..field::SGID + 16].copy_from_slice(g);
+        self.ip_mut().set_src_addr((*g).into());
     }
     /// Set the destination GID.
     pub fn set_dgid(&mut self, g: &Gid) {
-        self.buffer.as_mut()[field::DGID..field::DGID + 16].copy_from_slice(g);
+        self.ip_mut().set_dst_addr((*g).into());
     }
 }
 
