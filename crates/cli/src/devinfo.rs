@@ -289,7 +289,7 @@ pub fn run_devinfo(args: DevinfoArgs) -> ExitCode {
 mod tests {
     use super::*;
     use softrdma_device::attr::DeviceAttr;
-    use softrdma_device::netdev::{IfAddr, IfFlags, MacAddr, Netdev};
+    use softrdma_device::netdev::golden_eth0;
     use softrdma_device::DeviceConfig;
 
     const GOLDEN_DEVICES: &str = include_str!("../tests/golden/03-ibv_devices.txt");
@@ -303,22 +303,6 @@ mod tests {
         assert_eq!(lines.pop(), Some("[rc=0]"));
         lines.remove(0);
         lines.iter().map(|l| format!("{l}\n")).collect()
-    }
-
-    /// The golden VM's eth0 (shared/golden/tool-output/00-setup.txt).
-    fn golden_eth0() -> Netdev {
-        Netdev {
-            index: 2,
-            name: "eth0".into(),
-            flags: IfFlags { up: true, running: true, lower_up: true, loopback: false },
-            mtu: 1500,
-            mac: Some(MacAddr([0x52, 0x54, 0x00, 0x77, 0x09, 0x02])),
-            addrs: vec![
-                IfAddr::new("10.77.9.2".parse().unwrap(), 24),
-                IfAddr::new("fe80::5054:ff:fe77:902".parse().unwrap(), 64),
-            ],
-            speed_mbps: None,
-        }
     }
 
     fn golden_rxe0(attr: fn(Guid) -> DeviceAttr) -> DeviceInfo {

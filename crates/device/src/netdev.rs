@@ -297,9 +297,10 @@ fn read_sysfs_u32(ifname: &str, attr: &str) -> Result<u32, NetdevError> {
     })
 }
 
-/// The golden VM's eth0 (shared/golden/tool-output/00-setup.txt), for tests.
-#[cfg(test)]
-pub(crate) fn golden_eth0() -> Netdev {
+/// The golden VM's eth0 (shared/golden/tool-output/00-setup.txt), for tests (feature `fixtures`
+/// for other crates').
+#[cfg(any(test, feature = "fixtures"))]
+pub fn golden_eth0() -> Netdev {
     Netdev {
         index: 2,
         name: "eth0".into(),
