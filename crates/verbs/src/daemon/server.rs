@@ -868,6 +868,14 @@ fn spin_time() -> Duration {
     Duration::from_micros(us)
 }
 
+/// A test hook, `SOFTRDMA_TEST_PASS_PAUSE_MS`: how long a pass whose first take of the receive
+/// rings took something waits before it takes the send rings, so that a test can publish work
+/// requests in between (crates/cli/tests/daemon.rs). Unset: no pause.
+fn pass_pause() -> Option<Duration> {
+    let ms: u64 = std::env::var("SOFTRDMA_TEST_PASS_PAUSE_MS").ok()?.parse().ok()?;
+    Some(Duration::from_millis(ms))
+}
+
 impl SvcDevice {
     fn lock_svc(&self) -> MutexGuard<'_, SvcState> {
         self.svc.lock().expect("service state poisoned")
@@ -897,7 +905,7 @@ impl SvcDevice {
         self.tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
         let spin = spin_time();
         let mut last_work = StdInstant::now();
-        let mut scratch = Scratch::default();
+        let mut scratch = Scratch { pause: pass_pause(), ..Scratch::default() };
         while !self.stop.load(Ordering::Acquire) {
             if self.pass(&mut scratch) {
                 last_work = StdInstant::now();
@@ -1001,6 +1009,9 @@ impl SvcDevice {
         // first: a SEND between two QPs of this device is executed when it is taken (transport
         // hca/direct.rs) if its receive is already in the engine.
         let mut work = svc.take_recvs(st, now, &mut sc.buf);
+        if let (true, Some(pause)) = (work, sc.pause) {
+            std::thread::sleep(pause);
+        }
         // Payloads in clients' own memory (reached by a system call per access) are read ahead
         // for the work requests the send rings hold now, one call per client (client_io.rs); the
         // pass then takes only those requests.
@@ -1306,6 +1317,8 @@ struct Scratch {
     wcs: Vec<WorkCompletion>,
     /// The SGEs of the work requests a pass reads ahead for.
     sges: Vec<Sge>,
+    /// [`pass_pause`].
+    pause: Option<Duration>,
 }
 
 // ---- one session --------------------------------------------------------------------------------
