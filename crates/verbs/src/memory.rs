@@ -572,9 +572,9 @@ impl MrTable {
     }
 
     /// Resolve a deferred payload to pointers into this process's memory (a client's mapped memfd
-    /// region included). A region reached through process_vm (daemon mode, `reg_mr_raw`) cannot be
-    /// sent from in place: the payload is copied into the hole in
-    /// `pkt` instead and `Ok(None)` returned.
+    /// region included), written to `out`. A region reached through process_vm (daemon mode,
+    /// `reg_mr_raw`) cannot be sent from in place: the payload is copied into the hole in `pkt`
+    /// instead and `out` left `None`.
     pub(crate) fn in_place(
         &self,
         d: &DeferredPayload,
