@@ -2,7 +2,8 @@
 """Seed fuzz/corpus/<target>/ from the golden captures (../shared/golden beside the repository).
 
 ib_packet gets UDP payloads (IB packets), roce gets IP packets, capture gets small pcap files made
-of a few frames each, grh_lrh gets synthetic LRH+BTH and GRH+BTH prefixes. The corpus directory is
+of a few frames each, grh_lrh gets synthetic LRH+BTH and GRH+BTH prefixes, cm and cm_agent get
+the CM MADs of the captures (UD packets to QP 1). The corpus directory is
 git-ignored; run this before `cargo fuzz run`.
 """
 import glob, os, struct, sys
@@ -42,6 +43,14 @@ for path in sorted(glob.glob(os.path.join(golden, "*.pcap"))):
         if struct.unpack(">H", ip[udp_at + 2:udp_at + 4])[0] != 4791:
             continue
         op = ip[udp_at + 8]
+        ib = ip[udp_at + 8:]
+        # A UD packet to QP 1 (BTH, DETH, MAD, ICRC): a CM MAD, for the cm targets.
+        if op == 0x64 and len(ib) >= 20 + 256 + 4 and ib[5:8] == b"\x00\x00\x01":
+            mad = ib[20:20 + 256]
+            put("cm", f"{base}-{i}", mad)
+            # cm_agent reads 33-byte chunks: an operation byte, then 32 bytes. Operation 2
+            # delivers the bytes as a MAD; chunks of operation 0 XOR bytes into the peer's next.
+            put("cm_agent", f"{base}-{i}", bytes([2]) + mad[:32] + bytes([6]) + bytes(32) + bytes([1]) + bytes(32))
         if op in seen_ops:
             continue
         seen_ops.add(op)
