@@ -780,6 +780,23 @@ impl Hca {
         self.qps.get(&qpn).and_then(|q| q.sq.rtt.srtt())
     }
 
+    /// The packets QP `qpn` sent in the last call were given the time `then`, earlier than `now`:
+    /// what they started (the RTT sample, a retransmit timer they armed) starts at `now` instead.
+    /// A driver may build and send a post's packet with the time of its application's last poll,
+    /// a moment earlier, and read the clock only once the packet has left: off the path from the
+    /// post to the packet. Timers armed before `then` are left alone.
+    pub fn restamp(&mut self, qpn: Qpn, then: Instant, now: Instant) {
+        if then >= now {
+            return;
+        }
+        if let Some(qp) = self.qps.get_mut(&qpn) {
+            qp.restamp(then, now);
+            // A later deadline leaves an earlier index entry, which fires as a no-op and files
+            // the QP again (see `TimerIndex`).
+            self.timers.sync(qp);
+        }
+    }
+
     /// Post a send work request.
     pub fn post_send(
         &mut self,

@@ -480,12 +480,17 @@ fn sent_psns(hca: &mut Hca, mem: &mut Flat) -> Vec<u32> {
 
 /// The ACK of everything up to `psn`.
 fn ack(hca: &mut Hca, mem: &mut Flat, qpn: Qpn, psn: u32) {
+    ack_at(hca, mem, qpn, psn, Instant::ZERO);
+}
+
+/// [`ack`], arriving at `at`.
+fn ack_at(hca: &mut Hca, mem: &mut Flat, qpn: Qpn, psn: u32, at: Instant) {
     let mut repr =
         IbRepr::new(BthRepr::new(Opcode::of(WireQpType::Rc, base::ACKNOWLEDGE).unwrap(), qpn, Psn::new(psn)));
     repr.aeth = Some(softrdma_wire::AethRepr { syndrome: Syndrome::Ack { credits: CREDITS_INVALID }, msn: 1 });
     let mut buf = vec![0u8; repr.buffer_len()];
     let n = repr.emit(&mut buf).unwrap();
-    hca.handle_packet(Instant::ZERO, &buf[..n], &RxInfo { grh: [0; 40] }, mem);
+    hca.handle_packet(at, &buf[..n], &RxInfo { grh: [0; 40] }, mem);
 }
 
 /// (opcode base, PSN) of the packets `hca` sends now.
@@ -497,6 +502,41 @@ fn sent_packets(hca: &mut Hca, mem: &mut Flat) -> Vec<(u8, u32)> {
         out.push((p.bth().opcode().base(), p.bth().psn().value()));
     }
     out
+}
+
+/// A packet sent with a time earlier than the clock's, then restamped (a driver that reads the
+/// clock once the packet has left): its retransmit timer runs from the restamp, and so does its
+/// RTT sample. A timer armed before that time is left where it was.
+#[test]
+fn a_restamped_packet_is_timed_from_when_it_left() {
+    use core::time::Duration;
+    let ack_timeout = Duration::from_nanos(4096 << 14);
+    let (then, now) = (Instant::from_nanos(1_000_000), Instant::from_nanos(11_000_000));
+    let (mut hca, mut mem, qpn, _) = requester(64);
+    hca.post_send(qpn, write64(1, 1), then, &mut mem).unwrap();
+    let mut buf = vec![0u8; 4096];
+    assert!(hca.poll_transmit(then, &mut mem, &mut buf).is_some());
+    hca.restamp(qpn, then, now);
+    // Past the deadline it had from `then`: nothing is due (the index may still wake the driver).
+    hca.handle_timeout(then + ack_timeout + Duration::from_millis(1), &mut mem);
+    assert_eq!((sent_psns(&mut hca, &mut mem), hca.counters().retransmits), (vec![], 0));
+    assert_eq!(hca.poll_timeout(), Some(now + ack_timeout));
+    // Its ACK 3 µs after the restamp: a 3 µs round trip, not 10 ms more.
+    ack_at(&mut hca, &mut mem, qpn, 5, now + Duration::from_micros(3));
+    assert_eq!(hca.srtt(qpn), Some(Duration::from_micros(3)));
+    hca.handle_timeout(now + ack_timeout, &mut mem);
+    assert_eq!((sent_psns(&mut hca, &mut mem), hca.counters().retransmits), (vec![], 0));
+
+    // A packet left unacknowledged at `early` armed the timer: a restamp of a later one leaves it.
+    let early = Instant::from_nanos(500_000);
+    let (mut hca, mut mem, qpn, _) = requester(64);
+    hca.post_send(qpn, write64(1, 1), early, &mut mem).unwrap();
+    assert!(hca.poll_transmit(early, &mut mem, &mut buf).is_some());
+    hca.post_send(qpn, write64(2, 1), then, &mut mem).unwrap();
+    assert!(hca.poll_transmit(then, &mut mem, &mut buf).is_some());
+    hca.restamp(qpn, then, now);
+    hca.handle_timeout(early + ack_timeout, &mut mem);
+    assert_eq!(sent_psns(&mut hca, &mut mem), vec![5, 6], "the first timer fires where it was");
 }
 
 /// What the runtime asks before it leaves a device to its I/O thread: a send is pending from its

@@ -20,7 +20,7 @@ use softrdma_abi::ring::{ring_bytes, Producer};
 use softrdma_abi::shm::Shm;
 use softrdma_abi::sock::Conn;
 use softrdma_verbs::{
-    ConnectParams, Gid, Payload, Psn, QpCap, QpInitAttr, QpType, Qpn, SendFlags, SendOp, SendWr, WcStatus,
+    ConnectParams, Gid, Payload, Psn, QpCap, QpInitAttr, QpType, Qpn, RecvWr, SendFlags, SendOp, SendWr, WcStatus,
 };
 
 /// The slot size a lane's hello must announce (same_host.rs: 8-byte header + 4608, in whole lines).
@@ -929,4 +929,28 @@ fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
     });
     write_read(&a, &b, 70_000, 10);
     assert_eq!(stats(&a).lanes_out, 1);
+}
+
+/// A post toward a lane is built with the time of the application's last poll, and the clock is
+/// read once its packet has left (`Hca::restamp`). After a pause longer than the QP's ACK timeout
+/// (16.8 ms here), the retransmit timer the packet armed still runs from when it left: the first
+/// poll after the post, long before the peer's ACK can come (nobody polls the peer: its I/O thread
+/// answers), finds nothing expired and retransmits nothing.
+#[test]
+fn a_post_after_a_pause_times_its_packet_from_when_it_left() {
+    let (a, b, _) = pair(54, [true, true]);
+    eventually(Duration::from_secs(5), "the lane", || stats(&a).lanes_out == 1);
+    for round in 0..3u64 {
+        b.qp.post_recv(RecvWr { wr_id: round, sgl: vec![b.sge(0, 64)].into() }).unwrap();
+        let mut wcs = Vec::new();
+        a.cq.poll(1, &mut wcs).unwrap();
+        assert!(wcs.is_empty());
+        std::thread::sleep(Duration::from_millis(40));
+        a.mr.write(0, &round.to_le_bytes()).unwrap();
+        a.post(round, SendOp::Send, 0, 8);
+        wait_one(&a.cq, round);
+        assert_eq!(wait_one(&b.cq, round).byte_len, 8);
+        assert_eq!(b.mr.to_vec(0, 8).unwrap(), round.to_le_bytes());
+        assert_eq!(a.ctx.counters().retransmits, 0, "round {round}: a retransmission before the ACK could come");
+    }
 }

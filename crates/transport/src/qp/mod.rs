@@ -223,6 +223,15 @@ impl Qp {
         self.timers.iter().flatten().min().copied()
     }
 
+    /// What packets sent at `then` started (the RTT sample, the retransmit timer they armed)
+    /// starts at `now` instead (see [`crate::Hca::restamp`]).
+    pub fn restamp(&mut self, then: Instant, now: Instant) {
+        self.sq.rtt.restamp(then, now);
+        if let Some(d) = self.ack_timeout().filter(|&d| self.timer(Timer::Retransmit) == Some(then + d)) {
+            self.set_timer(Timer::Retransmit, Some(now + d));
+        }
+    }
+
     /// Fire every expired timer.
     pub fn handle_timeout(&mut self, ctx: &mut Ctx<'_>) {
         for t in [Timer::Retransmit, Timer::RnrWait, Timer::Cork] {

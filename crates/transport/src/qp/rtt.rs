@@ -55,6 +55,14 @@ impl RttEstimator {
         }
     }
 
+    /// The packet being timed left at `now`, not at `then` as it was told (see
+    /// [`crate::Hca::restamp`]).
+    pub fn restamp(&mut self, then: Instant, now: Instant) {
+        if let Some((_, sent)) = self.timed.as_mut().filter(|(_, sent)| *sent == then) {
+            *sent = now;
+        }
+    }
+
     /// The requester rewinds: whatever is being timed may be sent twice, its ACK is ambiguous.
     pub fn on_rewind(&mut self) {
         self.timed = None;
