@@ -1244,7 +1244,13 @@ impl CmAgent {
         d
     }
 
-    /// The next thing for the device to do.
+    /// Whether [`CmAgent::poll_output`] or [`CmAgent::poll_event`] has something: a driver skips
+    /// draining an agent with nothing to say.
+    pub fn has_output(&self) -> bool {
+        !self.out.is_empty() || !self.events.is_empty()
+    }
+
+    /// The next output: a QP change to make, or a MAD to send.
     pub fn poll_output(&mut self) -> Option<Output> {
         self.out.pop_front()
     }

@@ -634,7 +634,12 @@ impl Device {
         // Writes to daemon clients' memory kept behind are made before any packet leaves
         // (client_io.rs).
         st.mem.write_pending();
+        // (Skipped, not drained empty, when the CM has nothing: this comes before the packets,
+        // on the path from a request to its ACK, and an empty drain cost a same-host hop 0.02 µs.)
         for round in 0..CM_LOOP_ROUNDS {
+            if !st.cm.agent.has_output() {
+                break;
+            }
             let mut to_self: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
             let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
             cm.drain(hca, mem, now, |dgid, pkt| {
