@@ -474,8 +474,13 @@ impl Device {
         let then = if early { Instant::from_nanos(self.app_progress.load(Ordering::Relaxed)) } else { self.now() };
         let direct = st.hca.direct_executed();
         let (r, ahead) = f(&mut st, then);
-        let now = if early { self.now() } else { then };
-        st.hca.restamp(qpn, then, now);
+        let now = if early {
+            let now = self.now();
+            st.hca.restamp(qpn, then, now);
+            now
+        } else {
+            then
+        };
         let direct = st.hca.direct_executed() - direct;
         if direct > 0 {
             st.link.executed_directly(now, direct);
