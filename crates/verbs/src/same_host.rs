@@ -1110,7 +1110,57 @@ fn accept(conn: Conn, local: SocketAddr) -> io::Result<Inbound> {
 
 #[cfg(test)]
 mod tests {
-    use super::SameHostStats;
+    use super::*;
+
+    /// A lane's ring and a producer writing into it, as a sender has them.
+    fn ring(slots: u32) -> (Shm, Consumer, Producer) {
+        let (shm, ring) = new_ring(slots).unwrap();
+        let cons = Consumer::new(shm.ring(0, slots, SLOT_SIZE).unwrap());
+        (shm, cons, Producer::new(ring))
+    }
+
+    /// Publish a slot whose length field is `len` and whose packet area starts with `bytes`.
+    fn publish(p: &mut Producer, len: u32, bytes: &[u8]) {
+        let s = p.slot_mut().unwrap();
+        s[..4].copy_from_slice(&len.to_le_bytes());
+        s[SLOT_HEADER..SLOT_HEADER + bytes.len()].copy_from_slice(bytes);
+        p.publish_tagged();
+    }
+
+    /// A slot saying the ring moved is no packet: the first packet after it is handed over as
+    /// its lane's first of the call (`taken` 0), so the receive's rule for a lane's first packet
+    /// (always taken) holds across a move; and the lane goes on in the new ring.
+    #[test]
+    fn a_moved_slot_uses_none_of_the_lanes_budget() {
+        let (shm, cons, mut old) = ring(FIRST_SLOTS);
+        let (new_shm, _, mut new) = ring(4 * FIRST_SLOTS);
+        let (a, _b) = std::os::unix::net::UnixDatagram::pair().unwrap();
+        let addr: SocketAddr = "127.0.0.1:4791".parse().unwrap();
+        let inbound = Inbound {
+            cons,
+            conn: Conn::from_fd(a.into()),
+            _shm: shm,
+            src: addr,
+            local: addr,
+            closing: false,
+            moves: VecDeque::from([(new_shm.fd().try_clone().unwrap(), 4 * FIRST_SLOTS)]),
+            broken: false,
+        };
+        publish(&mut old, MOVED, &[]);
+        publish(&mut new, 4, b"one!");
+        publish(&mut new, 4, b"2222");
+        let mut lanes = Lanes { lanes: vec![inbound], stats: LaneCounts::default() };
+        let mut seen = Vec::new();
+        let got = lanes.receive(|pkt, _, _, taken| {
+            seen.push((pkt.to_vec(), taken));
+            true
+        });
+        assert_eq!(got, 2);
+        assert_eq!(seen, [(b"one!".to_vec(), 0), (b"2222".to_vec(), 1)]);
+        assert_eq!((lanes.stats.rx_pkts, lanes.stats.rx_malformed), (2, 0));
+        assert_eq!(lanes.lanes[0].cons.ring().capacity(), 4 * FIRST_SLOTS);
+        assert!(!lanes.lanes[0].broken);
+    }
 
     /// Every counter survives the trip through softrdmad's named list, under its own name.
     #[test]
