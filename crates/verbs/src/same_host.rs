@@ -397,6 +397,8 @@ pub(crate) struct Link {
     /// The sockets of the inbound lanes that are not closing, as of the last [`Link::maintain`]
     /// (which accepts and closes lanes): the I/O thread reads them without the device lock.
     doorbell_fds: Arc<Mutex<Vec<RawFd>>>,
+    /// The counters. The gauges of what is up now (`lanes_out`, `lanes_in`, `ring_slots_out`)
+    /// are not kept here: [`Link::stats`] reads them off the lanes.
     pub stats: SameHostStats,
 }
 
@@ -446,6 +448,17 @@ impl Link {
         !self.inbound.is_empty() || self.looped_at.is_some_and(|t| now < t + LOOPBACK_QUIET)
     }
 
+    /// The link's counters, with the lanes and ring slots up now.
+    pub fn stats(&self) -> SameHostStats {
+        let out = || self.outbound.iter().filter_map(|o| o.lane.as_ref());
+        SameHostStats {
+            lanes_out: out().count() as u64,
+            lanes_in: self.inbound.len() as u64,
+            ring_slots_out: out().map(|l| u64::from(l.prod.ring().capacity())).sum(),
+            ..self.stats
+        }
+    }
+
     /// Whether any outbound lane is up.
     pub fn has_outbound_lane(&self) -> bool {
         self.outbound.iter().any(|o| o.lane.is_some())
@@ -478,10 +491,8 @@ impl Link {
         match connect(src, dst, self.slots, now) {
             Ok(lane) => {
                 lane.prod.ring().set_producer_cpu(self.poller_cpu);
-                self.stats.ring_slots_out += u64::from(lane.prod.ring().capacity());
                 o.lane = Some(lane);
                 self.stats.connects += 1;
-                self.stats.lanes_out += 1;
                 Some(i)
             }
             Err(_) => {
@@ -630,7 +641,6 @@ impl Link {
         if lane.prod.slot_mut().is_none() {
             return false;
         }
-        let old = lane.prod.ring().capacity();
         let sent = new_ring(slots).and_then(|(shm, ring)| {
             lane.conn.send(format!("{MOVE} {slots}").as_bytes(), &[shm.fd().as_raw_fd()])?;
             Ok((shm, ring))
@@ -651,7 +661,6 @@ impl Link {
         lane.dirty = true;
         // The new ring's index starts again from 0: its quiet spell starts at the next look.
         lane.quiet.0 = u32::MAX;
-        self.stats.ring_slots_out = self.stats.ring_slots_out - u64::from(old) + u64::from(slots);
         true
     }
 
@@ -739,7 +748,6 @@ impl Link {
         s.rx_malformed += d.rx_malformed;
         s.ring_corrupt += d.ring_corrupt;
         s.peer_gone += d.peer_gone;
-        s.lanes_in = lanes.lanes.len() as u64;
         self.inbound = lanes.lanes;
     }
 
@@ -768,7 +776,6 @@ impl Link {
         let n = self.inbound.len();
         self.inbound.retain(|l| l.cons.tagged_index_ok());
         self.stats.ring_corrupt += (n - self.inbound.len()) as u64;
-        self.stats.lanes_in = self.inbound.len() as u64;
         self.next_maintain = now + MAINTAIN_EVERY;
         self.shrink_quiet(now);
         let mut pfds = std::mem::take(&mut self.pfds);
@@ -795,11 +802,9 @@ impl Link {
                     continue;
                 }
                 if pfds[k].revents & hup != 0 {
-                    let slots = o.lane.take().map_or(0, |l| l.prod.ring().capacity());
-                    self.stats.ring_slots_out -= u64::from(slots);
+                    o.lane = None;
                     o.retry_at = now + RETRY;
                     self.stats.peer_gone += 1;
-                    self.stats.lanes_out -= 1;
                 }
                 k += 1;
             }
@@ -841,7 +846,6 @@ impl Link {
                 Ok(lane) => {
                     self.inbound.push(lane);
                     self.stats.accepts += 1;
-                    self.stats.lanes_in = self.inbound.len() as u64;
                 }
                 Err(_) => self.stats.refused += 1,
             }

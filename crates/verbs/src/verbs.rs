@@ -255,7 +255,7 @@ impl Context {
     /// host); in daemon mode the device's, all clients together.
     pub fn same_host_stats(&self) -> crate::SameHostStats {
         match &self.h {
-            Dev::Embedded(h) => h.dev.lock().link.stats,
+            Dev::Embedded(h) => h.dev.lock().link.stats(),
             Dev::Daemon(s) => crate::SameHostStats::from_named(&Self::daemon_counters(s)),
         }
     }
@@ -266,7 +266,7 @@ impl Context {
     pub fn poller_stats(&self) -> crate::PollerStats {
         match &self.h {
             Dev::Embedded(h) => {
-                let l = h.dev.lock().link.stats;
+                let l = h.dev.lock().link.stats();
                 crate::PollerStats { shared_yields: l.poller_yields, moves: l.poller_moves }
             }
             Dev::Daemon(s) => s.poller_stats(),

@@ -1206,7 +1206,7 @@ impl SvcDevice {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        counters.extend(st.link.stats.named());
+        counters.extend(st.link.stats().named());
         counters.shrink_to_fit();
         let qps: Vec<QpStats> = svc
             .qps
