@@ -80,7 +80,7 @@ fn place(to: &mut Receiver<'_>, now: Instant, pkt: &[u8], d: &DeferredPayload) -
     let Ok(h) = IbPacket::new_checked(&hdr[..head.len() + tail.len()]) else { return false };
     let Some(dst) = to.mem.remote_write_ptr(expect.pd, expect.rkey, expect.addr, d.len as u64) else { return false };
     let mut src = None;
-    let (Ok(true), Some(src)) = (to.mem.local_pieces(d, &mut src), src.as_ref()) else { return false };
+    let (Ok(()), Some(src)) = (to.mem.local_pieces(d, &mut src), src.as_ref()) else { return false };
     // SAFETY: `remote_write_ptr` resolved `d.len` bytes at `dst` inside a region of this process
     // open for remote writes, `local_pieces` the payload (`d.len` bytes) inside live regions; both
     // stay registered while the device lock is held (deregistration takes it).

@@ -581,22 +581,23 @@ impl MrTable {
         pkt: &mut [u8],
         out: &mut Option<InPlace>,
     ) -> core::result::Result<(), MemError> {
-        if !self.local_pieces(d, out)? {
+        self.local_pieces(d, out)?;
+        if out.is_none() {
             self.fill(d, pkt)?;
         }
         Ok(())
     }
 
     /// A deferred payload's pieces as pointers into this process's memory (a client's mapped
-    /// memfd region included), written to `out`; `Ok(false)` (and `out` None) when a piece is in a
-    /// region reached through process_vm. Written where the caller keeps it: an `InPlace` is
-    /// 56 bytes, and moving it out through the results cost the UDP sender's flush stalls on
-    /// forwarding its stores.
+    /// memfd region included), written to `out`; `out` is left `None` when a piece is in a region
+    /// reached through process_vm, or on an error. Written where the caller keeps it: an
+    /// `InPlace` is 56 bytes, and moving it out through the results cost the UDP sender's flush
+    /// stalls on forwarding its stores.
     pub(crate) fn local_pieces(
         &self,
         d: &DeferredPayload,
         out: &mut Option<InPlace>,
-    ) -> core::result::Result<bool, MemError> {
+    ) -> core::result::Result<(), MemError> {
         let ip = out.insert(InPlace {
             at: d.at,
             len: d.len,
@@ -606,19 +607,15 @@ impl MrTable {
         for (slot, s) in ip.ptrs.iter_mut().zip(d.pieces()) {
             match self.resolve(d.pd, s.lkey, s.addr, u64::from(s.length), Access::NONE) {
                 Ok(Loc::Local(p)) => *slot = (p as *const u8, s.length as usize),
-                Ok(Loc::Remote(..)) => {
+                remote_or_error => {
                     *out = None;
-                    return Ok(false);
-                }
-                Err(e) => {
-                    *out = None;
-                    return Err(e);
+                    return remote_or_error.map(|_| ());
                 }
             }
         }
         // The pieces are read through the pointers: after the writes kept behind.
         self.write_pending();
-        Ok(true)
+        Ok(())
     }
 }
 
