@@ -11,4 +11,5 @@
 
 pub mod admin;
 pub(crate) mod client;
+mod loop_wait;
 pub mod server;

@@ -43,6 +43,7 @@ use softrdma_transport::{
 };
 use softrdma_wire::Qpn;
 
+use super::loop_wait::{Loops, Wait};
 use crate::error::Error;
 use crate::poller;
 use crate::runtime::Device;
@@ -112,6 +113,7 @@ pub fn run(opts: DaemonOptions) -> crate::error::Result<()> {
         next_conn: AtomicU64::new(1),
         uid: softrdma_abi::sock::geteuid(),
         garbage: AtomicU64::new(0),
+        loops: Arc::new(Loops::new()),
         opts,
     });
     let configs: Vec<DeviceConfig> = d.reg.lock().expect("registry").devices().to_vec();
@@ -158,6 +160,8 @@ struct Daemon {
     next_conn: AtomicU64,
     uid: u32,
     garbage: AtomicU64,
+    /// The device loops that poll, for how each waits (loop_wait.rs).
+    loops: Arc<Loops>,
 }
 
 impl Daemon {
@@ -201,6 +205,7 @@ impl Daemon {
             port_up: AtomicBool::new(up),
             thread: Mutex::new(None),
             tid: AtomicI32::new(0),
+            loops: Arc::clone(&self.loops),
         });
         let sd2 = Arc::clone(&sd);
         let t = std::thread::Builder::new()
@@ -849,6 +854,8 @@ struct SvcDevice {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// The device loop's thread id (0 until it runs), for its CPU time in the stats.
     tid: AtomicI32,
+    /// The daemon's device loops that poll, this one's among them.
+    loops: Arc<Loops>,
 }
 
 /// CPU time (user + system) of thread `tid` of this process, from `/proc/self/task/<tid>/stat`
@@ -906,20 +913,26 @@ impl SvcDevice {
         let spin = spin_time();
         let mut last_work = StdInstant::now();
         let mut scratch = Scratch { pause: pass_pause(), ..Scratch::default() };
+        self.loops.wake();
         while !self.stop.load(Ordering::Acquire) {
             if self.pass(&mut scratch) {
                 last_work = StdInstant::now();
                 continue;
             }
-            if last_work.elapsed() < spin {
-                // Spin politely: on a machine with fewer cores than busy threads the clients
-                // (which poll their CQ rings) need the core as much as we do.
-                std::thread::yield_now();
-                continue;
+            match self.loops.next(last_work.elapsed(), spin) {
+                Wait::Spin => std::hint::spin_loop(),
+                // On a machine with fewer cores than busy threads the clients (which poll their
+                // CQ rings) need the core as much as we do.
+                Wait::Yield => std::thread::yield_now(),
+                Wait::Sleep => {
+                    self.loops.rest();
+                    self.sleep();
+                    self.loops.wake();
+                    last_work = StdInstant::now() - spin;
+                }
             }
-            self.sleep();
-            last_work = StdInstant::now() - spin;
         }
+        self.loops.rest();
     }
 
     /// Ask every work ring for a doorbell, then sleep until a packet, a doorbell, a wake-up or the
