@@ -497,11 +497,11 @@ struct QpEntry {
 impl QpEntry {
     /// Take the work requests of the QP's send ring into the engine, as many as it takes (with
     /// `read_ahead`, only those the pass read ahead for); returns whether any was taken and how
-    /// many ring entries were malformed.
+    /// many ring entries were malformed. `pid` names the client in what is logged.
     fn take_sends(
         &mut self,
         qpn: Qpn,
-        pid: u32,
+        pid: impl Fn() -> u32,
         st: &mut crate::runtime::State,
         now: softrdma_transport::Instant,
         buf: &mut Vec<u8>,
@@ -523,7 +523,7 @@ impl QpEntry {
                 Some(d) => d,
                 None => {
                     let report = |e: &RingCorrupt| {
-                        log!("client pid {pid}: QP {qpn} send ring: {e}; ignoring the ring from now on");
+                        log!("client pid {}: QP {qpn} send ring: {e}; ignoring the ring from now on", pid());
                     };
                     if !peek_entry(&self.sq, buf, &mut self.broken, report) {
                         break;
@@ -537,7 +537,7 @@ impl QpEntry {
                     self.sq.advance();
                     self.counters.bad_wqes += 1;
                     bad += 1;
-                    log!("client pid {pid}: QP {qpn}: {e}; QP to ERR");
+                    log!("client pid {}: QP {qpn}: {e}; QP to ERR", pid());
                     let _ = st.hca.modify_qp(
                         qpn,
                         &ModifyQp { state: Some(QpState::Err), ..Default::default() },
@@ -566,7 +566,7 @@ impl QpEntry {
                 Err(e) => {
                     self.counters.rejected_wrs += 1;
                     if self.counters.rejected_wrs == 1 {
-                        log!("client pid {pid}: QP {qpn}: send WR refused: {e}");
+                        log!("client pid {}: QP {qpn}: send WR refused: {e}", pid());
                     }
                 }
             }
@@ -582,6 +582,12 @@ impl QpEntry {
 /// Copy the next entry of a client's ring into `buf` (resized to a slot). False if the ring has
 /// none, or is broken: then `broken` is set (the ring is ignored from then on) and `report` is
 /// told why.
+/// The process id of client `client`, for what is logged about it (0 if it is gone): looked up
+/// only when something is logged, not on every pass.
+fn pid_of(clients: &HashMap<u64, ClientEntry>, client: u64) -> impl Fn() -> u32 + '_ {
+    move || clients.get(&client).map_or(0, |c| c.pid)
+}
+
 fn peek_entry(ring: &Consumer, buf: &mut Vec<u8>, broken: &mut bool, report: impl FnOnce(&RingCorrupt)) -> bool {
     buf.resize(ring.ring().slot_size() as usize, 0);
     match ring.peek(buf) {
@@ -615,8 +621,7 @@ fn take_posted(
     let mut work = svc.take_recvs(st, now, &mut buf);
     for _ in 0..TAKE_POSTED_ROUNDS {
         let Some(q) = svc.qps.get_mut(&qpn) else { break };
-        let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
-        let (taken, bad) = q.take_sends(qpn, pid, st, now, &mut buf, false);
+        let (taken, bad) = q.take_sends(qpn, pid_of(&svc.clients, q.client), st, now, &mut buf, false);
         svc.bad_wqes += bad;
         work |= taken;
         // A flush stops short when a same-host lane is full or its budget is spent.
@@ -783,11 +788,11 @@ impl SvcState {
                 continue;
             }
             q.rq_blocked = false;
-            let pid = self.clients.get(&q.client).map_or(0, |c| c.pid);
+            let pid = pid_of(&self.clients, q.client);
             let Some(rq) = q.rq.as_mut() else { continue };
             loop {
                 let report = |e: &RingCorrupt| {
-                    log!("client pid {pid}: QP {qpn} receive ring: {e}; ignoring the ring from now on");
+                    log!("client pid {}: QP {qpn} receive ring: {e}; ignoring the ring from now on", pid());
                 };
                 if !peek_entry(rq, buf, &mut q.broken, report) {
                     break;
@@ -804,7 +809,7 @@ impl SvcState {
                     Err(e) => {
                         q.counters.bad_wqes += 1;
                         self.bad_wqes += 1;
-                        log!("client pid {pid}: QP {qpn}: {e}");
+                        log!("client pid {}: QP {qpn}: {e}", pid());
                     }
                 }
                 rq.advance();
@@ -1071,8 +1076,7 @@ impl SvcDevice {
         }
         let mut sends = false;
         for (qpn, q) in svc.qps.iter_mut() {
-            let pid = svc.clients.get(&q.client).map_or(0, |c| c.pid);
-            let (taken, bad) = q.take_sends(*qpn, pid, st, now, &mut sc.buf, read_ahead);
+            let (taken, bad) = q.take_sends(*qpn, pid_of(&svc.clients, q.client), st, now, &mut sc.buf, read_ahead);
             sends |= taken;
             svc.bad_wqes += bad;
         }
@@ -1094,7 +1098,12 @@ impl SvcDevice {
         // Completions: from the engine into the CQ rings, once the writes they complete are made.
         st.mem.write_pending();
         for (id, c) in svc.cqs.iter_mut() {
-            let free = c.ring.free() as usize;
+            // The engine's side first, and the ring's room as last known: its free count reads
+            // the index its client keeps writing (a cache line from the client's core).
+            if st.hca.cq_is_empty(*id) {
+                continue;
+            }
+            let free = c.ring.room() as usize;
             if free == 0 {
                 continue;
             }
