@@ -399,6 +399,34 @@ impl Consumer {
         self.peek_at(0, out)
     }
 
+    /// [`Consumer::peek_at`] that copies only the bytes entry `k` uses: its first `head` bytes,
+    /// then the rest of the `used(first bytes)` it says it takes (at most `out.len()` and
+    /// `slot_size` in all). The bytes of the slot beyond are not read: an earlier lap left them,
+    /// often in the producer's cache, and each line read would be a transfer from its core.
+    /// Returns the bytes copied (`None` if fewer than `k + 1` entries wait); the entry is what
+    /// these bytes say, whatever the producer writes to the slot meanwhile.
+    pub fn peek_used_at(
+        &self,
+        k: u32,
+        out: &mut [u8],
+        head: usize,
+        used: impl FnOnce(&[u8]) -> usize,
+    ) -> Result<Option<usize>, RingCorrupt> {
+        if self.pending()? <= k {
+            return Ok(None);
+        }
+        let max = out.len().min(self.ring.slot_size as usize);
+        let head = head.min(max);
+        let src = self.ring.slot_ptr(self.next.wrapping_add(k));
+        // SAFETY: as in `peek_at`: the slot lies in the mapping, `head` ≤ slot_size, the acquire
+        // load in `pending` ordered the producer's writes before our reads.
+        unsafe { ptr::copy_nonoverlapping(src, out.as_mut_ptr(), head) };
+        let n = used(&out[..head]).clamp(head, max);
+        // SAFETY: as above, for bytes `head..n` of the slot (n ≤ slot_size).
+        unsafe { ptr::copy_nonoverlapping(src.add(head), out.as_mut_ptr().add(head), n - head) };
+        Ok(Some(n))
+    }
+
     /// Copy entry `k` (0: the oldest) into `out` (up to `slot_size` bytes) without consuming
     /// anything; false if fewer than `k + 1` entries wait.
     pub fn peek_at(&self, k: u32, out: &mut [u8]) -> Result<bool, RingCorrupt> {
@@ -521,6 +549,38 @@ mod tests {
             }
             assert!(!c.pop(&mut out).unwrap());
         }
+    }
+
+    /// A peek of the used bytes copies the head, then what the head says is used, never beyond
+    /// the slot or the buffer, and leaves the rest of the buffer as it was.
+    #[test]
+    fn peek_used_copies_only_what_the_entry_says_it_uses() {
+        let mut mem = Mem([0; 256 + 128]);
+        ring(&mut mem).init();
+        let mut p = Producer::new(ring(&mut mem));
+        let c = Consumer::new(ring(&mut mem));
+        let mut out = [0xeeu8; 32];
+        assert_eq!(c.peek_used_at(0, &mut out, 4, |_| 32).unwrap(), None);
+        let entry: Vec<u8> = (0..32).collect();
+        assert!(p.push(&entry));
+        // The first byte says how many bytes the entry uses.
+        let mut e = entry.clone();
+        e[0] = 10;
+        assert!(p.push(&e));
+        let used = |h: &[u8]| usize::from(h[0]);
+        assert_eq!(c.peek_used_at(0, &mut out, 4, used).unwrap(), Some(4), "uses 0: the head still");
+        assert_eq!(&out[..4], &entry[..4]);
+        assert!(out[4..].iter().all(|&b| b == 0xee), "nothing beyond the head");
+        assert_eq!(c.peek_used_at(1, &mut out, 4, used).unwrap(), Some(10));
+        assert_eq!(&out[..10], &e[..10]);
+        assert!(out[10..].iter().all(|&b| b == 0xee));
+        // More than the slot or the buffer holds: cut to them.
+        assert_eq!(c.peek_used_at(1, &mut out, 4, |_| 1000).unwrap(), Some(32));
+        assert_eq!(&out[..], &e[..]);
+        let mut small = [0u8; 8];
+        assert_eq!(c.peek_used_at(1, &mut small, 4, |_| 1000).unwrap(), Some(8));
+        assert_eq!(&small[..], &e[..8]);
+        assert_eq!(c.peek_used_at(2, &mut out, 4, used).unwrap(), None);
     }
 
     /// The room as last known is what is left of the last reading of the consumer index; the

@@ -47,6 +47,19 @@ pub fn send_slot_size(max_sge: u32, max_inline: u32) -> u32 {
     (SEND_HEADER + data).next_multiple_of(16) as u32
 }
 
+/// The bytes of a send slot the work request in it uses, by its header (the slot's first
+/// [`SEND_HEADER`] bytes; a shorter one says only those): the header and its SGEs or inline data.
+/// A count beyond the slot is not checked here: the caller copies at most the slot, and
+/// [`decode_send`] refuses it.
+pub fn send_used(header: &[u8]) -> usize {
+    if header.len() < SEND_HEADER {
+        return header.len();
+    }
+    let count = u32_at(header, 28) as usize;
+    let data = if header[11] == 1 { count } else { count.saturating_mul(SGE_LEN) };
+    SEND_HEADER.saturating_add(data)
+}
+
 /// Size of a receive slot for `max_sge` SGEs.
 pub fn recv_slot_size(max_sge: u32) -> u32 {
     (RECV_HEADER + max_sge.max(1) as usize * SGE_LEN).next_multiple_of(16) as u32
@@ -312,6 +325,29 @@ pub fn decode_cqe(slot: &[u8; CQE_LEN]) -> Result<WorkCompletion, BadSlot> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A send slot says the bytes it uses: the header and its SGEs, or its inline bytes; a
+    /// header alone, or less, says itself.
+    #[test]
+    fn a_send_slot_says_the_bytes_it_uses() {
+        let sge = |addr| Sge { addr, length: 8, lkey: 1 };
+        let mut slot = vec![0u8; send_slot_size(4, 64) as usize];
+        let wr = |wr_id, payload| SendWr { wr_id, op: SendOp::Send, payload, flags: SendFlags::NONE, ud: None };
+        let two = wr(1, Payload::Sgl(vec![sge(0x1000), sge(0x2000)].into()));
+        encode_send(&two, &mut slot).unwrap();
+        assert_eq!(send_used(&slot[..SEND_HEADER]), SEND_HEADER + 2 * SGE_LEN);
+        assert_eq!(decode_send(&slot[..send_used(&slot[..SEND_HEADER])], 4, 64).unwrap(), two);
+        let inline = wr(2, Payload::Inline(vec![7; 13]));
+        encode_send(&inline, &mut slot).unwrap();
+        assert_eq!(send_used(&slot[..SEND_HEADER]), SEND_HEADER + 13);
+        assert_eq!(decode_send(&slot[..SEND_HEADER + 13], 4, 64).unwrap(), inline);
+        assert_eq!(send_used(&slot[..40]), 40);
+        // A count that lies is cut by the copy and refused by the decoder.
+        slot[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+        slot[11] = 0;
+        assert_eq!(send_used(&slot[..SEND_HEADER]), SEND_HEADER + (u32::MAX as usize) * SGE_LEN);
+        assert!(decode_send(&slot, 4, 64).is_err());
+    }
 
     #[test]
     fn send_round_trips() {

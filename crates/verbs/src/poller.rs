@@ -124,6 +124,19 @@ pub(crate) fn sharing(cpu: u32, now_ns: u64) -> bool {
     move_off(cpu)
 }
 
+/// How many CPUs this thread may run on (its affinity), if the kernel says.
+pub(crate) fn allowed_cpus() -> Option<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid (empty) set; sched_getaffinity with pid 0 writes only
+    // the set passed, of the size given, for this thread.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
+            return None;
+        }
+        usize::try_from(libc::CPU_COUNT(&allowed)).ok()
+    }
+}
+
 /// Move this thread off `cpu` to the next CPU its affinity allows, leaving its affinity as it
 /// was. False if it is allowed no other CPU or the kernel refused.
 fn move_off(cpu: u32) -> bool {

@@ -525,10 +525,12 @@ impl QpEntry {
                     let report = |e: &RingCorrupt| {
                         log!("client pid {}: QP {qpn} send ring: {e}; ignoring the ring from now on", pid());
                     };
-                    if !peek_entry(&self.sq, buf, &mut self.broken, report) {
+                    let Some(n) =
+                        peek_entry(&self.sq, buf, &mut self.broken, report, slot::SEND_HEADER, slot::send_used)
+                    else {
                         break;
-                    }
-                    slot::decode_send(buf, self.cap.max_send_sge, self.cap.max_inline_data)
+                    };
+                    slot::decode_send(&buf[..n], self.cap.max_send_sge, self.cap.max_inline_data)
                 }
             };
             let wr = match decoded {
@@ -579,25 +581,38 @@ impl QpEntry {
     }
 }
 
-/// Copy the next entry of a client's ring into `buf` (resized to a slot). False if the ring has
-/// none, or is broken: then `broken` is set (the ring is ignored from then on) and `report` is
-/// told why.
 /// The process id of client `client`, for what is logged about it (0 if it is gone): looked up
 /// only when something is logged, not on every pass.
 fn pid_of(clients: &HashMap<u64, ClientEntry>, client: u64) -> impl Fn() -> u32 + '_ {
     move || clients.get(&client).map_or(0, |c| c.pid)
 }
 
-fn peek_entry(ring: &Consumer, buf: &mut Vec<u8>, broken: &mut bool, report: impl FnOnce(&RingCorrupt)) -> bool {
+/// Copy the next entry of a client's ring into `buf` (resized to a slot): its first `head`
+/// bytes, then the rest of the `used(first bytes)` it takes (`Consumer::peek_used_at`: a send
+/// slot's unused tail is not read). The bytes copied; `None` if the ring has none, or is broken:
+/// then `broken` is set (the ring is ignored from then on) and `report` is told why.
+fn peek_entry(
+    ring: &Consumer,
+    buf: &mut Vec<u8>,
+    broken: &mut bool,
+    report: impl FnOnce(&RingCorrupt),
+    head: usize,
+    used: impl FnOnce(&[u8]) -> usize,
+) -> Option<usize> {
     buf.resize(ring.ring().slot_size() as usize, 0);
-    match ring.peek(buf) {
+    match ring.peek_used_at(0, buf, head, used) {
         Ok(got) => got,
         Err(e) => {
             report(&e);
             *broken = true;
-            false
+            None
         }
     }
+}
+
+/// The whole slot: for the receive rings, whose slots are a few SGEs long.
+fn whole(head: &[u8]) -> usize {
+    head.len()
 }
 
 /// Rounds of taking and sending [`take_posted`] makes at most (each one frees room in the
@@ -794,7 +809,7 @@ impl SvcState {
                 let report = |e: &RingCorrupt| {
                     log!("client pid {}: QP {qpn} receive ring: {e}; ignoring the ring from now on", pid());
                 };
-                if !peek_entry(rq, buf, &mut q.broken, report) {
+                if peek_entry(rq, buf, &mut q.broken, report, usize::MAX, whole).is_none() {
                     break;
                 }
                 match slot::decode_recv(buf, q.cap.max_recv_sge) {
@@ -822,7 +837,7 @@ impl SvcState {
             }
             s.blocked = false;
             loop {
-                if !peek_entry(&s.ring, buf, &mut s.broken, |_| {}) {
+                if peek_entry(&s.ring, buf, &mut s.broken, |_| {}, usize::MAX, whole).is_none() {
                     break;
                 }
                 match slot::decode_recv(buf, s.max_sge) {
@@ -918,26 +933,25 @@ impl SvcDevice {
         let spin = spin_time();
         let mut last_work = StdInstant::now();
         let mut scratch = Scratch { pause: pass_pause(), ..Scratch::default() };
-        self.loops.wake();
+        let mut waiter = self.loops.enter();
         while !self.stop.load(Ordering::Acquire) {
             if self.pass(&mut scratch) {
                 last_work = StdInstant::now();
                 continue;
             }
-            match self.loops.next(last_work.elapsed(), spin) {
+            match waiter.next(last_work.elapsed(), spin) {
                 Wait::Spin => std::hint::spin_loop(),
                 // On a machine with fewer cores than busy threads the clients (which poll their
                 // CQ rings) need the core as much as we do.
                 Wait::Yield => std::thread::yield_now(),
                 Wait::Sleep => {
-                    self.loops.rest();
+                    waiter.rest();
                     self.sleep();
-                    self.loops.wake();
+                    waiter.wake();
                     last_work = StdInstant::now() - spin;
                 }
             }
         }
-        self.loops.rest();
     }
 
     /// Ask every work ring for a doorbell, then sleep until a packet, a doorbell, a wake-up or the
@@ -1043,10 +1057,10 @@ impl SvcDevice {
                 q.sq_decoded.clear();
                 sc.buf.resize(q.sq.ring().slot_size() as usize, 0);
                 for k in 0..q.sq_read_ahead {
-                    if !matches!(q.sq.peek_at(k, &mut sc.buf), Ok(true)) {
+                    let Ok(Some(n)) = q.sq.peek_used_at(k, &mut sc.buf, slot::SEND_HEADER, slot::send_used) else {
                         break;
-                    }
-                    let wr = slot::decode_send(&sc.buf, q.cap.max_send_sge, q.cap.max_inline_data);
+                    };
+                    let wr = slot::decode_send(&sc.buf[..n], q.cap.max_send_sge, q.cap.max_inline_data);
                     match &wr {
                         // A READ executed directly reads its target while it is taken.
                         Ok(SendWr { op: SendOp::Read { remote_addr, rkey }, payload: Payload::Sgl(sgl), .. }) => {
