@@ -208,9 +208,9 @@ impl Ring {
 pub struct Producer {
     ring: Ring,
     next: u32,
-    /// Slots known to be free without reading the consumer index again (used by `slot_mut` and
-    /// `stage`: the consumer's index lives in a cache line the consumer keeps writing, so reading
-    /// it on every entry would cost a cache miss per entry).
+    /// Slots known to be free without reading the consumer index again (used by `slot_mut`,
+    /// `stage` and `room`: the consumer's index lives in a cache line the consumer keeps writing,
+    /// so reading it on every entry would cost a cache miss per entry).
     room: u32,
 }
 
