@@ -581,6 +581,15 @@ mod tests {
         assert_eq!(c.peek_used_at(1, &mut small, 4, |_| 1000).unwrap(), Some(8));
         assert_eq!(&small[..], &e[..8]);
         assert_eq!(c.peek_used_at(2, &mut out, 4, used).unwrap(), None);
+        // A buffer longer than the slot gets the slot only, and a head longer than both the slot.
+        let mut long = [0xeeu8; 100];
+        assert_eq!(c.peek_used_at(1, &mut long, 4, |_| 1000).unwrap(), Some(32));
+        assert_eq!(&long[..32], &e[..]);
+        assert!(long[32..].iter().all(|&b| b == 0xee), "nothing beyond the slot");
+        long.fill(0xee);
+        assert_eq!(c.peek_used_at(1, &mut long, usize::MAX, <[u8]>::len).unwrap(), Some(32));
+        assert_eq!(&long[..32], &e[..]);
+        assert!(long[32..].iter().all(|&b| b == 0xee));
     }
 
     /// The room as last known is what is left of the last reading of the consumer index; the

@@ -342,11 +342,17 @@ mod tests {
         assert_eq!(send_used(&slot[..SEND_HEADER]), SEND_HEADER + 13);
         assert_eq!(decode_send(&slot[..SEND_HEADER + 13], 4, 64).unwrap(), inline);
         assert_eq!(send_used(&slot[..40]), 40);
-        // A count that lies is cut by the copy and refused by the decoder.
+        // A count that lies is cut by the copy (to the slot) and refused by the decoder; so is a
+        // payload marker that is neither SGEs nor inline bytes.
         slot[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
         slot[11] = 0;
-        assert_eq!(send_used(&slot[..SEND_HEADER]), SEND_HEADER + (u32::MAX as usize) * SGE_LEN);
-        assert!(decode_send(&slot, 4, 64).is_err());
+        let used = send_used(&slot[..SEND_HEADER]);
+        assert_eq!(used, SEND_HEADER.saturating_add((u32::MAX as usize).saturating_mul(SGE_LEN)));
+        assert!(decode_send(&slot[..used.min(slot.len())], 4, 64).is_err());
+        slot[28..32].copy_from_slice(&1u32.to_le_bytes());
+        slot[11] = 2;
+        assert_eq!(send_used(&slot[..SEND_HEADER]), SEND_HEADER + SGE_LEN);
+        assert!(decode_send(&slot[..SEND_HEADER + SGE_LEN], 4, 64).is_err());
     }
 
     #[test]

@@ -162,19 +162,24 @@ mod tests {
     /// from its next wake on, though the daemon counted more.
     #[test]
     fn a_loop_pinned_to_one_cpu_yields() {
-        let l = Loops { awake: AtomicUsize::new(0), cpus: 64 };
-        let mut w = l.enter();
-        assert!(w.cpus <= 64);
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        let cpu = poller::this_cpu().expect("this CPU") as usize;
-        // SAFETY: zeroed cpu_set_t values are valid sets; the calls act on this test's thread only.
-        unsafe {
-            let mut one: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut one);
-            assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
-        }
-        w.wake();
-        assert_eq!(w.cpus, 1);
-        assert_eq!(w.next(Duration::ZERO, SPIN), Wait::Yield);
+        // On a thread of its own: the pinning dies with it.
+        std::thread::spawn(|| {
+            let l = Loops { awake: AtomicUsize::new(0), cpus: 64 };
+            let mut w = l.enter();
+            assert!(w.cpus <= 64);
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            let cpu = poller::this_cpu().expect("this CPU") as usize;
+            // SAFETY: zeroed cpu_set_t values are valid sets; the call acts on this thread only.
+            unsafe {
+                let mut one: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut one);
+                assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
+            }
+            w.wake();
+            assert_eq!(w.cpus, 1);
+            assert_eq!(w.next(Duration::ZERO, SPIN), Wait::Yield);
+        })
+        .join()
+        .expect("the pinned thread's checks");
     }
 }
