@@ -22,5 +22,6 @@ pub mod shm;
 pub mod slot;
 pub mod sock;
 
-/// Version of the ABI; both sides refuse a peer of another version.
-pub const ABI_VERSION: u32 = 1;
+/// Version of the ABI; both sides refuse a peer of another version. 2: completions may name a
+/// batch of writes to wait for (`slot::cqe_writes`, `ring::Ring::writes_made`).
+pub const ABI_VERSION: u32 = 2;

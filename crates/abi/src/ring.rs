@@ -9,6 +9,8 @@
 //!      `Ring::producer_cpu`): its CPU + 1 in the low 32 bits (0: not said), an id of that thread
 //!      in the high 32 bits
 //!  64  producer index  (AtomicU32, written only by the producer)
+//!  68  writes made     (AtomicU32, written only by the producer: in CQ rings, the last batch of
+//!      softrdmad's writes to clients' memory it has made; see `Ring::writes_made`)
 //! 128  consumer index  (AtomicU32, written only by the consumer)
 //! 192  consumer flags  (AtomicU32, written by the consumer, cleared by the producer)
 //! 256  capacity × slot_size bytes of slots
@@ -39,6 +41,7 @@ pub const RING_MAGIC: u32 = 0x474e_5253;
 /// Bytes before the first slot.
 pub const HEADER_LEN: usize = 256;
 const PRODUCER: usize = 64;
+const WRITES_MADE: usize = 68;
 const CONSUMER: usize = 128;
 const FLAGS: usize = 192;
 const PRODUCER_CPU: usize = 16;
@@ -124,6 +127,7 @@ impl Ring {
             unsafe { ptr::write_volatile(self.base.add(4 * i) as *mut u32, *w) };
         }
         self.word(PRODUCER).store(0, Ordering::Relaxed);
+        self.word(WRITES_MADE).store(0, Ordering::Relaxed);
         self.word(CONSUMER).store(0, Ordering::Relaxed);
         self.word(FLAGS).store(0, Ordering::Relaxed);
         self.word64(PRODUCER_CPU).store(0, Ordering::Relaxed);
@@ -171,6 +175,27 @@ impl Ring {
         let w = self.word64(PRODUCER_CPU).load(Ordering::Relaxed);
         let cpu = (w as u32).checked_sub(1)?;
         Some((cpu, (w >> 32) as u32))
+    }
+
+    /// The last batch of writes the producer says it has made (a CQ ring: softrdmad's writes to
+    /// clients' memory, in batches numbered from 1 and wrapping, 0 skipped). A completion that
+    /// names a batch (`slot::cqe_writes`) is handed out once this has reached it: the daemon
+    /// publishes completions before it makes the writes they complete, which are system calls,
+    /// so that a client's poll finds them without first giving its CPU away for nothing.
+    pub fn writes_made(&self) -> u32 {
+        self.word(WRITES_MADE).load(Ordering::Acquire)
+    }
+
+    /// Say that the writes of `batch` and every batch before it are made (the producer's side,
+    /// after making them).
+    pub fn say_writes_made(&self, batch: u32) {
+        self.word(WRITES_MADE).store(batch, Ordering::Release);
+    }
+
+    /// Whether the writes of `batch` are made, as this ring says ([`Ring::writes_made`]): batches
+    /// compare as wrapping sequence numbers.
+    pub fn batch_made(&self, batch: u32) -> bool {
+        (self.writes_made().wrapping_sub(batch) as i32) >= 0
     }
 
     /// Say that the producer's polling thread `id` runs on `cpu`, or with `None` that no thread
@@ -590,6 +615,26 @@ mod tests {
         assert_eq!(c.peek_used_at(1, &mut long, usize::MAX, <[u8]>::len).unwrap(), Some(32));
         assert_eq!(&long[..32], &e[..]);
         assert!(long[32..].iter().all(|&b| b == 0xee));
+    }
+
+    /// The batch of writes a ring says is made: none at first, then what the producer said last;
+    /// a batch counts as made once one at or after it (as wrapping sequence numbers) is said.
+    #[test]
+    fn a_ring_says_which_writes_are_made() {
+        let mut mem = Mem([0; 256 + 128]);
+        let r = ring(&mut mem);
+        r.word(WRITES_MADE).store(77, Ordering::Relaxed);
+        r.init();
+        assert_eq!(r.writes_made(), 0);
+        assert!(!r.batch_made(1));
+        r.say_writes_made(3);
+        assert!(r.batch_made(1) && r.batch_made(3) && !r.batch_made(4));
+        r.say_writes_made(u32::MAX);
+        assert!(r.batch_made(u32::MAX - 5) && !r.batch_made(1));
+        r.say_writes_made(2);
+        assert!(r.batch_made(u32::MAX) && r.batch_made(1) && r.batch_made(2) && !r.batch_made(3));
+        // The producer index beside it is its own word.
+        assert_eq!(Consumer::new(ring(&mut mem)).pending(), Ok(0));
     }
 
     /// The room as last known is what is left of the last reading of the consumer index; the

@@ -14,6 +14,8 @@
 //! sge:   0 addr u64 | 8 length u32 | 12 lkey u32
 //! cqe:   0 wr_id u64 | 8 status u8 | 9 opcode u8 | 12 byte_len u32 | 16 imm u32
 //!       20 invalidated_rkey u32 | 24 qp_num u32 | 28 src_qp u32 | 32 flags u32
+//!       36 writes u32 (0, or the batch of the daemon's writes to clients' memory that must be
+//!          made before the completion is handed out: see `Ring::writes_made`)
 //! ```
 
 use softrdma_transport::wr::{Payload, UdDest};
@@ -300,6 +302,17 @@ fn opcode_from(n: u8) -> Option<WcOpcode> {
     [Send, RdmaWrite, RdmaRead, CompSwap, FetchAdd, Recv, RecvRdmaWithImm].into_iter().find(|o| *o as u8 == n)
 }
 
+/// Say in an encoded completion that write batch `batch` (never 0) must be made before it is
+/// handed out (see [`cqe_writes`]).
+pub fn set_cqe_writes(slot: &mut [u8; CQE_LEN], batch: u32) {
+    put(slot, 36, batch.to_le_bytes());
+}
+
+/// The write batch a completion slot waits for; 0: none.
+pub fn cqe_writes(slot: &[u8; CQE_LEN]) -> u32 {
+    u32_at(slot, 36)
+}
+
 /// Decode a completion slot.
 pub fn decode_cqe(slot: &[u8; CQE_LEN]) -> Result<WorkCompletion, BadSlot> {
     let mut flags = WcFlags::NONE;
@@ -414,6 +427,29 @@ mod tests {
         assert!(decode_send(&slot, 2, 64).is_err(), "above max_sge");
         slot[8] = 99;
         assert!(decode_send(&slot, 4, 64).is_err());
+    }
+
+    /// A completion names the batch of writes it waits for (none when encoded), and decodes the
+    /// same with or without one.
+    #[test]
+    fn a_completion_names_the_writes_it_waits_for() {
+        let wc = WorkCompletion {
+            wr_id: 9,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len: 8,
+            imm: 0,
+            invalidated_rkey: 0,
+            qp_num: Qpn::new(0x11),
+            src_qp: Qpn::new(0),
+            flags: WcFlags::NONE,
+        };
+        let mut slot = [0xffu8; CQE_LEN];
+        encode_cqe(&wc, &mut slot);
+        assert_eq!(cqe_writes(&slot), 0);
+        set_cqe_writes(&mut slot, 0xdead_beef);
+        assert_eq!(cqe_writes(&slot), 0xdead_beef);
+        assert_eq!(decode_cqe(&slot).unwrap(), wc);
     }
 
     #[test]

@@ -1383,6 +1383,45 @@ fn midpass_role(ctx: &Context) {
     out("OK");
 }
 
+/// SENDs received into this process's own heap memory (a `reg_mr_raw` region, which the daemon
+/// writes with a system call) between two RC QPs of the device (executed directly): the daemon
+/// publishes each completion before it makes the write, and pauses in between (it runs with
+/// `SOFTRDMA_TEST_WRITES_PAUSE_MS`); the poll hands the receive's completion out only once the
+/// data is in place, every round.
+fn latewrite_role(ctx: &Context) {
+    const ROUNDS: usize = 3;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(16, None).unwrap();
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
+    let (tx, rx) = looped_pair(ctx, &pd, &cq, cap, Access::LOCAL_WRITE);
+    let mut heap = vec![0u8; ROUNDS * 64 + 8];
+    let base = heap.as_mut_ptr();
+    // SAFETY: `heap` outlives the region (dropped after it, at the end of this function); this
+    // process reads it only after the completions of the receives into it.
+    let mr = unsafe { pd.reg_mr_raw(base.add(8), ROUNDS * 64, Access::LOCAL_WRITE) }.unwrap();
+    for round in 0..ROUNDS {
+        rx.post_recv(RecvWr { wr_id: round as u64, sgl: vec![mr.sge(round * 64, 64).unwrap()].into() }).unwrap();
+        let want = (round as u64 + 0x5150).to_le_bytes();
+        let payload = Payload::Inline(want.to_vec());
+        tx.post_send(SendWr { wr_id: 7, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
+        let mut wcs = Vec::new();
+        let t = Instant::now();
+        while wcs.is_empty() && t.elapsed() < Duration::from_secs(5) {
+            cq.poll(1, &mut wcs).unwrap();
+            std::thread::yield_now();
+        }
+        let wc = wcs.first().unwrap_or_else(|| panic!("round {round}: no completion"));
+        assert_eq!((wc.wr_id, wc.status, wc.opcode, wc.byte_len), (round as u64, WcStatus::Success, WcOpcode::Recv, 8));
+        // SAFETY: the region's bytes, in `heap`, written by the daemon; volatile since the
+        // compiler does not see that write.
+        let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + round * 64 + i)) }).collect();
+        assert_eq!(got, want, "round {round}: the completion came before its data");
+    }
+    drop(mr);
+    drop(heap);
+    out("OK");
+}
+
 /// Wait for the port to go down and come back.
 fn portwatch_role(ctx: &Context) {
     out("READY");
@@ -1422,6 +1461,7 @@ fn child() {
         "nopoll" => nopoll_role(&ctx),
         "lastwords" => lastwords_role(&ctx),
         "midpass" => midpass_role(&ctx),
+        "latewrite" => latewrite_role(&ctx),
         "portwatch" => portwatch_role(&ctx),
         "cmserver" => cm_server_role(&ctx),
         "cmclient" => cm_client_role(&ctx),
@@ -1589,6 +1629,18 @@ fn work_published_between_a_pass_takes_goes_in_in_order() {
     let dir = Daemon::dir("midpass", "rxe0 netdev lo addr 127.0.0.1\n");
     let d = Daemon::start_env(&dir, 18985, None, Vec::new(), vec![("SOFTRDMA_TEST_PASS_PAUSE_MS", "500")]);
     assert_eq!(Client::spawn(&d, "midpass", false).finish(), "OK");
+    d.wait_idle();
+}
+
+/// Completions are published before the daemon's writes into clients' own memory that they
+/// complete (a system call each batch), and name the batch: the client's poll hands one out only
+/// once the ring says the batch is made. The daemon pauses between the two (a test hook) while
+/// the client polls.
+#[test]
+fn a_completion_waits_for_the_write_into_client_memory() {
+    let dir = Daemon::dir("latewrite", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start_env(&dir, 18986, None, Vec::new(), vec![("SOFTRDMA_TEST_WRITES_PAUSE_MS", "300")]);
+    assert_eq!(Client::spawn(&d, "latewrite", false).finish(), "OK");
     d.wait_idle();
 }
 

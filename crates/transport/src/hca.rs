@@ -619,6 +619,11 @@ impl Hca {
         self.queues.cqs.get(&cq).is_none_or(|q| q.entries.is_empty())
     }
 
+    /// Whether CQ `cq` holds a successful receive completion (false for a CQ that does not exist).
+    pub fn cq_has_receive(&self, cq: CqId) -> bool {
+        self.queues.cqs.get(&cq).is_some_and(|q| q.receives > 0)
+    }
+
     /// Whether CQ `cq` holds no completion at all, or one successful receive completion (besides
     /// any of sends): what a thread polling it in a request-response exchange finds when the
     /// peer's request arrived (its receive completion, or nothing when an RDMA WRITE only changed

@@ -35,10 +35,12 @@
 //! * [`WriteBehind`]: what the device writes into a client's memory (a received SEND or WRITE, a
 //!   READ response's data) is kept and written, each process's in order, before anything could tell anyone it was
 //!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
-//!   could act on), before the pass hands completions to the clients, and before any other access
-//!   to memory (`MrTable`): a read, an atomic not served from a copy, a write to memory the daemon maps (a "data, then
-//!   flag" pair of WRITEs into two regions stays in that order) — all but further writes kept
-//!   behind and reads served from what was read ahead. A client polling its memory for a WRITE
+//!   could act on), before the pass's completions can be handed out (made before they are
+//!   published; or, a few kilobytes completing a receive, right after, with the completions
+//!   naming the batch the client's poll waits for: `Ring::writes_made`), and before any other
+//!   access to memory (`MrTable`): a read, an atomic not served from a copy, a write to memory
+//!   the daemon maps (a "data, then flag" pair of WRITEs into two regions stays in that order) —
+//!   all but further writes kept behind and reads served from what was read ahead. A client polling its memory for a WRITE
 //!   (as `ib_write_lat` does) sees the data up to one pass later, as it would after a NIC's DMA.
 //!   Registration checks that the range is mapped and, for a region that may be written,
 //!   writable; a write the client made impossible afterwards (it unmapped or write-protected a
@@ -242,6 +244,11 @@ impl WriteBehind {
     /// Nothing waits to be written.
     pub fn is_empty(&self) -> bool {
         self.ranges.is_empty()
+    }
+
+    /// The bytes waiting to be written.
+    pub fn bytes(&self) -> usize {
+        self.bytes.len()
     }
 
     /// Keep `data` to be written at `addr` of process `pid`; false (nothing kept) when it does not

@@ -411,6 +411,14 @@ impl MrTable {
         }
     }
 
+    /// The bytes of the writes kept behind that wait to be made ([`MrTable::write_pending`]).
+    pub(crate) fn writes_waiting(&self) -> usize {
+        if self.process_regions == 0 {
+            return 0;
+        }
+        self.write_behind.borrow().bytes()
+    }
+
     /// Writes to a region reached through process_vm that its process refused after they were
     /// kept behind (it unmapped or write-protected the range after registering it): their data is
     /// lost.

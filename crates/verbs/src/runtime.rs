@@ -637,8 +637,12 @@ impl Device {
         st.flush_owed = false;
         st.link.flush_starts();
         // Writes to daemon clients' memory kept behind are made before any packet leaves
-        // (client_io.rs).
-        st.mem.write_pending();
+        // (client_io.rs): here before the CM's or a parked packet; before the engine's, per batch
+        // below. A flush that sends nothing leaves them to softrdmad's pass, which makes them
+        // after it has published the completions that wait for them (`Ring::writes_made`).
+        if st.cm.agent.has_output() || st.link.congested() {
+            st.mem.write_pending();
+        }
         // (Skipped, not drained empty, when the CM has nothing: this comes before the packets,
         // on the path from a request to its ACK, and an empty drain cost a same-host hop 0.02 µs.)
         for round in 0..CM_LOOP_ROUNDS {

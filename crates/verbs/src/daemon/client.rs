@@ -388,6 +388,12 @@ impl Cq {
             }
             out.push(slot::decode_cqe(&slot).map_err(|e| Error::Daemon(e.to_string()))?);
             n += 1;
+            // Its data may still be on its way into this process's memory (a process_vm region):
+            // the daemon says when the batch it waits for is made, a system call away.
+            let batch = slot::cqe_writes(&slot);
+            if batch != 0 && !wait_for_writes(ring.ring(), batch) {
+                return Err(Error::Daemon("softrdmad did not say it made the writes of a completion".into()));
+            }
         }
         if n == 0 && max > 0 {
             // A busy poller of an empty CQ gives its core away for a moment: the daemon's device
@@ -459,6 +465,32 @@ impl WorkRing {
         }
     }
 }
+
+/// Wait until CQ ring `ring` says the daemon made write batch `batch` (`Ring::writes_made`): a
+/// system call of the daemon's, under a microsecond, so spin, then give the CPU away between
+/// looks. False if the daemon did not say it within [`WRITES_PATIENCE`] (it stopped mid-pass).
+fn wait_for_writes(ring: &softrdma_abi::ring::Ring, batch: u32) -> bool {
+    let start = monotonic_ns();
+    while !ring.batch_made(batch) {
+        let waited = monotonic_ns().saturating_sub(start);
+        if waited > WRITES_PATIENCE.as_nanos() as u64 {
+            return false;
+        }
+        if waited > WRITES_SPIN.as_nanos() as u64 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    true
+}
+
+/// How long a poll waiting for the daemon's writes looks without giving its CPU away (yielding
+/// at once measured as if the completions came after the writes: 2.7 against 1.5 µs).
+const WRITES_SPIN: Duration = Duration::from_micros(2);
+
+/// How long a poll waits for the daemon to say it made the writes a completion waits for.
+const WRITES_PATIENCE: Duration = Duration::from_secs(10);
 
 fn map_work_ring(shm: &Shm, offset: usize, capacity: u32, slot: u32) -> Result<WorkRing> {
     let ring = shm.ring(offset, capacity, slot).map_err(|e| Error::io("mapping a work queue ring", e))?;

@@ -895,11 +895,27 @@ fn spin_time() -> Duration {
     Duration::from_micros(us)
 }
 
+/// Most bytes of writes to clients' memory a pass makes after publishing the completions that
+/// wait for them (see `SvcDevice::pass`): where the system call's fixed cost is what they cost.
+/// Larger writes take long enough that a receiver would wait for them anyway, and go first.
+const EARLY_COMPLETIONS_MAX: usize = 4096;
+
 /// A test hook, `SOFTRDMA_TEST_PASS_PAUSE_MS`: how long a pass whose first take of the receive
 /// rings took something waits before it takes the send rings, so that a test can publish work
 /// requests in between (crates/cli/tests/daemon.rs). Unset: no pause.
 fn pass_pause() -> Option<Duration> {
-    let ms: u64 = std::env::var("SOFTRDMA_TEST_PASS_PAUSE_MS").ok()?.parse().ok()?;
+    test_pause("SOFTRDMA_TEST_PASS_PAUSE_MS")
+}
+
+/// A test hook, `SOFTRDMA_TEST_WRITES_PAUSE_MS`: how long a pass that published completions
+/// waiting for its writes to clients' memory waits before it makes them, so that a test can
+/// poll them meanwhile (crates/cli/tests/daemon.rs). Unset: no pause.
+fn writes_pause() -> Option<Duration> {
+    test_pause("SOFTRDMA_TEST_WRITES_PAUSE_MS")
+}
+
+fn test_pause(var: &str) -> Option<Duration> {
+    let ms: u64 = std::env::var(var).ok()?.parse().ok()?;
     Some(Duration::from_millis(ms))
 }
 
@@ -932,7 +948,7 @@ impl SvcDevice {
         self.tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
         let spin = spin_time();
         let mut last_work = StdInstant::now();
-        let mut scratch = Scratch { pause: pass_pause(), ..Scratch::default() };
+        let mut scratch = Scratch { pause: pass_pause(), writes_pause: writes_pause(), ..Scratch::default() };
         let mut waiter = self.loops.enter();
         while !self.stop.load(Ordering::Acquire) {
             if self.pass(&mut scratch) {
@@ -1109,8 +1125,24 @@ impl SvcDevice {
         work |= before != (st.hca.counters().rcvd_pkts, st.hca.counters().sent_pkts);
         work |= route_cm_all(&self.dev, svc, st);
 
-        // Completions: from the engine into the CQ rings, once the writes they complete are made.
-        st.mem.write_pending();
+        // Completions: from the engine into the CQ rings. Writes to clients' memory still kept
+        // behind (data in a process_vm region: a system call) are made first, unless a receive
+        // completes and they are few: then after the completions are published, and the completions name their
+        // batch: the client hands one out once the ring says its batch is made
+        // (`Ring::writes_made`). Published first, a receive's completion is found by its
+        // client's next look instead of after the call, during which a client that finds
+        // nothing gives its CPU away (PERFORMANCE.md, session 21). Without a receive (an RDMA
+        // WRITE, whose target may watch its memory rather than a CQ) the write goes first.
+        let waiting = st.mem.writes_waiting();
+        let batch =
+            if (1..=EARLY_COMPLETIONS_MAX).contains(&waiting) && svc.cqs.keys().any(|id| st.hca.cq_has_receive(*id)) {
+                sc.batch = sc.batch.wrapping_add(1).max(1);
+                sc.batch
+            } else {
+                st.mem.write_pending();
+                0
+            };
+        sc.published.clear();
         for (id, c) in svc.cqs.iter_mut() {
             // The engine's side first, and the ring's room as last known: its free count reads
             // the index its client keeps writing (a cache line from the client's core).
@@ -1130,6 +1162,9 @@ impl SvcDevice {
             let mut notify = false;
             for wc in &sc.wcs {
                 slot::encode_cqe(wc, &mut slot);
+                if batch != 0 {
+                    slot::set_cqe_writes(&mut slot, batch);
+                }
                 c.ring.push(&slot);
                 if let Some(q) = svc.qps.get_mut(&wc.qp_num) {
                     q.counters.completions += 1;
@@ -1138,6 +1173,9 @@ impl SvcDevice {
                     }
                 }
                 notify |= wc.status != WcStatus::Success || wc.opcode.is_receive();
+            }
+            if batch != 0 {
+                sc.published.push(*id);
             }
             fence(Ordering::SeqCst);
             let flags = c.ring.ring().flags();
@@ -1148,6 +1186,17 @@ impl SvcDevice {
             {
                 if let Some((_, sock)) = c.channel.and_then(|ch| svc.channels.get(&ch)) {
                     let _ = sock.send(&id.0.to_le_bytes());
+                }
+            }
+        }
+        if batch != 0 {
+            if let (false, Some(pause)) = (sc.published.is_empty(), sc.writes_pause) {
+                std::thread::sleep(pause);
+            }
+            st.mem.write_pending();
+            for id in &sc.published {
+                if let Some(c) = svc.cqs.get(id) {
+                    c.ring.ring().say_writes_made(batch);
                 }
             }
         }
@@ -1353,8 +1402,15 @@ struct Scratch {
     wcs: Vec<WorkCompletion>,
     /// The SGEs of the work requests a pass reads ahead for.
     sges: Vec<Sge>,
+    /// The last batch of writes to clients' memory made after completions that wait for it
+    /// (1 up, wrapping, 0 skipped).
+    batch: u32,
+    /// The CQs a pass published completions to that wait for its batch.
+    published: Vec<CqId>,
     /// [`pass_pause`].
     pause: Option<Duration>,
+    /// [`writes_pause`].
+    writes_pause: Option<Duration>,
 }
 
 // ---- one session --------------------------------------------------------------------------------
