@@ -1416,7 +1416,34 @@ fn latewrite_role(ctx: &Context) {
         // compiler does not see that write.
         let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + round * 64 + i)) }).collect();
         assert_eq!(got, want, "round {round}: the completion came before its data");
+        // The completion came through the daemon's pause: it was published before the write.
+        assert!(t.elapsed() >= Duration::from_millis(250), "round {round}: the pause was not taken");
     }
+    // Through a completion channel: the event comes once the write is made, so the one poll
+    // after it finds the completion handed out and its data in place.
+    let ch = ctx.create_comp_channel().unwrap();
+    let ecq = ctx.create_cq(16, Some(&ch)).unwrap();
+    let attr = QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &ecq, srq: None, cap, sq_sig_all: false };
+    let (a, b) = (pd.create_qp(&attr).unwrap(), pd.create_qp(&attr).unwrap());
+    let gid = ctx.query_gid(1, 1).unwrap();
+    a.init(Access::LOCAL_WRITE).unwrap();
+    b.init(Access::LOCAL_WRITE).unwrap();
+    a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
+    b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
+    b.post_recv(RecvWr { wr_id: 99, sgl: vec![mr.sge(0, 64).unwrap()].into() }).unwrap();
+    ecq.req_notify(false).unwrap();
+    let want = 0x5eed_u64.to_le_bytes();
+    let payload = Payload::Inline(want.to_vec());
+    a.post_send(SendWr { wr_id: 8, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
+    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(ecq.handle()));
+    let mut wcs = Vec::new();
+    ecq.poll(1, &mut wcs).unwrap();
+    let wc = wcs.first().expect("the completion the event was for");
+    assert_eq!((wc.wr_id, wc.status, wc.byte_len), (99, WcStatus::Success, 8));
+    // SAFETY: as above.
+    let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + i)) }).collect();
+    assert_eq!(got, want, "through the channel: the completion came before its data");
+    drop((a, b, ecq, ch));
     drop(mr);
     drop(heap);
     out("OK");

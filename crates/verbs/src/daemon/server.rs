@@ -469,6 +469,10 @@ struct ClientEntry {
 struct CqEntry {
     client: u64,
     ring: Producer,
+    /// The last batch of writes its completions named (`Ring::writes_made`): per CQ, so that
+    /// what its ring says is always that batch or the one before, and the batches of the
+    /// completions it holds are at most its capacity behind (they compare as wrapping numbers).
+    batch: u32,
     channel: Option<u32>,
     overflow_logged: bool,
     _shm: Shm,
@@ -578,6 +582,22 @@ impl QpEntry {
         // What was not taken (the engine's queue is full) is decoded again next time.
         self.sq_decoded.clear();
         (work, bad)
+    }
+}
+
+/// After completions were published to CQ `id` (and a full fence): send its channel the event if
+/// the client armed it for them (any completion, or `notify`: an error or a receive, for
+/// solicited-only arming), disarming it.
+fn wake_channel(c: &CqEntry, id: CqId, notify: bool, channels: &HashMap<u32, (u64, UnixDatagram)>) {
+    let flags = c.ring.ring().flags();
+    let armed = flags.load(Ordering::Relaxed);
+    if armed != 0
+        && (armed == ARMED_ANY || notify)
+        && flags.compare_exchange(armed, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    {
+        if let Some((_, sock)) = c.channel.and_then(|ch| channels.get(&ch)) {
+            let _ = sock.send(&id.0.to_le_bytes());
+        }
     }
 }
 
@@ -1127,21 +1147,18 @@ impl SvcDevice {
 
         // Completions: from the engine into the CQ rings. Writes to clients' memory still kept
         // behind (data in a process_vm region: a system call) are made first, unless a receive
-        // completes and they are few: then after the completions are published, and the completions name their
-        // batch: the client hands one out once the ring says its batch is made
-        // (`Ring::writes_made`). Published first, a receive's completion is found by its
+        // completes and they are few (`early`): then after the completions are published, which
+        // name their CQ's next batch; the client hands one out once its ring says that batch is
+        // made (`Ring::writes_made`). Published first, a receive's completion is found by its
         // client's next look instead of after the call, during which a client that finds
         // nothing gives its CPU away (PERFORMANCE.md, session 21). Without a receive (an RDMA
         // WRITE, whose target may watch its memory rather than a CQ) the write goes first.
         let waiting = st.mem.writes_waiting();
-        let batch =
-            if (1..=EARLY_COMPLETIONS_MAX).contains(&waiting) && svc.cqs.keys().any(|id| st.hca.cq_has_receive(*id)) {
-                sc.batch = sc.batch.wrapping_add(1).max(1);
-                sc.batch
-            } else {
-                st.mem.write_pending();
-                0
-            };
+        let early =
+            (1..=EARLY_COMPLETIONS_MAX).contains(&waiting) && svc.cqs.keys().any(|id| st.hca.cq_has_receive(*id));
+        if !early {
+            st.mem.write_pending();
+        }
         sc.published.clear();
         for (id, c) in svc.cqs.iter_mut() {
             // The engine's side first, and the ring's room as last known: its free count reads
@@ -1158,12 +1175,15 @@ impl SvcDevice {
                 continue;
             }
             work = true;
+            if early {
+                c.batch = c.batch.wrapping_add(1).max(1);
+            }
             let mut slot = [0u8; CQE_LEN];
             let mut notify = false;
             for wc in &sc.wcs {
                 slot::encode_cqe(wc, &mut slot);
-                if batch != 0 {
-                    slot::set_cqe_writes(&mut slot, batch);
+                if early {
+                    slot::set_cqe_writes(&mut slot, c.batch);
                 }
                 c.ring.push(&slot);
                 if let Some(q) = svc.qps.get_mut(&wc.qp_num) {
@@ -1174,29 +1194,31 @@ impl SvcDevice {
                 }
                 notify |= wc.status != WcStatus::Success || wc.opcode.is_receive();
             }
-            if batch != 0 {
-                sc.published.push(*id);
-            }
-            fence(Ordering::SeqCst);
-            let flags = c.ring.ring().flags();
-            let armed = flags.load(Ordering::Relaxed);
-            if armed != 0
-                && (armed == ARMED_ANY || notify)
-                && flags.compare_exchange(armed, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-            {
-                if let Some((_, sock)) = c.channel.and_then(|ch| svc.channels.get(&ch)) {
-                    let _ = sock.send(&id.0.to_le_bytes());
-                }
+            if early {
+                // Its channel is told once the writes are made (below): a client woken by the
+                // event, or arming after it, finds the batch made.
+                sc.published.push((*id, notify));
+            } else {
+                fence(Ordering::SeqCst);
+                wake_channel(c, *id, notify, &svc.channels);
             }
         }
-        if batch != 0 {
+        if early {
             if let (false, Some(pause)) = (sc.published.is_empty(), sc.writes_pause) {
                 std::thread::sleep(pause);
             }
             st.mem.write_pending();
-            for id in &sc.published {
+            for (id, _) in &sc.published {
                 if let Some(c) = svc.cqs.get(id) {
-                    c.ring.ring().say_writes_made(batch);
+                    c.ring.ring().say_writes_made(c.batch);
+                }
+            }
+            // One of the two sees the other: this load of the arming after the fence, or the
+            // client's poll after it armed (`Cq::req_notify`) the batch made.
+            fence(Ordering::SeqCst);
+            for &(id, notify) in &sc.published {
+                if let Some(c) = svc.cqs.get(&id) {
+                    wake_channel(c, id, notify, &svc.channels);
                 }
             }
         }
@@ -1402,11 +1424,10 @@ struct Scratch {
     wcs: Vec<WorkCompletion>,
     /// The SGEs of the work requests a pass reads ahead for.
     sges: Vec<Sge>,
-    /// The last batch of writes to clients' memory made after completions that wait for it
-    /// (1 up, wrapping, 0 skipped).
-    batch: u32,
-    /// The CQs a pass published completions to that wait for its batch.
-    published: Vec<CqId>,
+    /// The CQs a pass published completions to that wait for its writes (each names its own
+    /// batch: `CqEntry::batch`), and whether any of them may wake a channel armed for solicited
+    /// completions (an error or a receive).
+    published: Vec<(CqId, bool)>,
     /// [`pass_pause`].
     pause: Option<Duration>,
     /// [`writes_pause`].
@@ -1730,7 +1751,14 @@ impl Session {
                 let fd = shm.fd().try_clone().map_err(io("CQ ring"))?;
                 svc.cqs.insert(
                     id,
-                    CqEntry { client: me, ring: Producer::new(ring), channel, overflow_logged: false, _shm: shm },
+                    CqEntry {
+                        client: me,
+                        ring: Producer::new(ring),
+                        batch: 0,
+                        channel,
+                        overflow_logged: false,
+                        _shm: shm,
+                    },
                 );
                 count(svc, 1);
                 Ok((Response::Cq { id: id.0, capacity }, vec![fd]))
