@@ -1443,6 +1443,24 @@ fn latewrite_role(ctx: &Context) {
     // SAFETY: as above.
     let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + i)) }).collect();
     assert_eq!(got, want, "through the channel: the completion came before its data");
+    // Armed while the completion is in the ring but its write not yet made: the poll finds
+    // nothing to hand out, and the event still comes, once the write is made.
+    b.post_recv(RecvWr { wr_id: 100, sgl: vec![mr.sge(64, 64).unwrap()].into() }).unwrap();
+    let want = 0xfeed_u64.to_le_bytes();
+    let payload = Payload::Inline(want.to_vec());
+    a.post_send(SendWr { wr_id: 9, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
+    // Well inside the daemon's pause.
+    std::thread::sleep(Duration::from_millis(50));
+    ecq.req_notify(false).unwrap();
+    wcs.clear();
+    assert_eq!(ecq.poll(1, &mut wcs).unwrap(), 0, "handed out before its write was made");
+    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(ecq.handle()), "no event once it was made");
+    ecq.poll(1, &mut wcs).unwrap();
+    let wc = wcs.first().expect("the completion the event was for");
+    assert_eq!((wc.wr_id, wc.status, wc.byte_len), (100, WcStatus::Success, 8));
+    // SAFETY: as above.
+    let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + 64 + i)) }).collect();
+    assert_eq!(got, want, "armed mid-pass: the completion came before its data");
     drop((a, b, ecq, ch));
     drop(mr);
     drop(heap);

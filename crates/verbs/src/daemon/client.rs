@@ -389,8 +389,10 @@ impl Cq {
             // Its data may still be on its way into this process's memory (a process_vm region):
             // the daemon says when the batch it waits for is made, a system call away. Not made
             // after a short wait: the completion stays in the ring for a later poll.
+            // With completions to hand out already, this poll does not wait.
             let batch = slot::cqe_writes(&slot);
-            if batch != 0 && !wait_for_writes(ring.ring(), batch) {
+            let made = || if n > 0 { ring.ring().batch_made(batch) } else { wait_for_writes(ring.ring(), batch) };
+            if batch != 0 && !made() {
                 break;
             }
             ring.advance();
