@@ -161,4 +161,43 @@ impl WorkCompletion {
     pub fn is_successful_receive(&self) -> bool {
         self.status == WcStatus::Success && self.opcode.is_receive()
     }
+
+    /// Whether this completion brought its poller data into its own memory: a receive, an RDMA
+    /// READ's response, an atomic's original value (successful ones).
+    pub fn brings_data(&self) -> bool {
+        self.status == WcStatus::Success
+            && (self.opcode.is_receive()
+                || matches!(self.opcode, WcOpcode::RdmaRead | WcOpcode::CompSwap | WcOpcode::FetchAdd))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A successful receive, READ or atomic brings its poller data; a send, a WRITE or a failure
+    /// does not.
+    #[test]
+    fn which_completions_bring_data() {
+        let wc = |opcode, status| WorkCompletion {
+            wr_id: 1,
+            status,
+            opcode,
+            byte_len: 8,
+            imm: 0,
+            invalidated_rkey: 0,
+            qp_num: Qpn::new(2),
+            src_qp: Qpn::new(0),
+            flags: WcFlags::NONE,
+        };
+        for op in
+            [WcOpcode::Recv, WcOpcode::RecvRdmaWithImm, WcOpcode::RdmaRead, WcOpcode::CompSwap, WcOpcode::FetchAdd]
+        {
+            assert!(wc(op, WcStatus::Success).brings_data(), "{op:?}");
+            assert!(!wc(op, WcStatus::WrFlushErr).brings_data(), "{op:?} flushed");
+        }
+        for op in [WcOpcode::Send, WcOpcode::RdmaWrite] {
+            assert!(!wc(op, WcStatus::Success).brings_data(), "{op:?}");
+        }
+    }
 }

@@ -164,6 +164,8 @@ struct Cq {
     /// How many of `entries` are successful receive completions (asked on every busy poll that
     /// takes a packet in: see [`Hca::cq_awaits_one`]).
     receives: usize,
+    /// How many of `entries` brought their poller data ([`WorkCompletion::brings_data`]).
+    with_data: usize,
     depth: usize,
     armed: Option<bool>,
     users: u32,
@@ -235,6 +237,7 @@ impl Ctx<'_> {
         }
         q.entries.push_back(wc);
         q.receives += usize::from(wc.is_successful_receive());
+        q.with_data += usize::from(wc.brings_data());
         if let Some(solicited_only) = q.armed {
             if !solicited_only || solicited || wc.status != crate::cq::WcStatus::Success {
                 q.armed = None;
@@ -570,7 +573,14 @@ impl Hca {
         self.next_id += 1;
         self.queues.cqs.insert(
             id,
-            Cq { entries: VecDeque::new(), receives: 0, depth: depth.max(1) as usize, armed: None, users: 0 },
+            Cq {
+                entries: VecDeque::new(),
+                receives: 0,
+                with_data: 0,
+                depth: depth.max(1) as usize,
+                armed: None,
+                users: 0,
+            },
         );
         id
     }
@@ -596,6 +606,7 @@ impl Hca {
             let start = out.len();
             out.extend(q.entries.drain(..n));
             q.receives -= out[start..].iter().filter(|w| w.is_successful_receive()).count();
+            q.with_data -= out[start..].iter().filter(|w| w.brings_data()).count();
         }
         Ok(n)
     }
@@ -619,9 +630,11 @@ impl Hca {
         self.queues.cqs.get(&cq).is_none_or(|q| q.entries.is_empty())
     }
 
-    /// Whether CQ `cq` holds a successful receive completion (false for a CQ that does not exist).
-    pub fn cq_has_receive(&self, cq: CqId) -> bool {
-        self.queues.cqs.get(&cq).is_some_and(|q| q.receives > 0)
+    /// Whether CQ `cq` holds a completion that brought its poller data into its memory (a
+    /// receive, a READ, an atomic: [`WorkCompletion::brings_data`]); false for a CQ that does not
+    /// exist.
+    pub fn cq_brings_data(&self, cq: CqId) -> bool {
+        self.queues.cqs.get(&cq).is_some_and(|q| q.with_data > 0)
     }
 
     /// Whether CQ `cq` holds no completion at all, or one successful receive completion (besides
