@@ -1391,7 +1391,9 @@ fn midpass_role(ctx: &Context) {
 fn latewrite_role(ctx: &Context) {
     const ROUNDS: usize = 3;
     let pd = ctx.alloc_pd();
-    let cq = ctx.create_cq(16, None).unwrap();
+    // Polled busily in the first rounds, through its channel in the last two.
+    let ch = ctx.create_comp_channel().unwrap();
+    let cq = ctx.create_cq(16, Some(&ch)).unwrap();
     let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
     let (tx, rx) = looped_pair(ctx, &pd, &cq, cap, Access::LOCAL_WRITE);
     let mut heap = vec![0u8; ROUNDS * 64 + 8];
@@ -1399,12 +1401,22 @@ fn latewrite_role(ctx: &Context) {
     // SAFETY: `heap` outlives the region (dropped after it, at the end of this function); this
     // process reads it only after the completions of the receives into it.
     let mr = unsafe { pd.reg_mr_raw(base.add(8), ROUNDS * 64, Access::LOCAL_WRITE) }.unwrap();
-    for round in 0..ROUNDS {
-        rx.post_recv(RecvWr { wr_id: round as u64, sgl: vec![mr.sge(round * 64, 64).unwrap()].into() }).unwrap();
-        let want = (round as u64 + 0x5150).to_le_bytes();
-        let payload = Payload::Inline(want.to_vec());
+    // A receive `wr_id` into slot `at` of the region, and an 8-byte SEND of `value` to it.
+    let send = |wr_id: u64, at: usize, value: u64| {
+        rx.post_recv(RecvWr { wr_id, sgl: vec![mr.sge(at * 64, 64).unwrap()].into() }).unwrap();
+        let payload = Payload::Inline(value.to_le_bytes().to_vec());
         tx.post_send(SendWr { wr_id: 7, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
-        let mut wcs = Vec::new();
+    };
+    // Slot `at`'s first 8 bytes. SAFETY: the region's bytes, in `heap`, written by the daemon;
+    // volatile since the compiler does not see that write.
+    let slot = |at: usize| -> Vec<u8> {
+        (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + at * 64 + i)) }).collect()
+    };
+    let mut wcs = Vec::new();
+    for round in 0..ROUNDS {
+        let want = round as u64 + 0x5150;
+        send(round as u64, round, want);
+        wcs.clear();
         let t = Instant::now();
         while wcs.is_empty() && t.elapsed() < Duration::from_secs(5) {
             cq.poll(1, &mut wcs).unwrap();
@@ -1412,56 +1424,34 @@ fn latewrite_role(ctx: &Context) {
         }
         let wc = wcs.first().unwrap_or_else(|| panic!("round {round}: no completion"));
         assert_eq!((wc.wr_id, wc.status, wc.opcode, wc.byte_len), (round as u64, WcStatus::Success, WcOpcode::Recv, 8));
-        // SAFETY: the region's bytes, in `heap`, written by the daemon; volatile since the
-        // compiler does not see that write.
-        let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + round * 64 + i)) }).collect();
-        assert_eq!(got, want, "round {round}: the completion came before its data");
+        assert_eq!(slot(round), want.to_le_bytes(), "round {round}: the completion came before its data");
         // The completion came through the daemon's pause: it was published before the write.
         assert!(t.elapsed() >= Duration::from_millis(250), "round {round}: the pause was not taken");
     }
-    // Through a completion channel: the event comes once the write is made, so the one poll
+    // Through the completion channel: the event comes once the write is made, so the one poll
     // after it finds the completion handed out and its data in place.
-    let ch = ctx.create_comp_channel().unwrap();
-    let ecq = ctx.create_cq(16, Some(&ch)).unwrap();
-    let attr = QpInitAttr { qp_type: QpType::Rc, send_cq: &cq, recv_cq: &ecq, srq: None, cap, sq_sig_all: false };
-    let (a, b) = (pd.create_qp(&attr).unwrap(), pd.create_qp(&attr).unwrap());
-    let gid = ctx.query_gid(1, 1).unwrap();
-    a.init(Access::LOCAL_WRITE).unwrap();
-    b.init(Access::LOCAL_WRITE).unwrap();
-    a.connect(&pd, &ConnectParams::new(b.qpn(), Psn::new(5), gid, Psn::new(9))).unwrap();
-    b.connect(&pd, &ConnectParams::new(a.qpn(), Psn::new(9), gid, Psn::new(5))).unwrap();
-    b.post_recv(RecvWr { wr_id: 99, sgl: vec![mr.sge(0, 64).unwrap()].into() }).unwrap();
-    ecq.req_notify(false).unwrap();
-    let want = 0x5eed_u64.to_le_bytes();
-    let payload = Payload::Inline(want.to_vec());
-    a.post_send(SendWr { wr_id: 8, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
-    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(ecq.handle()));
-    let mut wcs = Vec::new();
-    ecq.poll(1, &mut wcs).unwrap();
+    cq.req_notify(false).unwrap();
+    send(99, 0, 0x5eed);
+    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(cq.handle()));
+    wcs.clear();
+    cq.poll(1, &mut wcs).unwrap();
     let wc = wcs.first().expect("the completion the event was for");
     assert_eq!((wc.wr_id, wc.status, wc.byte_len), (99, WcStatus::Success, 8));
-    // SAFETY: as above.
-    let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + i)) }).collect();
-    assert_eq!(got, want, "through the channel: the completion came before its data");
+    assert_eq!(slot(0), 0x5eed_u64.to_le_bytes(), "through the channel: the completion came before its data");
     // Armed while the completion is in the ring but its write not yet made: the poll finds
     // nothing to hand out, and the event still comes, once the write is made.
-    b.post_recv(RecvWr { wr_id: 100, sgl: vec![mr.sge(64, 64).unwrap()].into() }).unwrap();
-    let want = 0xfeed_u64.to_le_bytes();
-    let payload = Payload::Inline(want.to_vec());
-    a.post_send(SendWr { wr_id: 9, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
+    send(100, 1, 0xfeed);
     // Well inside the daemon's pause.
     std::thread::sleep(Duration::from_millis(50));
-    ecq.req_notify(false).unwrap();
+    cq.req_notify(false).unwrap();
     wcs.clear();
-    assert_eq!(ecq.poll(1, &mut wcs).unwrap(), 0, "handed out before its write was made");
-    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(ecq.handle()), "no event once it was made");
-    ecq.poll(1, &mut wcs).unwrap();
+    assert_eq!(cq.poll(1, &mut wcs).unwrap(), 0, "handed out before its write was made");
+    assert_eq!(ch.get_cq_event(Some(Duration::from_secs(10))), Some(cq.handle()), "no event once it was made");
+    cq.poll(1, &mut wcs).unwrap();
     let wc = wcs.first().expect("the completion the event was for");
     assert_eq!((wc.wr_id, wc.status, wc.byte_len), (100, WcStatus::Success, 8));
-    // SAFETY: as above.
-    let got: Vec<u8> = (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(8 + 64 + i)) }).collect();
-    assert_eq!(got, want, "armed mid-pass: the completion came before its data");
-    drop((a, b, ecq, ch));
+    assert_eq!(slot(1), 0xfeed_u64.to_le_bytes(), "armed mid-pass: the completion came before its data");
+    drop((tx, rx, cq, ch));
     drop(mr);
     drop(heap);
     out("OK");
