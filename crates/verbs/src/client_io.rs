@@ -36,7 +36,7 @@
 //!   READ response's data) is kept and written, each process's in order, before anything could tell anyone it was
 //!   written or see it: before the device sends a packet (an ACK, a response, or a request a peer
 //!   could act on), before the pass's completions can be handed out (made before they are
-//!   published; or, a few kilobytes completing a receive, right after, with the completions
+//!   published; or, a few kilobytes completing a receive, READ or atomic, right after, with the completions
 //!   naming the batch the client's poll waits for: `Ring::writes_made`), and before any other
 //!   access to memory (`MrTable`): a read, an atomic not served from a copy, a write to memory
 //!   the daemon maps (a "data, then flag" pair of WRITEs into two regions stays in that order) —

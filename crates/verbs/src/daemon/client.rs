@@ -388,8 +388,8 @@ impl Cq {
             }
             // Its data may still be on its way into this process's memory (a process_vm region):
             // the daemon says when the batch it waits for is made, a system call away. Not made
-            // after a short wait: the completion stays in the ring for a later poll.
-            // With completions to hand out already, this poll does not wait.
+            // after a short wait (or at once, when this poll has completions to hand out
+            // already): the completion stays in the ring for a later poll.
             let batch = slot::cqe_writes(&slot);
             let made = || if n > 0 { ring.ring().batch_made(batch) } else { wait_for_writes(ring.ring(), batch) };
             if batch != 0 && !made() {

@@ -1148,13 +1148,12 @@ impl SvcDevice {
         // Completions: from the engine into the CQ rings. Writes to clients' memory still kept
         // behind (data in a process_vm region: a system call) are made first, unless a receive,
         // READ or atomic completes (its data is what its poller waits for) and they are few
-        // (`early`): then after the completions are published, which
-        // name their CQ's next batch; the client hands one out once its ring says that batch is
-        // made (`Ring::writes_made`). Published first, a receive's completion is found by its
-        // client's next look instead of after the call, during which a client that finds
-        // nothing gives its CPU away (PERFORMANCE.md, session 21). Without such a completion
-        // (an RDMA WRITE, whose target may watch its memory rather than a CQ) the write goes
-        // first.
+        // (`early`): then after the completions are published, which name their CQ's next
+        // batch; the client hands one out once its ring says that batch is made
+        // (`Ring::writes_made`). Published first, such a completion is found by its client's next
+        // look instead of after the call, during which a client that finds nothing gives its CPU
+        // away (PERFORMANCE.md, session 21). Without one (an RDMA WRITE, whose target may watch
+        // its memory rather than a CQ) the writes go first.
         let waiting = st.mem.writes_waiting();
         let early =
             (1..=EARLY_COMPLETIONS_MAX).contains(&waiting) && svc.cqs.keys().any(|id| st.hca.cq_brings_data(*id));
