@@ -13,6 +13,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use crate::placements::{placements_bytes, Placements};
 use crate::ring::{ring_bytes, Ring};
 
 /// A `MAP_SHARED` mapping of a memfd, unmapped on drop.
@@ -149,6 +150,16 @@ impl Shm {
         // ring base is 64-byte aligned; the mapping lives until `self` is dropped, and callers keep
         // `self` alive while they use the ring (see above).
         Ok(unsafe { Ring::new(self.ptr.add(offset), capacity, slot_size) })
+    }
+    /// A placement ring at byte `offset` of the mapping (kept alive by the caller as for
+    /// [`Shm::ring`]).
+    pub fn placements(&self, offset: usize, capacity: u32) -> io::Result<Placements> {
+        let end = offset.checked_add(placements_bytes(capacity));
+        if !capacity.is_power_of_two() || !offset.is_multiple_of(64) || end.is_none_or(|e| e > self.len) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "placement ring does not fit the shared memory"));
+        }
+        // SAFETY: as in `ring`: inside the page-aligned mapping, which outlives the view.
+        Ok(unsafe { Placements::new(self.ptr.add(offset), capacity) })
     }
 }
 

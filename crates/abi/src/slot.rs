@@ -16,6 +16,8 @@
 //!       20 invalidated_rkey u32 | 24 qp_num u32 | 28 src_qp u32 | 32 flags u32
 //!       36 writes u32 (0, or the batch of the daemon's writes to clients' memory that must be
 //!          made before the completion is handed out: see `Ring::writes_made`)
+//!       40 places u32 | 44 has_places u8 (1: the client's placements before entry `places`
+//!          must be made before the completion is handed out: see `placements`)
 //! ```
 
 use softrdma_transport::wr::{Payload, UdDest};
@@ -313,6 +315,18 @@ pub fn cqe_writes(slot: &[u8; CQE_LEN]) -> u32 {
     u32_at(slot, 36)
 }
 
+/// Say in an encoded completion that the entries of its client's placement ring before `end`
+/// must be made before it is handed out (see [`cqe_places`]).
+pub fn set_cqe_places(slot: &mut [u8; CQE_LEN], end: u32) {
+    put(slot, 40, end.to_le_bytes());
+    slot[44] = 1;
+}
+
+/// The placement entry a completion slot's placements end before, if it names any.
+pub fn cqe_places(slot: &[u8; CQE_LEN]) -> Option<u32> {
+    (slot[44] == 1).then(|| u32_at(slot, 40))
+}
+
 /// Decode a completion slot.
 pub fn decode_cqe(slot: &[u8; CQE_LEN]) -> Result<WorkCompletion, BadSlot> {
     let mut flags = WcFlags::NONE;
@@ -449,6 +463,11 @@ mod tests {
         assert_eq!(cqe_writes(&slot), 0);
         set_cqe_writes(&mut slot, 0xdead_beef);
         assert_eq!(cqe_writes(&slot), 0xdead_beef);
+        assert_eq!(cqe_places(&slot), None);
+        set_cqe_places(&mut slot, 0);
+        assert_eq!(cqe_places(&slot), Some(0));
+        set_cqe_places(&mut slot, 77);
+        assert_eq!(cqe_places(&slot), Some(77));
         assert_eq!(decode_cqe(&slot).unwrap(), wc);
     }
 

@@ -1457,6 +1457,94 @@ fn latewrite_role(ctx: &Context) {
     out("OK");
 }
 
+/// Small receives, READ responses and atomic results into this process's own heap memory (a
+/// `reg_mr_raw` region, which the daemon reaches by system call) are handed to this process to
+/// make at its poll (verbs client_place.rs; the test counts the daemon's entries between the
+/// lines): made here, each completion finds its data in place. Left unpolled, the daemon takes
+/// them back before anything else touches those bytes: a READ of them sees them, a later WRITE of
+/// them wins, a deregistration finds them made.
+fn placed_role(ctx: &Context) {
+    let pd = ctx.alloc_pd();
+    let (cq, other_cq) = (ctx.create_cq(64, None).unwrap(), ctx.create_cq(64, None).unwrap());
+    let cap = QpCap { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
+    let (tx, rx) = looped_pair(ctx, &pd, &cq, cap, RW);
+    // What READs and WRITEs the heap, its completions apart from the receives'.
+    let (peer, _peer_rx) = looped_pair(ctx, &pd, &other_cq, cap, RW);
+    let mut heap = vec![0u8; 2 * 4096];
+    let base = heap.as_mut_ptr();
+    // SAFETY: `heap` outlives the regions (dropped after them); this process reads it only after
+    // the completions of the accesses into it.
+    let (mr, other) =
+        unsafe { (pd.reg_mr_raw(base, 4096, RW).unwrap(), pd.reg_mr_raw(base.add(4096), 4096, RW).unwrap()) };
+    let local = pd.reg_mr(4096, RW).unwrap();
+    // SAFETY: bytes of `heap`, written by the daemon or this process's polls; volatile since
+    // the compiler does not see those writes.
+    let at =
+        |off: usize| -> Vec<u8> { (0..8).map(|i| unsafe { std::ptr::read_volatile(base.add(off + i)) }).collect() };
+    let recv = |wr_id: u64, region: &MemoryRegion, off: usize| {
+        rx.post_recv(RecvWr { wr_id, sgl: vec![region.sge(off, 8).unwrap()].into() }).unwrap();
+    };
+    // An unsignaled 8-byte SEND of `value`.
+    let send_value = |value: u64| {
+        let payload = Payload::Inline(value.to_le_bytes().to_vec());
+        tx.post_send(SendWr { wr_id: 0, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
+    };
+    let one = |cq: &CompletionQueue, wr_id: u64| {
+        let wcs = wait_wcs(cq, 1, 30);
+        assert_eq!((wcs[0].wr_id, wcs[0].status), (wr_id, WcStatus::Success), "{wcs:?}");
+    };
+    out("READY");
+    assert_eq!(input(), "go");
+    // Made here.
+    for k in 0..8u64 {
+        recv(k, &mr, 64 * k as usize);
+        send_value(0xa000 + k);
+        one(&cq, k);
+        assert_eq!(at(64 * k as usize), (0xa000 + k).to_le_bytes(), "receive {k}: not in place");
+    }
+    local.write(0, &0x1234_5678_u64.to_le_bytes()).unwrap();
+    tx.post_send(send(20, SendOp::Read { remote_addr: local.addr(), rkey: local.rkey() }, &mr, 1024, 8)).unwrap();
+    one(&cq, 20);
+    assert_eq!(at(1024), 0x1234_5678_u64.to_le_bytes(), "READ response not in place");
+    local.write(64, &0x77_u64.to_le_bytes()).unwrap();
+    let add = SendOp::FetchAdd { remote_addr: local.addr() + 64, rkey: local.rkey(), add: 5 };
+    tx.post_send(send(21, add, &mr, 1032, 8)).unwrap();
+    one(&cq, 21);
+    assert_eq!(at(1032), 0x77_u64.to_le_bytes(), "atomic's original value not in place");
+    assert_eq!(local.to_vec(64, 8).unwrap(), 0x7c_u64.to_le_bytes());
+    out("PLACED");
+    assert_eq!(input(), "go");
+    // Left unpolled, then READ by the peer: the READ sees it.
+    recv(30, &mr, 2048);
+    send_value(0xb0b0);
+    std::thread::sleep(Duration::from_millis(100));
+    peer.post_send(send(31, SendOp::Read { remote_addr: mr.addr() + 2048, rkey: mr.rkey() }, &local, 128, 8)).unwrap();
+    one(&other_cq, 31);
+    assert_eq!(local.to_vec(128, 8).unwrap(), 0xb0b0_u64.to_le_bytes(), "a READ did not see a receive's data");
+    one(&cq, 30);
+    assert_eq!(at(2048), 0xb0b0_u64.to_le_bytes());
+    // Left unpolled, then written by the peer: the WRITE wins.
+    recv(40, &mr, 2112);
+    send_value(0xc0c0);
+    std::thread::sleep(Duration::from_millis(100));
+    local.write(192, &0xd0d0_u64.to_le_bytes()).unwrap();
+    peer.post_send(send(41, SendOp::Write { remote_addr: mr.addr() + 2112, rkey: mr.rkey() }, &local, 192, 8)).unwrap();
+    one(&other_cq, 41);
+    one(&cq, 40);
+    assert_eq!(at(2112), 0xd0d0_u64.to_le_bytes(), "a receive's data overwrote a later WRITE");
+    // Left unpolled, then its region deregistered: made first.
+    recv(50, &other, 0);
+    send_value(0xe0e0);
+    std::thread::sleep(Duration::from_millis(100));
+    drop(other);
+    one(&cq, 50);
+    assert_eq!(at(4096), 0xe0e0_u64.to_le_bytes(), "deregistered before its data was made");
+    drop((tx, rx, peer, _peer_rx, cq, other_cq));
+    drop((mr, local));
+    drop(heap);
+    out("OK");
+}
+
 /// Wait for the port to go down and come back.
 fn portwatch_role(ctx: &Context) {
     out("READY");
@@ -1497,6 +1585,7 @@ fn child() {
         "lastwords" => lastwords_role(&ctx),
         "midpass" => midpass_role(&ctx),
         "latewrite" => latewrite_role(&ctx),
+        "placed" => placed_role(&ctx),
         "portwatch" => portwatch_role(&ctx),
         "cmserver" => cm_server_role(&ctx),
         "cmclient" => cm_client_role(&ctx),
@@ -1670,12 +1759,37 @@ fn work_published_between_a_pass_takes_goes_in_in_order() {
 /// Completions are published before the daemon's writes into clients' own memory that they
 /// complete (a system call each batch), and name the batch: the client's poll hands one out only
 /// once the ring says the batch is made. The daemon pauses between the two (a test hook) while
-/// the client polls.
+/// the client polls; it hands no write to its client to make (`SOFTRDMA_PLACEMENTS=0`), which it
+/// otherwise does with these.
 #[test]
 fn a_completion_waits_for_the_write_into_client_memory() {
     let dir = Daemon::dir("latewrite", "rxe0 netdev lo addr 127.0.0.1\n");
-    let d = Daemon::start_env(&dir, 18986, None, Vec::new(), vec![("SOFTRDMA_TEST_WRITES_PAUSE_MS", "300")]);
+    let env = vec![("SOFTRDMA_TEST_WRITES_PAUSE_MS", "300"), ("SOFTRDMA_PLACEMENTS", "0")];
+    let d = Daemon::start_env(&dir, 18986, None, Vec::new(), env);
     assert_eq!(Client::spawn(&d, "latewrite", false).finish(), "OK");
+    assert_eq!(d.counter("client_placements"), 0);
+    d.wait_idle();
+}
+
+/// Small writes into a client's own memory that its work requests asked for are handed to it to
+/// make at its poll (`client_placements`), and taken back by the daemon before anything else
+/// touches those bytes (`client_placements_taken_back`): the role says how.
+#[test]
+fn small_writes_into_client_memory_are_made_by_the_client_or_taken_back_first() {
+    let dir = Daemon::dir("placed", "rxe0 netdev lo addr 127.0.0.1\n");
+    let d = Daemon::start(&dir, 18987, None);
+    let mut c = Client::spawn(&d, "placed", false);
+    assert_eq!(c.line(), "READY");
+    let handed = d.counter("client_placements");
+    c.send("go");
+    assert_eq!(c.line(), "PLACED");
+    assert_eq!(d.counter("client_placements"), handed + 10, "8 receives, a READ, an atomic");
+    assert_eq!(d.counter("client_placements_taken_back"), 0, "made by the daemon, not the client");
+    c.send("go");
+    assert_eq!(c.finish(), "OK");
+    assert_eq!(d.counter("client_placements_taken_back"), 3, "before a READ, a WRITE, a deregistration");
+    assert_eq!(d.counter("client_placements_given_up"), 0);
+    assert_eq!(d.counter("client_writes_lost"), 0);
     d.wait_idle();
 }
 

@@ -62,6 +62,10 @@ struct Range {
     len: usize,
     /// Where its bytes are in the owner's buffer.
     at: usize,
+    /// A write a work request of the client's own asked for (a receive's data, a READ response's,
+    /// an atomic's original value), which its application may look at only after polling the
+    /// completion: one the client may make itself (`client_place.rs`). Reads: false.
+    local: bool,
 }
 
 /// Bytes of clients' memory read ahead for one pass of the device loop.
@@ -114,7 +118,12 @@ impl ReadAhead {
         }
         let at = self.bytes.len();
         self.bytes.resize(at + len, 0);
-        self.ranges.push(Range { pid, addr, len, at });
+        self.ranges.push(Range { pid, addr, len, at, local: false });
+    }
+
+    /// The processes of the ranges queued and not read yet (in no order, repeats possible).
+    pub fn unread_pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.ranges[self.read..].iter().map(|r| r.pid)
     }
 
     /// Read every range queued since the last call: one `process_vm_readv` per process (per
@@ -248,12 +257,49 @@ impl WriteBehind {
 
     /// The bytes waiting to be written.
     pub fn bytes(&self) -> usize {
-        self.bytes.len()
+        self.ranges.iter().map(|r| r.len).sum()
     }
 
-    /// Keep `data` to be written at `addr` of process `pid`; false (nothing kept) when it does not
-    /// fit: write what waits ([`WriteBehind::write_all`]) and then this one at once.
-    pub fn defer(&mut self, pid: u32, addr: u64, data: &[u8]) -> bool {
+    /// The processes written to (in no order, repeats possible).
+    pub fn pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.ranges.iter().map(|r| r.pid)
+    }
+
+    /// How many writes to process `pid` wait, if every one of them is one its client may make
+    /// itself (`local`) of at most `max` bytes; `None` if any is not.
+    pub fn placeable(&self, pid: u32, max: usize) -> Option<usize> {
+        let mut n = 0;
+        for r in self.ranges.iter().filter(|r| r.pid == pid) {
+            if !r.local || r.len > max {
+                return None;
+            }
+            n += 1;
+        }
+        Some(n)
+    }
+
+    /// Hand the writes to process `pid` to `f` (address, bytes), in the order they were kept,
+    /// and forget them.
+    pub fn take(&mut self, pid: u32, mut f: impl FnMut(u64, &[u8])) {
+        for r in self.ranges.iter().filter(|r| r.pid == pid) {
+            f(r.addr, &self.bytes[r.at..r.at + r.len]);
+        }
+        self.ranges.retain(|r| r.pid != pid);
+        // The rest moved together, so that the last write's bytes are the buffer's last again
+        // (what `defer` extends).
+        let mut bytes = Vec::with_capacity(self.bytes.len());
+        for r in &mut self.ranges {
+            let at = bytes.len();
+            bytes.extend_from_slice(&self.bytes[r.at..r.at + r.len]);
+            r.at = at;
+        }
+        self.bytes = bytes;
+    }
+
+    /// Keep `data` to be written at `addr` of process `pid` (`local`: see [`Range`]); false
+    /// (nothing kept) when it does not fit: write what waits ([`WriteBehind::write_all`]) and
+    /// then this one at once.
+    pub fn defer(&mut self, pid: u32, addr: u64, data: &[u8], local: bool) -> bool {
         if self.bytes.len() + data.len() > BUDGET {
             return false;
         }
@@ -263,11 +309,13 @@ impl WriteBehind {
         if let Some(last) = self.ranges.last_mut().filter(|r| r.pid == pid) {
             if last.addr == addr && last.len == data.len() {
                 self.bytes[last.at..].copy_from_slice(data);
+                last.local = local;
                 return true;
             }
             if last.addr + last.len as u64 == addr {
                 self.bytes.extend_from_slice(data);
                 last.len += data.len();
+                last.local &= local;
                 return true;
             }
         }
@@ -276,7 +324,7 @@ impl WriteBehind {
         }
         let at = self.bytes.len();
         self.bytes.extend_from_slice(data);
-        self.ranges.push(Range { pid, addr, len: data.len(), at });
+        self.ranges.push(Range { pid, addr, len: data.len(), at, local });
         true
     }
 
@@ -467,13 +515,13 @@ mod tests {
         let base = target.as_ptr() as u64;
         let mut w = WriteBehind::default();
         assert!(w.is_empty());
-        assert!(w.defer(me(), base + 8, &[1; 16]));
-        assert!(w.defer(me(), base + 16, &[2; 16]));
-        assert!(w.defer(me(), base + 32, &[4; 8]));
-        assert!(w.defer(me(), base + 32, &[5; 8]), "the same bytes again");
-        assert!(w.defer(me(), base + 40, &[6; 8]), "right after");
+        assert!(w.defer(me(), base + 8, &[1; 16], false));
+        assert!(w.defer(me(), base + 16, &[2; 16], false));
+        assert!(w.defer(me(), base + 32, &[4; 8], false));
+        assert!(w.defer(me(), base + 32, &[5; 8], false), "the same bytes again");
+        assert!(w.defer(me(), base + 40, &[6; 8], false), "right after");
         assert_eq!(w.ranges.len(), 3);
-        assert!(w.defer(NO_PROCESS, base, &[3; 64]), "another process");
+        assert!(w.defer(NO_PROCESS, base, &[3; 64], false), "another process");
         assert!(!w.is_empty());
         // SAFETY: a plain read of `target`'s buffer, which only the kernel writes (process_vm).
         let before = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };
@@ -500,8 +548,8 @@ mod tests {
         let base = target.as_ptr() as u64;
         let mut w = WriteBehind::default();
         for k in 0..4u8 {
-            assert!(w.defer(me(), base + 4 * u64::from(k % 2), &[k + 1; 8]));
-            assert!(w.defer(NO_PROCESS, base + 64 * u64::from(k), &[9; 8]));
+            assert!(w.defer(me(), base + 4 * u64::from(k % 2), &[k + 1; 8], false));
+            assert!(w.defer(NO_PROCESS, base + 64 * u64::from(k), &[9; 8], false));
         }
         w.write_all(true);
         // This process's four writes in one call; the missing process refuses each of its own, and
@@ -512,8 +560,8 @@ mod tests {
         assert_eq!(now[..12], [[3u8; 4].as_slice(), &[4; 8]].concat()[..], "in the order kept");
         // Not by process (shared memory): a call per run, all in the order kept.
         for k in 0..4u8 {
-            assert!(w.defer(me(), base + 4 * u64::from(k % 2), &[k + 5; 8]));
-            assert!(w.defer(NO_PROCESS, base + 64 * u64::from(k), &[9; 8]));
+            assert!(w.defer(me(), base + 4 * u64::from(k % 2), &[k + 5; 8], false));
+            assert!(w.defer(NO_PROCESS, base + 64 * u64::from(k), &[9; 8], false));
         }
         w.write_all(false);
         assert_eq!(w.calls, 5 + 8);
@@ -528,8 +576,8 @@ mod tests {
     fn a_refused_write_is_counted_and_the_rest_are_made() {
         let target = Box::new([0u8; 8]);
         let mut w = WriteBehind::default();
-        assert!(w.defer(me(), 8, &[1; 4]), "page 0 is never mapped");
-        assert!(w.defer(me(), target.as_ptr() as u64, &[7; 8]));
+        assert!(w.defer(me(), 8, &[1; 4], false), "page 0 is never mapped");
+        assert!(w.defer(me(), target.as_ptr() as u64, &[7; 8], false));
         w.write_all(true);
         assert_eq!(w.lost, 1);
         // SAFETY: as above.
@@ -537,11 +585,11 @@ mod tests {
         assert_eq!(now, [7; 8]);
         let apart = vec![0u8; 2 * MAX_WRITES + 2];
         for k in 0..MAX_WRITES {
-            assert!(w.defer(me(), apart.as_ptr() as u64 + 2 * k as u64, &[1]));
+            assert!(w.defer(me(), apart.as_ptr() as u64 + 2 * k as u64, &[1], false));
         }
-        assert!(!w.defer(me(), apart.as_ptr() as u64 + 2 * MAX_WRITES as u64, &[1]), "MAX_WRITES");
+        assert!(!w.defer(me(), apart.as_ptr() as u64 + 2 * MAX_WRITES as u64, &[1], false), "MAX_WRITES");
         w.write_all(true);
-        assert!(!w.defer(me(), target.as_ptr() as u64, &vec![0; BUDGET + 1]), "over the budget");
+        assert!(!w.defer(me(), target.as_ptr() as u64, &vec![0; BUDGET + 1], false), "over the budget");
     }
 
     /// The budget bounds what one pass reads ahead; a range that does not fit (or is empty) is

@@ -26,6 +26,7 @@
 //! `same_host.rs`; `SOFTRDMA_SAME_HOST=0` turns it off, [`Context::same_host_stats`] counts it).
 
 mod client_io;
+mod client_place;
 pub mod clock;
 pub mod cm;
 pub mod daemon;

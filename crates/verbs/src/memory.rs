@@ -23,6 +23,7 @@ use softrdma_abi::shm::{RegionMap, PAGE};
 use softrdma_transport::{Access, AtomicOp, DeferredPayload, KeyKind, MemError, MemoryAccess, PdId, Sge};
 
 use crate::client_io::{ReadAhead, WriteBehind};
+use crate::client_place::{ClientPlacements, PlacementCounts, PLACE_MAX};
 use crate::error::{Error, Result};
 use crate::verbs::Dev;
 
@@ -222,6 +223,11 @@ pub(crate) struct MrTable {
     /// instance, must see them, whether through the same address or another mapping of the same
     /// memory), hence a cell: reads take `&self`.
     write_behind: std::cell::RefCell<WriteBehind>,
+    /// Writes handed to clients to make themselves (client_place.rs), taken back before any other
+    /// access to their memory.
+    placements: std::cell::RefCell<ClientPlacements>,
+    /// Whether writes may be handed out (`SOFTRDMA_PLACEMENTS=0` says no).
+    placements_off: bool,
 }
 
 // SAFETY: the raw pointers refer to buffers owned by live MemoryRegions (see the module docs); the
@@ -269,6 +275,11 @@ impl MrTable {
         if let Home::Process(_, shared) = entry.home {
             self.process_regions += 1;
             self.shared_process_regions += usize::from(shared);
+            if shared {
+                // Another address may reach what a client would place: nothing is handed out
+                // from now on, and what waits is made.
+                self.placements.get_mut().reclaim_all();
+            }
         }
         // rxe-style keys: an index in the upper 24 bits and a rolling key byte in the lower 8.
         loop {
@@ -287,7 +298,9 @@ impl MrTable {
         self.write_pending();
         self.read_ahead.clear();
         self.owed_reads.clear();
-        if let Some(Entry { home: Home::Process(_, shared), .. }) = self.entries.remove(&key) {
+        if let Some(Entry { home: Home::Process(pid, shared), .. }) = self.entries.remove(&key) {
+            // Entries waiting for its client may be for this region: made while it is registered.
+            self.placements.get_mut().reclaim(pid);
             self.process_regions -= 1;
             self.shared_process_regions -= usize::from(shared);
         }
@@ -316,6 +329,7 @@ impl MrTable {
                 self.read_ahead.add(pid, s.addr, s.length as usize);
             }
         }
+        self.reclaim_for_reads();
         self.read_ahead.read_all();
     }
 
@@ -385,6 +399,10 @@ impl MrTable {
                     self.owed_reads.add(pid, va, len);
                 }
             }
+            let p = self.placements.get_mut();
+            if p.any_open() {
+                self.owed_reads.unread_pids().for_each(|pid| p.reclaim(pid));
+            }
             self.owed_reads.read_all();
         }
         self.owed_scratch = look;
@@ -407,8 +425,73 @@ impl MrTable {
         }
         let mut w = self.write_behind.borrow_mut();
         if !w.is_empty() {
+            let mut p = self.placements.borrow_mut();
+            if p.any_open() {
+                // Entries handed out to those processes are made first: they were kept first.
+                w.pids().for_each(|pid| p.reclaim(pid));
+            }
             w.write_all(self.shared_process_regions == 0);
         }
+    }
+
+    /// Before the read-ahead's queued ranges are read: the entries handed out to their
+    /// processes are made.
+    fn reclaim_for_reads(&mut self) {
+        let p = self.placements.get_mut();
+        if p.any_open() {
+            self.read_ahead.unread_pids().for_each(|pid| p.reclaim(pid));
+        }
+    }
+
+    /// Hand the writes kept behind for a process to its client to make (client_place.rs) where
+    /// every one of them is a small write for a work request of its own and its ring has room;
+    /// the rest stay kept. Nothing is handed out while a region lies in a shared mapping.
+    pub(crate) fn hand_out(&mut self) {
+        if self.process_regions == 0 || self.shared_process_regions > 0 || self.placements_off {
+            return;
+        }
+        let w = self.write_behind.get_mut();
+        if w.is_empty() {
+            return;
+        }
+        let p = self.placements.get_mut();
+        let mut pids: Vec<u32> = w.pids().collect();
+        pids.sort_unstable();
+        pids.dedup();
+        for pid in pids {
+            if p.end(pid).is_none() {
+                continue;
+            }
+            let Some(n) = w.placeable(pid, PLACE_MAX) else { continue };
+            if p.room(pid, n) {
+                w.take(pid, |addr, data| p.hand_out(pid, addr, data));
+            }
+        }
+    }
+
+    /// Whether writes may be handed out to clients (softrdmad's `SOFTRDMA_PLACEMENTS=0`: no).
+    pub(crate) fn allow_placements(&mut self, on: bool) {
+        self.placements_off = !on;
+    }
+
+    /// A session of daemon client `pid` opened the device: the descriptor of its placement ring.
+    pub(crate) fn attach_placements(&mut self, pid: u32) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.placements.get_mut().attach(pid)
+    }
+
+    /// A session of daemon client `pid` closed.
+    pub(crate) fn detach_placements(&mut self, pid: u32) {
+        self.placements.get_mut().detach(pid);
+    }
+
+    /// The end of process `pid`'s placement entries, for the completions published to it.
+    pub(crate) fn placements_end(&self, pid: u32) -> Option<u32> {
+        self.placements.borrow().end(pid)
+    }
+
+    /// Placement entries handed out, and by whom they were made.
+    pub(crate) fn placement_counts(&self) -> PlacementCounts {
+        self.placements.borrow().counts
     }
 
     /// The bytes of the writes kept behind that wait to be made ([`MrTable::write_pending`]).
@@ -423,14 +506,15 @@ impl MrTable {
     /// kept behind (it unmapped or write-protected the range after registering it): their data is
     /// lost.
     pub(crate) fn lost_writes(&self) -> u64 {
-        self.write_behind.borrow().lost
+        self.write_behind.borrow().lost + self.placements.borrow().lost()
     }
 
     /// System calls that read and that wrote clients' memory reached through process_vm (`reg_mr_raw`
     /// regions of daemon clients): what batching them saves shows here.
     pub(crate) fn client_calls(&self) -> (u64, u64) {
         let (r, w) = self.single_calls.get();
-        (r + self.read_ahead.calls + self.owed_reads.calls, w + self.write_behind.borrow().calls)
+        let w = w + self.write_behind.borrow().calls + self.placements.borrow().calls();
+        (r + self.read_ahead.calls + self.owed_reads.calls, w)
     }
 
     /// Whether copies read when `local_writes` was `then` may still serve: no write through a
@@ -443,12 +527,11 @@ impl MrTable {
 
     /// Keep `data` to be written at `addr` of process `pid` (client_io.rs), or write it now when
     /// the writes kept behind are full even once made.
-    fn keep_write(&mut self, pid: u32, addr: u64, data: &[u8]) -> core::result::Result<(), MemError> {
-        let by_process = self.shared_process_regions == 0;
-        let w = self.write_behind.get_mut();
-        if !w.defer(pid, addr, data) {
-            w.write_all(by_process);
-            if !w.defer(pid, addr, data) {
+    /// `local`: a write a work request of the client's own asked for (client_io.rs, `Range`).
+    fn keep_write(&mut self, pid: u32, addr: u64, data: &[u8], local: bool) -> core::result::Result<(), MemError> {
+        if !self.write_behind.get_mut().defer(pid, addr, data, local) {
+            self.write_pending();
+            if !self.write_behind.get_mut().defer(pid, addr, data, local) {
                 return self.process_vm(pid, addr, data.as_ptr() as *mut u8, data.len(), true);
             }
         }
@@ -477,6 +560,7 @@ impl MrTable {
     ) -> core::result::Result<(), MemError> {
         let (r, w) = self.single_calls.get();
         self.single_calls.set(if write { (r, w + 1) } else { (r + 1, w) });
+        self.placements.borrow_mut().reclaim(pid);
         process_vm(pid, addr, local, len, write)
     }
 
@@ -716,7 +800,7 @@ impl MemoryAccess for MrTable {
             Loc::Local(p) => p,
             Loc::Remote(pid, a) => {
                 self.forget_copies(pid, a, data.len());
-                return self.keep_write(pid, a, data);
+                return self.keep_write(pid, a, data, kind == KeyKind::Local);
             }
         };
         self.write_pending();
@@ -750,7 +834,7 @@ impl MemoryAccess for MrTable {
                     if new != orig {
                         self.read_ahead.write_through(pid, a, &new.to_ne_bytes());
                         self.owed_reads.forget_overlapping(pid, a, 8);
-                        self.keep_write(pid, a, &new.to_ne_bytes())?;
+                        self.keep_write(pid, a, &new.to_ne_bytes(), false)?;
                     }
                     return Ok(orig);
                 }

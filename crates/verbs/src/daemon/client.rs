@@ -6,11 +6,12 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use softrdma_abi::msg::{decode_event, DeviceEntry, Request, Response};
+use softrdma_abi::placements::{placements_bytes, Placements, Seen, State, CAPACITY};
 use softrdma_abi::ring::{Consumer, Producer, ARMED_ANY, ARMED_SOLICITED};
 use softrdma_abi::shm::Shm;
 use softrdma_abi::slot::{self, CQE_LEN};
@@ -145,6 +146,87 @@ pub(crate) struct Session {
     /// yielded, and the moves off it they made (see [`Cq::poll`]).
     poller_yields: AtomicU64,
     poller_moves: AtomicU64,
+    /// Small writes into this process's memory the daemon left to it (`softrdma_abi::placements`).
+    placements: PlacementRing,
+}
+
+/// This process's placement ring at the daemon's device: the entries its polls make.
+struct PlacementRing {
+    // Declared before the mapping it views: dropped first.
+    ring: Placements,
+    _shm: Shm,
+    /// Every entry before it is made, as far as this process's polls know.
+    made: AtomicU32,
+}
+
+impl PlacementRing {
+    fn open(fd: OwnedFd) -> Result<PlacementRing> {
+        let io = |e| Error::io("mapping the placement ring", e);
+        let shm = Shm::open(fd, placements_bytes(CAPACITY)).map_err(io)?;
+        let ring = shm.placements(0, CAPACITY).map_err(io)?;
+        if !ring.header_ok() {
+            return Err(Error::Daemon("placement ring header mismatch".into()));
+        }
+        Ok(PlacementRing { ring, _shm: shm, made: AtomicU32::new(0) })
+    }
+
+    /// Make every entry before `end` (a completion about to be handed out names it), in order:
+    /// copy those nobody took into place, wait for those the daemon or another thread is making.
+    /// False if one was still being made after [`WRITES_SPIN`]: the completion waits for a later
+    /// poll.
+    fn make_until(&self, end: u32) -> bool {
+        let behind = |a: u32, b: u32| (b.wrapping_sub(a) as i32) > 0;
+        let mut n = self.made.load(Ordering::Acquire);
+        if behind(n, self.ring.tail()) {
+            n = self.ring.tail();
+        }
+        while behind(n, end) {
+            match self.ring.take(n, State::Client) {
+                Ok(()) => {
+                    let (addr, from, len) = self.ring.data(n);
+                    // SAFETY: the daemon hands out only writes into a region this process
+                    // registered with local write access, checked against its bounds (as for the
+                    // process_vm_writev it stands for); registered memory stays mapped while
+                    // registered, as the verbs require, and a deregistration has the daemon make
+                    // what waits first. The source lies in the slot (`data` cuts the length to
+                    // it). The bytes are plain data a NIC could write there at any time before
+                    // the completion.
+                    unsafe { std::ptr::copy_nonoverlapping(from, addr as *mut u8, len) };
+                    self.ring.finish(n);
+                }
+                Err(Seen::Is(State::Done)) => {}
+                Err(Seen::Is(by)) => {
+                    // Being made by the daemon, or by another of this process's threads.
+                    let start = monotonic_ns();
+                    while self.ring.seen(n) == Seen::Is(by) {
+                        if monotonic_ns().saturating_sub(start) > WRITES_SPIN.as_nanos() as u64 {
+                            return false;
+                        }
+                        std::hint::spin_loop();
+                    }
+                    continue;
+                }
+                // Made, and its slot taken again: everything before the tail is made.
+                Err(Seen::Later) => {
+                    let tail = self.ring.tail();
+                    n = if behind(n, tail) { tail } else { n.wrapping_add(1) };
+                    continue;
+                }
+                // Never written: the daemon broke the ring; nothing to make.
+                Err(Seen::Missing) => {}
+            }
+            n = n.wrapping_add(1);
+        }
+        // Another thread may have gone further meanwhile: keep the furthest.
+        let mut seen = self.made.load(Ordering::Relaxed);
+        while behind(seen, n) {
+            match self.made.compare_exchange_weak(seen, n, Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(now) => seen = now,
+            }
+        }
+        true
+    }
 }
 
 /// Most payload bytes a post copies into its slot (see [`Session::copy_payload`]).
@@ -163,11 +245,12 @@ impl Session {
         let Response::Opened(entry) = resp else {
             return Err(unexpected());
         };
-        if fds.len() != 2 {
+        if fds.len() != 3 {
             return Err(Error::Daemon("softrdmad sent no doorbell".into()));
         }
-        let events = UnixDatagram::from(fds.pop().expect("two fds"));
-        let doorbell = fds.pop().expect("two fds");
+        let placements = PlacementRing::open(fds.pop().expect("three fds"))?;
+        let events = UnixDatagram::from(fds.pop().expect("three fds"));
+        let doorbell = fds.pop().expect("three fds");
         let netdev = entry.netdev.ok_or_else(|| Error::Daemon(format!("device {name} has no netdev at the daemon")))?;
         let info = DeviceInfo::new(&entry.config, netdev)?;
         allow_daemon_access(ctl.daemon_pid);
@@ -181,6 +264,7 @@ impl Session {
             process_regions: RwLock::new(HashMap::new()),
             poller_yields: AtomicU64::new(0),
             poller_moves: AtomicU64::new(0),
+            placements,
         })))
     }
 
@@ -394,6 +478,12 @@ impl Cq {
             let made = || if n > 0 { ring.ring().batch_made(batch) } else { wait_for_writes(ring.ring(), batch) };
             if batch != 0 && !made() {
                 break;
+            }
+            // Small writes of its data the daemon left to this process are made here, in order.
+            if let Some(end) = slot::cqe_places(&slot) {
+                if !self.s.placements.make_until(end) {
+                    break;
+                }
             }
             ring.advance();
             out.push(slot::decode_cqe(&slot).map_err(|e| Error::Daemon(e.to_string()))?);

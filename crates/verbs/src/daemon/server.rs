@@ -195,6 +195,7 @@ impl Daemon {
             let mut st = dev.lock();
             st.qp_traffic = Some(Default::default());
             st.cm.unrouted = Some(Default::default());
+            st.mem.allow_placements(placements_on());
         }
         let sd = Arc::new(SvcDevice {
             name: Mutex::new(c.name.clone()),
@@ -468,6 +469,8 @@ struct ClientEntry {
 
 struct CqEntry {
     client: u64,
+    /// Its client's process (whose placement ring its completions name).
+    pid: u32,
     ring: Producer,
     /// The last batch of writes its completions named (`Ring::writes_made`): per CQ, so that
     /// what its ring says is always that batch or the one before, and the batches of the
@@ -910,6 +913,12 @@ fn thread_cpu(tid: i32) -> Duration {
     Duration::from_micros(ticks * 1_000_000 / hz)
 }
 
+/// Whether small writes into clients' own memory are handed to them to make
+/// (`SOFTRDMA_PLACEMENTS=0`: no; client_place.rs).
+fn placements_on() -> bool {
+    std::env::var("SOFTRDMA_PLACEMENTS").map_or(true, |v| v != "0")
+}
+
 fn spin_time() -> Duration {
     let us = std::env::var("SOFTRDMA_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
     Duration::from_micros(us)
@@ -1154,6 +1163,7 @@ impl SvcDevice {
         // look instead of after the call, during which a client that finds nothing gives its CPU
         // away (PERFORMANCE.md, session 21). Without one (an RDMA WRITE, whose target may watch
         // its memory rather than a CQ) the writes go first.
+        st.mem.hand_out();
         let waiting = st.mem.writes_waiting();
         let early =
             (1..=EARLY_COMPLETIONS_MAX).contains(&waiting) && svc.cqs.keys().any(|id| st.hca.cq_brings_data(*id));
@@ -1181,10 +1191,14 @@ impl SvcDevice {
             }
             let mut slot = [0u8; CQE_LEN];
             let mut notify = false;
+            let places = st.mem.placements_end(c.pid);
             for wc in &sc.wcs {
                 slot::encode_cqe(wc, &mut slot);
                 if early {
                     slot::set_cqe_writes(&mut slot, c.batch);
+                }
+                if let Some(end) = places {
+                    slot::set_cqe_places(&mut slot, end);
                 }
                 c.ring.push(&slot);
                 if let Some(q) = svc.qps.get_mut(&wc.qp_num) {
@@ -1297,6 +1311,9 @@ impl SvcDevice {
             ("client_writes_lost", st.mem.lost_writes()),
             ("client_read_calls", st.mem.client_calls().0),
             ("client_write_calls", st.mem.client_calls().1),
+            ("client_placements", st.mem.placement_counts().handed_out),
+            ("client_placements_taken_back", st.mem.placement_counts().taken_back),
+            ("client_placements_given_up", st.mem.placement_counts().given_up),
             ("bad_wqes", svc.bad_wqes),
             ("late_wakeups", svc.late_wakeups),
             ("port_active", u64::from(self.port_up.load(Ordering::Relaxed))),
@@ -1402,6 +1419,7 @@ impl SvcDevice {
         svc.pds.retain(|_, c| *c != id);
         let pds = pds - svc.pds.len();
         svc.channels.retain(|_, (c, _)| *c != id);
+        st.mem.detach_placements(c.pid);
         svc.generation += 1;
         if qps.len() + srqs.len() + cqs.len() + mrs.len() + pds + cm_ids.len() > 0 {
             log!(
@@ -1603,9 +1621,11 @@ impl Session {
         let doorbell = eventfd().map_err(io)?;
         let (mine, theirs) = UnixDatagram::pair().map_err(io)?;
         mine.set_nonblocking(true).map_err(io)?;
-        let out = vec![doorbell.try_clone().map_err(io)?, OwnedFd::from(theirs)];
+        let mut out = vec![doorbell.try_clone().map_err(io)?, OwnedFd::from(theirs)];
         {
             let mut svc = dev.lock_svc();
+            let placements = dev.dev.lock().mem.attach_placements(self.cred.pid);
+            out.push(placements.map_err(|e| Refusal::Other(format!("creating the client's placement ring: {e}")))?);
             svc.clients.insert(
                 self.id,
                 ClientEntry { pid: self.cred.pid, uid: self.cred.uid, doorbell, events: mine, objects: 0 },
@@ -1754,6 +1774,7 @@ impl Session {
                     id,
                     CqEntry {
                         client: me,
+                        pid: self.cred.pid,
                         ring: Producer::new(ring),
                         batch: 0,
                         channel,

@@ -1,0 +1,345 @@
+//! softrdmad's side of placements (`softrdma_abi::placements`): small writes into a client's own
+//! memory handed to the client to make when it polls, and taken back before anything else
+//! touches that memory.
+//!
+//! A write the device keeps behind for a region reached through process_vm (client_io.rs) costs
+//! a `process_vm_writev`, about half a microsecond, during which the completion it belongs to
+//! waits. When every write a pass keeps for a process is one its client's work request asked for
+//! (a receive's data, a READ response's, an atomic's original value: bytes the application may
+//! look at only after polling the completion) and small, they go into that process's placement
+//! ring instead, and the completions published in the pass name the ring's end
+//! (`slot::set_cqe_places`): the client's poll copies them into place before it hands a
+//! completion out.
+//!
+//! The daemon must take those that are still waiting back before it touches that process's
+//! memory any other way: a read (a gather, a READ's or atomic's target), a write it makes itself,
+//! a deregistration. [`ClientPlacements::reclaim`] does: it takes every entry nobody has taken
+//! and makes it with one `process_vm_writev`, and waits for an entry the client is copying.
+//! The writes thus land in the order they were kept, whoever makes them, and before any access
+//! that could see or overwrite them. A client that stays stopped in the middle of its copy for
+//! longer than [`CLIENT_WAIT`] is given up on (counted), and handed nothing more: the loop serves
+//! other clients too.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::time::{Duration, Instant};
+
+use softrdma_abi::placements::{placements_bytes, Placements, Seen, State, CAPACITY, DATA_MAX};
+use softrdma_abi::shm::Shm;
+
+use crate::client_io::WriteBehind;
+
+/// Longest the device loop waits for a client to finish copying an entry it took.
+const CLIENT_WAIT: Duration = Duration::from_millis(10);
+
+/// Most bytes one write may have to be handed out.
+pub(crate) const PLACE_MAX: usize = DATA_MAX;
+
+/// One process's ring.
+struct Ring {
+    // Declared before the mapping it views: dropped first.
+    ring: Placements,
+    shm: Shm,
+    /// The next entry to write.
+    head: u32,
+    /// Every entry before it is done.
+    tail: u32,
+    /// Sessions of the process on this device that were given the ring.
+    sessions: u32,
+    /// A client once kept an entry past [`CLIENT_WAIT`]: nothing more is handed to it, so that a
+    /// client stopped (or hostile) costs the loop that wait once.
+    given_up: bool,
+}
+
+/// Counts of entries.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PlacementCounts {
+    /// Written into the rings.
+    pub handed_out: u64,
+    /// Taken back and made by the daemon (the rest were made by their clients).
+    pub taken_back: u64,
+    /// Taken by a client that did not say it was done within [`CLIENT_WAIT`].
+    pub given_up: u64,
+}
+
+/// The placement rings of a device's clients, by process.
+#[derive(Default)]
+pub(crate) struct ClientPlacements {
+    rings: HashMap<u32, Ring>,
+    /// Rings with entries not known to be done.
+    open: usize,
+    /// The daemon's writes of entries it took back (one call per process per reclaim).
+    writes: WriteBehind,
+    taken: Vec<u32>,
+    pub counts: PlacementCounts,
+}
+
+impl std::fmt::Debug for ClientPlacements {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientPlacements").field("rings", &self.rings.len()).field("counts", &self.counts).finish()
+    }
+}
+
+impl ClientPlacements {
+    /// A session of process `pid` opened the device: its ring (made now for its first), as a
+    /// descriptor to send it.
+    pub fn attach(&mut self, pid: u32) -> std::io::Result<OwnedFd> {
+        if let Some(r) = self.rings.get_mut(&pid) {
+            r.sessions += 1;
+            return r.shm.fd().try_clone();
+        }
+        let shm = Shm::create("softrdma-placements", placements_bytes(CAPACITY))?;
+        let ring = shm.placements(0, CAPACITY)?;
+        ring.init();
+        let fd = shm.fd().try_clone()?;
+        self.rings.insert(pid, Ring { ring, shm, head: 0, tail: 0, sessions: 1, given_up: false });
+        Ok(fd)
+    }
+
+    /// A session of process `pid` closed; the ring goes with its last, once what waits in it is
+    /// made.
+    pub fn detach(&mut self, pid: u32) {
+        let Some(r) = self.rings.get_mut(&pid) else { return };
+        r.sessions -= 1;
+        if r.sessions == 0 {
+            self.reclaim(pid);
+            self.rings.remove(&pid);
+        }
+    }
+
+    /// Whether `n` more entries fit in process `pid`'s ring (entries its client made are counted
+    /// out first).
+    pub fn room(&mut self, pid: u32, n: usize) -> bool {
+        let Some(r) = self.rings.get_mut(&pid).filter(|r| !r.given_up) else { return false };
+        let free = |r: &Ring| (CAPACITY - r.head.wrapping_sub(r.tail)) as usize;
+        if free(r) < n && r.tail != r.head {
+            while r.tail != r.head && r.ring.seen(r.tail) == Seen::Is(State::Done) {
+                r.tail = r.tail.wrapping_add(1);
+            }
+            r.ring.set_tail(r.tail);
+            if r.tail == r.head {
+                self.open -= 1;
+            }
+        }
+        free(r) >= n
+    }
+
+    /// Hand `data` (at most [`PLACE_MAX`] bytes) for `addr` of process `pid` to its client, in a
+    /// slot [`ClientPlacements::room`] found.
+    pub fn hand_out(&mut self, pid: u32, addr: u64, data: &[u8]) {
+        let r = self.rings.get_mut(&pid).expect("room was found");
+        if r.head == r.tail {
+            self.open += 1;
+        }
+        r.ring.write(r.head, addr, data);
+        r.head = r.head.wrapping_add(1);
+        self.counts.handed_out += 1;
+    }
+
+    /// The end of process `pid`'s entries (what its completions name), if it has a ring.
+    pub fn end(&self, pid: u32) -> Option<u32> {
+        self.rings.get(&pid).map(|r| r.head)
+    }
+
+    /// Make every entry of process `pid` still waiting, before the device touches its memory:
+    /// take those nobody took and write them (one call), wait for those its client is copying.
+    pub fn reclaim(&mut self, pid: u32) {
+        if self.open == 0 {
+            return;
+        }
+        let Some(r) = self.rings.get_mut(&pid) else { return };
+        if r.tail == r.head {
+            return;
+        }
+        let mut data = [0u8; DATA_MAX];
+        let mut n = r.tail;
+        while n != r.head {
+            match r.ring.take(n, State::Daemon) {
+                Ok(()) => {
+                    let (addr, len) = r.ring.read(n, &mut data);
+                    if !self.writes.defer(pid, addr, &data[..len], false) {
+                        write_taken(&mut self.writes, &r.ring, &mut self.taken);
+                        // Empty now, so an entry (at most DATA_MAX bytes) fits.
+                        self.writes.defer(pid, addr, &data[..len], false);
+                    }
+                    self.taken.push(n);
+                    self.counts.taken_back += 1;
+                }
+                Err(Seen::Is(State::Client)) => {
+                    // The client copies it: the entries taken before it go first, then wait.
+                    write_taken(&mut self.writes, &r.ring, &mut self.taken);
+                    let start = Instant::now();
+                    while r.ring.seen(n) == Seen::Is(State::Client) {
+                        if start.elapsed() > CLIENT_WAIT {
+                            self.counts.given_up += 1;
+                            r.given_up = true;
+                            break;
+                        }
+                        std::thread::yield_now();
+                    }
+                }
+                // Done by its client (or a slot its client broke: nothing to make).
+                Err(_) => {}
+            }
+            n = n.wrapping_add(1);
+        }
+        write_taken(&mut self.writes, &r.ring, &mut self.taken);
+        r.tail = r.head;
+        r.ring.set_tail(r.tail);
+        self.open -= 1;
+    }
+
+    /// [`ClientPlacements::reclaim`] for every process.
+    pub fn reclaim_all(&mut self) {
+        if self.open == 0 {
+            return;
+        }
+        let pids: Vec<u32> = self.rings.keys().copied().collect();
+        for pid in pids {
+            self.reclaim(pid);
+        }
+    }
+
+    /// Whether any entry may still wait.
+    pub fn any_open(&self) -> bool {
+        self.open > 0
+    }
+
+    /// Writes of entries taken back that the client's memory refused.
+    pub fn lost(&self) -> u64 {
+        self.writes.lost
+    }
+
+    /// System calls that made entries taken back.
+    pub fn calls(&self) -> u64 {
+        self.writes.calls
+    }
+}
+
+/// Write the entries taken back (`taken`, their bytes kept in `writes`), then say they are done.
+fn write_taken(writes: &mut WriteBehind, ring: &Placements, taken: &mut Vec<u32>) {
+    if taken.is_empty() {
+        return;
+    }
+    writes.write_all(true);
+    for &n in taken.iter() {
+        ring.finish(n);
+    }
+    taken.clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn me() -> u32 {
+        std::process::id()
+    }
+
+    /// The client's view of process `pid`'s ring, mapped from the descriptor it would be sent.
+    fn client_view(fd: OwnedFd) -> (Placements, Shm) {
+        let shm = Shm::open(fd, placements_bytes(CAPACITY)).unwrap();
+        let ring = shm.placements(0, CAPACITY).unwrap();
+        assert!(ring.header_ok());
+        (ring, shm)
+    }
+
+    fn bytes(buf: &[u8]) -> Vec<u8> {
+        // SAFETY: in bounds of `buf`; volatile, since the kernel wrote them (process_vm_writev)
+        // through an address the compiler does not see.
+        (0..buf.len()).map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }).collect()
+    }
+
+    #[test]
+    fn entries_taken_back_are_written_in_order_after_those_the_client_made() {
+        let mut p = ClientPlacements::default();
+        let (view, _shm) = client_view(p.attach(me()).unwrap());
+        let buf = vec![0u8; 16];
+        let at = buf.as_ptr() as u64;
+        assert!(p.room(me(), 3));
+        p.hand_out(me(), at, &[1; 8]);
+        p.hand_out(me(), at, &[2; 8]);
+        p.hand_out(me(), at + 8, &[3; 4]);
+        assert_eq!(p.end(me()), Some(3));
+        // The client made the first (as its poll does: take, copy, finish).
+        view.take(0, State::Client).unwrap();
+        view.finish(0);
+        p.reclaim(me());
+        assert_eq!(bytes(&buf), [[2; 8].as_slice(), &[3; 4], &[0; 4]].concat());
+        assert_eq!(p.counts, PlacementCounts { handed_out: 3, taken_back: 2, given_up: 0 });
+        assert_eq!((view.seen(1), view.seen(2), view.tail()), (Seen::Is(State::Done), Seen::Is(State::Done), 3));
+        assert!(!p.any_open());
+        // Nothing waits now: another reclaim writes nothing.
+        p.reclaim(me());
+        assert_eq!(p.calls(), 1);
+    }
+
+    #[test]
+    fn an_entry_the_client_is_copying_is_waited_for() {
+        let mut p = ClientPlacements::default();
+        let (view, _shm) = client_view(p.attach(me()).unwrap());
+        let buf = vec![0u8; 8];
+        let at = buf.as_ptr() as u64;
+        assert!(p.room(me(), 2));
+        p.hand_out(me(), at, &[5; 8]);
+        p.hand_out(me(), at, &[6; 8]);
+        view.take(0, State::Client).unwrap();
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(5));
+                let (addr, from, len) = view.data(0);
+                // SAFETY: `buf`'s bytes (its address handed out above), from the slot.
+                unsafe { std::ptr::copy_nonoverlapping(from, addr as *mut u8, len) };
+                view.finish(0);
+            });
+            p.reclaim(me());
+        });
+        assert!(start.elapsed() >= Duration::from_millis(5), "did not wait for the client's copy");
+        assert_eq!(bytes(&buf), [6; 8], "the later entry went first");
+        assert_eq!((p.counts.taken_back, p.counts.given_up), (1, 0));
+    }
+
+    #[test]
+    fn a_client_that_never_finishes_is_given_up_on() {
+        let mut p = ClientPlacements::default();
+        let (view, _shm) = client_view(p.attach(me()).unwrap());
+        let buf = [0u8; 8];
+        assert!(p.room(me(), 1));
+        p.hand_out(me(), buf.as_ptr() as u64, &[7; 8]);
+        view.take(0, State::Client).unwrap();
+        let start = Instant::now();
+        p.reclaim(me());
+        assert!(start.elapsed() >= CLIENT_WAIT);
+        assert_eq!((p.counts.taken_back, p.counts.given_up), (0, 1));
+        assert!(!p.any_open());
+        assert!(!p.room(me(), 1), "handed more after it was given up on");
+    }
+
+    #[test]
+    fn room_counts_out_what_the_client_made_and_the_ring_goes_with_the_last_session() {
+        let mut p = ClientPlacements::default();
+        let (view, _shm) = client_view(p.attach(me()).unwrap());
+        let _second = p.attach(me()).unwrap();
+        let buf = vec![0u8; 8];
+        assert!(p.room(me(), CAPACITY as usize));
+        for _ in 0..CAPACITY {
+            p.hand_out(me(), buf.as_ptr() as u64, &[1]);
+        }
+        assert!(!p.room(me(), 1));
+        for n in 0..2 {
+            view.take(n, State::Client).unwrap();
+            view.finish(n);
+        }
+        assert!(p.room(me(), 2));
+        assert!(!p.room(me(), 3));
+        assert_eq!(view.tail(), 2);
+        assert!(!p.room(me() + 1, 1), "a process without a ring");
+        p.detach(me());
+        assert_eq!(p.end(me()), Some(CAPACITY), "one session still has it");
+        p.detach(me());
+        assert_eq!(p.end(me()), None);
+        assert_eq!(p.counts.taken_back, u64::from(CAPACITY) - 2, "made before the ring went");
+        assert_eq!(bytes(&buf)[0], 1);
+    }
+}
