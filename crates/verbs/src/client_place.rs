@@ -96,13 +96,16 @@ impl ClientPlacements {
         Ok(fd)
     }
 
-    /// A session of process `pid` closed; the ring goes with its last, once what waits in it is
-    /// made.
+    /// A session of process `pid` closed. With its last the ring goes, and what waits in it is
+    /// dropped, not made: the process's CQs on this device went with its sessions, so no
+    /// completion can ever name those writes (and the process may be gone).
     pub fn detach(&mut self, pid: u32) {
         let Some(r) = self.rings.get_mut(&pid) else { return };
         r.sessions -= 1;
         if r.sessions == 0 {
-            self.reclaim(pid);
+            if r.head != r.tail {
+                self.open -= 1;
+            }
             self.rings.remove(&pid);
         }
     }
@@ -339,7 +342,8 @@ mod tests {
         assert_eq!(p.end(me()), Some(CAPACITY), "one session still has it");
         p.detach(me());
         assert_eq!(p.end(me()), None);
-        assert_eq!(p.counts.taken_back, u64::from(CAPACITY) - 2, "made before the ring went");
-        assert_eq!(bytes(&buf)[0], 1);
+        assert!(!p.any_open());
+        assert_eq!(p.counts.taken_back, 0, "dropped, not made");
+        assert_eq!(bytes(&buf)[0], 0);
     }
 }

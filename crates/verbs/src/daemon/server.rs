@@ -1410,6 +1410,9 @@ impl SvcDevice {
             let _ = st.hca.destroy_cq(*cq);
             svc.cqs.remove(cq);
         }
+        // Before its regions go (which would make what waits in the ring, into a process that
+        // may be gone).
+        st.mem.detach_placements(c.pid);
         let mrs: Vec<u32> = svc.mrs.iter().filter(|(_, c)| **c == id).map(|(k, _)| *k).collect();
         for k in &mrs {
             st.mem.remove(*k);
@@ -1419,7 +1422,6 @@ impl SvcDevice {
         svc.pds.retain(|_, c| *c != id);
         let pds = pds - svc.pds.len();
         svc.channels.retain(|_, (c, _)| *c != id);
-        st.mem.detach_placements(c.pid);
         svc.generation += 1;
         if qps.len() + srqs.len() + cqs.len() + mrs.len() + pds + cm_ids.len() > 0 {
             log!(
