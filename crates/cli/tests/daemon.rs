@@ -1462,7 +1462,7 @@ fn latewrite_role(ctx: &Context) {
 /// make at its poll (verbs client_place.rs; the test counts the daemon's entries between the
 /// lines): made here, each completion finds its data in place. Left unpolled, the daemon takes
 /// them back before anything else touches those bytes: a READ of them sees them, a later WRITE of
-/// them wins, a deregistration finds them made.
+/// them wins, a deregistration finds them made, and so does the destruction of their QP and CQ.
 fn placed_role(ctx: &Context) {
     let pd = ctx.alloc_pd();
     let (cq, other_cq) = (ctx.create_cq(64, None).unwrap(), ctx.create_cq(64, None).unwrap());
@@ -1539,6 +1539,22 @@ fn placed_role(ctx: &Context) {
     drop(other);
     one(&cq, 50);
     assert_eq!(at(4096), 0xe0e0_u64.to_le_bytes(), "deregistered before its data was made");
+    // Left unpolled, then its QPs and CQ destroyed: made then, so that the buffer is the
+    // application's again (its store is what a later READ finds).
+    let gone_cq = ctx.create_cq(4, None).unwrap();
+    let (gone_tx, gone_rx) = looped_pair(ctx, &pd, &gone_cq, cap, RW);
+    gone_rx.post_recv(RecvWr { wr_id: 60, sgl: vec![mr.sge(3072, 8).unwrap()].into() }).unwrap();
+    let payload = Payload::Inline(0xf0f0_u64.to_le_bytes().to_vec());
+    gone_tx.post_send(SendWr { wr_id: 0, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop((gone_tx, gone_rx, gone_cq));
+    assert_eq!(at(3072), 0xf0f0_u64.to_le_bytes(), "not made when its QP and CQ went");
+    // SAFETY: bytes of `heap`, the application's again.
+    (0..8).for_each(|i| unsafe { std::ptr::write_volatile(base.add(3072 + i), 0x11) });
+    peer.post_send(send(61, SendOp::Read { remote_addr: mr.addr() + 3072, rkey: mr.rkey() }, &local, 256, 8)).unwrap();
+    one(&other_cq, 61);
+    assert_eq!(local.to_vec(256, 8).unwrap(), [0x11; 8], "a receive's data landed after its QP went");
+    assert_eq!(at(3072), [0x11; 8]);
     drop((tx, rx, peer, _peer_rx, cq, other_cq));
     drop((mr, local));
     drop(heap);
@@ -1787,7 +1803,8 @@ fn small_writes_into_client_memory_are_made_by_the_client_or_taken_back_first() 
     assert_eq!(d.counter("client_placements_taken_back"), 0, "made by the daemon, not the client");
     c.send("go");
     assert_eq!(c.finish(), "OK");
-    assert_eq!(d.counter("client_placements_taken_back"), 3, "before a READ, a WRITE, a deregistration");
+    let back = d.counter("client_placements_taken_back");
+    assert_eq!(back, 4, "before a READ, a WRITE, a deregistration, at a destroy");
     assert_eq!(d.counter("client_placements_given_up"), 0);
     assert_eq!(d.counter("client_writes_lost"), 0);
     d.wait_idle();

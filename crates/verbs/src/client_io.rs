@@ -285,15 +285,15 @@ impl WriteBehind {
             f(r.addr, &self.bytes[r.at..r.at + r.len]);
         }
         self.ranges.retain(|r| r.pid != pid);
-        // The rest moved together, so that the last write's bytes are the buffer's last again
-        // (what `defer` extends).
-        let mut bytes = Vec::with_capacity(self.bytes.len());
+        // The rest moved together to the front, in order, so that the last write's bytes are
+        // the buffer's last again (what `defer` extends).
+        let mut to = 0;
         for r in &mut self.ranges {
-            let at = bytes.len();
-            bytes.extend_from_slice(&self.bytes[r.at..r.at + r.len]);
-            r.at = at;
+            self.bytes.copy_within(r.at..r.at + r.len, to);
+            r.at = to;
+            to += r.len;
         }
-        self.bytes = bytes;
+        self.bytes.truncate(to);
     }
 
     /// Keep `data` to be written at `addr` of process `pid` (`local`: see [`Range`]); false
@@ -312,7 +312,9 @@ impl WriteBehind {
                 last.local = local;
                 return true;
             }
-            if last.addr + last.len as u64 == addr {
+            // (Checked: the daemon's writes of placement entries a client took back carry an
+            // address the client could have changed.)
+            if last.addr.checked_add(last.len as u64) == Some(addr) {
                 self.bytes.extend_from_slice(data);
                 last.len += data.len();
                 last.local &= local;

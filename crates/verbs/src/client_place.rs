@@ -16,11 +16,16 @@
 //! a deregistration. [`ClientPlacements::reclaim`] does: it takes every entry nobody has taken
 //! and makes it with one `process_vm_writev`, and waits for an entry the client is copying.
 //! The writes thus land in the order they were kept, whoever makes them, and before any access
-//! that could see or overwrite them. A client that stays stopped in the middle of its copy for
-//! longer than [`CLIENT_WAIT`] is given up on (counted), and handed nothing more: the loop serves
-//! other clients too.
+//! that could see or overwrite them.
+//!
+//! The loop serves other clients too, so it waits for one process's copies [`CLIENT_WAIT`] all
+//! told. A process that uses that up (a thread stopped in the middle of a copy of at most 232
+//! bytes, or a hostile client) is given up on, counted, handed nothing more and never waited for
+//! again; the tail its threads see stops at the entry it holds, so none of them hands out a
+//! completion past it. What it then risks is its own: that entry's copy may land after a later
+//! access to the same bytes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
@@ -29,7 +34,7 @@ use softrdma_abi::shm::Shm;
 
 use crate::client_io::WriteBehind;
 
-/// Longest the device loop waits for a client to finish copying an entry it took.
+/// Longest the device loop waits, all told, for one process's copies of entries it took.
 const CLIENT_WAIT: Duration = Duration::from_millis(10);
 
 /// Most bytes one write may have to be handed out.
@@ -46,8 +51,10 @@ struct Ring {
     tail: u32,
     /// Sessions of the process on this device that were given the ring.
     sessions: u32,
-    /// A client once kept an entry past [`CLIENT_WAIT`]: nothing more is handed to it, so that a
-    /// client stopped (or hostile) costs the loop that wait once.
+    /// How long the loop has waited for the process's copies, all told.
+    waited: Duration,
+    /// That passed [`CLIENT_WAIT`]: nothing more is handed to the process, and no copy of it is
+    /// waited for again.
     given_up: bool,
 }
 
@@ -68,6 +75,8 @@ pub(crate) struct ClientPlacements {
     rings: HashMap<u32, Ring>,
     /// Rings with entries not known to be done.
     open: usize,
+    /// Processes given up on (see `Ring::given_up`), also for the rings they open later.
+    given_up: HashSet<u32>,
     /// The daemon's writes of entries it took back (one call per process per reclaim).
     writes: WriteBehind,
     taken: Vec<u32>,
@@ -92,7 +101,8 @@ impl ClientPlacements {
         let ring = shm.placements(0, CAPACITY)?;
         ring.init();
         let fd = shm.fd().try_clone()?;
-        self.rings.insert(pid, Ring { ring, shm, head: 0, tail: 0, sessions: 1, given_up: false });
+        let given_up = self.given_up.contains(&pid);
+        self.rings.insert(pid, Ring { ring, shm, head: 0, tail: 0, sessions: 1, waited: Duration::ZERO, given_up });
         Ok(fd)
     }
 
@@ -155,6 +165,9 @@ impl ClientPlacements {
             return;
         }
         let mut data = [0u8; DATA_MAX];
+        // The first entry left to a client that is still copying it (given up on): the tail
+        // its threads see stops there, so that none hands out a completion past it.
+        let mut held = None;
         let mut n = r.tail;
         while n != r.head {
             match r.ring.take(n, State::Daemon) {
@@ -169,16 +182,21 @@ impl ClientPlacements {
                     self.counts.taken_back += 1;
                 }
                 Err(Seen::Is(State::Client)) => {
-                    // The client copies it: the entries taken before it go first, then wait.
+                    // The client copies it: the entries taken before it go first, then wait,
+                    // within what is left of the process's budget.
                     write_taken(&mut self.writes, &r.ring, &mut self.taken);
                     let start = Instant::now();
-                    while r.ring.seen(n) == Seen::Is(State::Client) {
-                        if start.elapsed() > CLIENT_WAIT {
+                    while !r.given_up && r.ring.seen(n) == Seen::Is(State::Client) {
+                        if r.waited + start.elapsed() > CLIENT_WAIT {
                             self.counts.given_up += 1;
                             r.given_up = true;
-                            break;
+                            self.given_up.insert(pid);
                         }
                         std::thread::yield_now();
+                    }
+                    r.waited += start.elapsed();
+                    if r.ring.seen(n) == Seen::Is(State::Client) {
+                        held.get_or_insert(n);
                     }
                 }
                 // Done by its client (or a slot its client broke: nothing to make).
@@ -187,8 +205,10 @@ impl ClientPlacements {
             n = n.wrapping_add(1);
         }
         write_taken(&mut self.writes, &r.ring, &mut self.taken);
+        // Nothing is handed out past a held entry (the process was given up on): the slots
+        // after it are never needed again.
         r.tail = r.head;
-        r.ring.set_tail(r.tail);
+        r.ring.set_tail(held.unwrap_or(r.tail));
         self.open -= 1;
     }
 
@@ -317,6 +337,29 @@ mod tests {
         assert_eq!((p.counts.taken_back, p.counts.given_up), (0, 1));
         assert!(!p.any_open());
         assert!(!p.room(me(), 1), "handed more after it was given up on");
+    }
+
+    #[test]
+    fn a_client_holding_many_entries_costs_the_loop_its_budget_once() {
+        let mut p = ClientPlacements::default();
+        let (view, _shm) = client_view(p.attach(me()).unwrap());
+        let buf = [0u8; 8];
+        assert!(p.room(me(), 20));
+        for n in 0..20 {
+            p.hand_out(me(), buf.as_ptr() as u64, &[1; 8]);
+            view.take(n, State::Client).unwrap();
+        }
+        let start = Instant::now();
+        p.reclaim(me());
+        let took = start.elapsed();
+        assert!(took >= CLIENT_WAIT && took < 3 * CLIENT_WAIT, "{took:?}");
+        assert_eq!(p.counts.given_up, 1);
+        assert_eq!(view.tail(), 0, "the tail went past an entry the client holds");
+        // Given up on: handed nothing more, waited for no more, also in a ring opened later.
+        assert!(!p.room(me(), 1));
+        p.detach(me());
+        let _view = client_view(p.attach(me()).unwrap());
+        assert!(!p.room(me(), 1));
     }
 
     #[test]

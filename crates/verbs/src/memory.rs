@@ -484,6 +484,12 @@ impl MrTable {
         self.placements.get_mut().detach(pid);
     }
 
+    /// Make what waits in process `pid`'s placement ring now (its client destroyed or reset
+    /// objects whose completions would have named it).
+    pub(crate) fn make_placements(&mut self, pid: u32) {
+        self.placements.get_mut().reclaim(pid);
+    }
+
     /// The end of process `pid`'s placement entries, for the completions published to it.
     pub(crate) fn placements_end(&self, pid: u32) -> Option<u32> {
         self.placements.borrow().end(pid)

@@ -167,7 +167,8 @@ impl PlacementRing {
         if !ring.header_ok() {
             return Err(Error::Daemon("placement ring header mismatch".into()));
         }
-        Ok(PlacementRing { ring, _shm: shm, made: AtomicU32::new(0) })
+        let made = AtomicU32::new(ring.tail());
+        Ok(PlacementRing { ring, _shm: shm, made })
     }
 
     /// Make every entry before `end` (a completion about to be handed out names it), in order:
@@ -175,12 +176,20 @@ impl PlacementRing {
     /// False if one was still being made after [`WRITES_SPIN`]: the completion waits for a later
     /// poll.
     fn make_until(&self, end: u32) -> bool {
+        // Entries from the tail on are at most the ring's capacity: an `end` outside that window
+        // is at or behind the tail (made), and so is a cursor of this session's outside
+        // `[tail, end]` (another session went on, or this one stood still for long).
+        let tail = self.ring.tail();
+        let ahead = end.wrapping_sub(tail);
+        if ahead == 0 || ahead > self.ring.capacity() {
+            return true;
+        }
         let behind = |a: u32, b: u32| (b.wrapping_sub(a) as i32) > 0;
         let mut n = self.made.load(Ordering::Acquire);
-        if behind(n, self.ring.tail()) {
-            n = self.ring.tail();
+        if n.wrapping_sub(tail) > ahead {
+            n = tail;
         }
-        while behind(n, end) {
+        while n != end {
             match self.ring.take(n, State::Client) {
                 Ok(()) => {
                     let (addr, from, len) = self.ring.data(n);
@@ -188,9 +197,10 @@ impl PlacementRing {
                     // registered with local write access, checked against its bounds (as for the
                     // process_vm_writev it stands for); registered memory stays mapped while
                     // registered, as the verbs require, and a deregistration has the daemon make
-                    // what waits first. The source lies in the slot (`data` cuts the length to
-                    // it). The bytes are plain data a NIC could write there at any time before
-                    // the completion.
+                    // what waits first (unless it gave this process up, which only a thread
+                    // stopped in the middle of such a copy for 10 ms brings about). The source
+                    // lies in the slot (`data` cuts the length to it). The bytes are plain data a
+                    // NIC could write there at any time before the completion.
                     unsafe { std::ptr::copy_nonoverlapping(from, addr as *mut u8, len) };
                     self.ring.finish(n);
                 }
@@ -207,9 +217,17 @@ impl PlacementRing {
                     continue;
                 }
                 // Made, and its slot taken again: everything before the tail is made.
+                // (The tail, the cursor and `end` lie within the ring's capacity of each other:
+                // compared as wrapping numbers.)
                 Err(Seen::Later) => {
                     let tail = self.ring.tail();
-                    n = if behind(n, tail) { tail } else { n.wrapping_add(1) };
+                    n = if !behind(tail, end) {
+                        end
+                    } else if behind(n, tail) {
+                        tail
+                    } else {
+                        n.wrapping_add(1)
+                    };
                     continue;
                 }
                 // Never written: the daemon broke the ring; nothing to make.
@@ -217,10 +235,11 @@ impl PlacementRing {
             }
             n = n.wrapping_add(1);
         }
-        // Another thread may have gone further meanwhile: keep the furthest.
+        // Another thread may have gone further meanwhile: keep the furthest (a cursor outside
+        // the window is stale).
         let mut seen = self.made.load(Ordering::Relaxed);
-        while behind(seen, n) {
-            match self.made.compare_exchange_weak(seen, n, Ordering::Release, Ordering::Relaxed) {
+        while seen.wrapping_sub(tail) < end.wrapping_sub(tail) || seen.wrapping_sub(tail) > self.ring.capacity() {
+            match self.made.compare_exchange_weak(seen, end, Ordering::Release, Ordering::Relaxed) {
                 Ok(_) => break,
                 Err(now) => seen = now,
             }
@@ -246,7 +265,7 @@ impl Session {
             return Err(unexpected());
         };
         if fds.len() != 3 {
-            return Err(Error::Daemon("softrdmad sent no doorbell".into()));
+            return Err(Error::Daemon("softrdmad sent no doorbell, event socket and placement ring".into()));
         }
         let placements = PlacementRing::open(fds.pop().expect("three fds"))?;
         let events = UnixDatagram::from(fds.pop().expect("three fds"));
@@ -840,5 +859,89 @@ impl Qp {
 impl Drop for Qp {
     fn drop(&mut self) {
         self.s.call_quiet(&Request::DestroyQp { qpn: self.qpn.value() });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client_place::ClientPlacements;
+
+    fn bytes(buf: &[u8]) -> Vec<u8> {
+        // SAFETY: in bounds of `buf`; volatile, since the polls and the daemon wrote them
+        // through addresses the compiler does not see.
+        (0..buf.len()).map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }).collect()
+    }
+
+    /// A daemon's side and a client's view of one ring of this process.
+    fn rings() -> (ClientPlacements, PlacementRing, OwnedFd) {
+        let mut d = ClientPlacements::default();
+        let fd = d.attach(std::process::id()).unwrap();
+        let client = PlacementRing::open(fd.try_clone().unwrap()).unwrap();
+        (d, client, fd)
+    }
+
+    #[test]
+    fn a_poll_makes_the_entries_before_its_end_in_order() {
+        let (mut d, client, _fd) = rings();
+        let me = std::process::id();
+        let buf = [0u8; 16];
+        let at = buf.as_ptr() as u64;
+        assert!(d.room(me, 3));
+        d.hand_out(me, at, &[1; 8]);
+        d.hand_out(me, at, &[2; 8]);
+        d.hand_out(me, at + 8, &[3; 8]);
+        assert!(client.make_until(2));
+        assert_eq!(bytes(&buf), [[2; 8], [0; 8]].concat(), "the later of two writes to the same bytes wins");
+        assert!(client.make_until(1), "an end behind the cursor");
+        assert_eq!(bytes(&buf)[8], 0);
+        assert!(client.make_until(3));
+        assert_eq!(bytes(&buf), [[2; 8], [3; 8]].concat());
+        // The daemon finds them all made: nothing to take back.
+        d.reclaim(me);
+        assert_eq!(d.counts.taken_back, 0);
+    }
+
+    #[test]
+    fn a_cursor_far_behind_the_ring_starts_at_its_tail() {
+        // A session that opened late, or stood still while others went on: its cursor is more
+        // than half the number space behind the ring's tail.
+        let shm = Shm::create("test-placements", placements_bytes(CAPACITY)).unwrap();
+        let ring = shm.placements(0, CAPACITY).unwrap();
+        ring.init();
+        let client = PlacementRing::open(shm.fd().try_clone().unwrap()).unwrap();
+        let buf = [0u8; 8];
+        let n = 0x8000_0005u32;
+        ring.set_tail(n);
+        ring.write(n, buf.as_ptr() as u64, &[9; 8]);
+        assert!(client.make_until(n.wrapping_add(1)));
+        assert_eq!(bytes(&buf), [9; 8], "the entry before `end` was not made");
+        // An end at or behind the tail asks for nothing.
+        assert!(client.make_until(n.wrapping_sub(7)));
+    }
+
+    #[test]
+    fn a_poll_waits_for_an_entry_another_thread_holds_even_after_the_daemon_gave_up() {
+        let (mut d, t2, fd) = rings();
+        let t1 = PlacementRing::open(fd).unwrap();
+        let me = std::process::id();
+        let buf = [0u8; 16];
+        let at = buf.as_ptr() as u64;
+        assert!(d.room(me, 2));
+        d.hand_out(me, at, &[1; 8]);
+        d.hand_out(me, at + 8, &[2; 8]);
+        // Thread 1 takes entry 0 and stops; the daemon waits its budget, gives up, makes entry 1.
+        t1.ring.take(0, State::Client).unwrap();
+        d.reclaim(me);
+        assert_eq!((d.counts.given_up, d.counts.taken_back), (1, 1));
+        assert_eq!(bytes(&buf)[8..], [2; 8]);
+        // Thread 2's completion names both: it is not handed out before entry 0 is made.
+        assert!(!t2.make_until(2), "handed out before its data was placed");
+        let (addr, from, len) = t1.ring.data(0);
+        // SAFETY: `buf`'s first bytes, from the slot.
+        unsafe { std::ptr::copy_nonoverlapping(from, addr as *mut u8, len) };
+        t1.ring.finish(0);
+        assert!(t2.make_until(2));
+        assert_eq!(bytes(&buf), [[1; 8], [2; 8]].concat());
     }
 }

@@ -1792,7 +1792,12 @@ impl Session {
                 if svc.cqs.get(&id).map(|c| c.client) != Some(me) {
                     return Err(nso());
                 }
-                dev.dev.lock().hca.destroy_cq(id).map_err(Refusal::Verbs)?;
+                let mut st = dev.dev.lock();
+                st.hca.destroy_cq(id).map_err(Refusal::Verbs)?;
+                // Its completions can no longer be polled, and their buffers are the
+                // application's again: what waits for the client to make is made now.
+                st.mem.make_placements(self.cred.pid);
+                drop(st);
                 svc.cqs.remove(&id);
                 count(svc, -1);
                 ok(Response::Ok)
@@ -1844,7 +1849,11 @@ impl Session {
                 if svc.srqs.get(&id).map(|s| s.client) != Some(me) {
                     return Err(nso());
                 }
-                dev.dev.lock().hca.destroy_srq(id).map_err(Refusal::Verbs)?;
+                let mut st = dev.dev.lock();
+                st.hca.destroy_srq(id).map_err(Refusal::Verbs)?;
+                // As for a CQ: its buffers are the application's again.
+                st.mem.make_placements(self.cred.pid);
+                drop(st);
                 svc.srqs.remove(&id);
                 count(svc, -1);
                 ok(Response::Ok)
@@ -1946,7 +1955,13 @@ impl Session {
                     .run(|st, now| {
                         // A drain (SQD) includes them, as do the flush completions of ERR.
                         take_posted(dev, svc, qpn, st, now);
-                        dev.dev.modify_qp(st, qpn, &m, now)
+                        dev.dev.modify_qp(st, qpn, &m, now)?;
+                        // Reset or error: the application may take the QP's buffers back
+                        // without polling (as after a destroy).
+                        if matches!(m.state, Some(QpState::Reset | QpState::Err)) {
+                            st.mem.make_placements(self.cred.pid);
+                        }
+                        Ok(())
                     })
                     .map_err(Refusal::Verbs)?;
                 ok(Response::Ok)
@@ -1968,7 +1983,10 @@ impl Session {
                 dev.dev
                     .run(|st, now| {
                         take_posted(dev, svc, qpn, st, now);
-                        st.destroy_qp(qpn)
+                        st.destroy_qp(qpn)?;
+                        // Its buffers are the application's again (see DestroyCq).
+                        st.mem.make_placements(self.cred.pid);
+                        Ok(())
                     })
                     .map_err(Refusal::Verbs)?;
                 svc.qps.remove(&qpn);
