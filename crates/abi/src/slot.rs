@@ -51,6 +51,16 @@ pub fn send_slot_size(max_sge: u32, max_inline: u32) -> u32 {
     (SEND_HEADER + data).next_multiple_of(16) as u32
 }
 
+/// Bytes of data softrdmad's send slots have room for at least, whatever the QP's capacities: a
+/// small payload in the client's own memory (a process_vm region) travels in the slot, copied
+/// when posted, as inline data, and the daemon reads none of it.
+pub const COPY_ROOM: u32 = 256;
+
+/// Most inline bytes a send slot of `slot_size` bytes holds.
+pub fn inline_room(slot_size: u32) -> u32 {
+    slot_size.saturating_sub(SEND_HEADER as u32)
+}
+
 /// The bytes of a send slot the work request in it uses, by its header (the slot's first
 /// [`SEND_HEADER`] bytes; a shorter one says only those): the header and its SGEs or inline data.
 /// A count beyond the slot is not checked here: the caller copies at most the slot, and

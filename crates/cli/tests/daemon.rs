@@ -878,17 +878,19 @@ fn looped_pair(
 /// Small payloads in regions reached by process_vm are copied into the send ring's slot when
 /// posted (verbs daemon/client.rs `copy_payload`): SENDs of two SGEs and WRITEs of a buffer
 /// rewritten before every post arrive byte for byte, and the daemon reads none of them (the test
-/// counts its system calls between "ROUNDS" and "go"); a fenced SEND of a buffer that a READ just
+/// counts its system calls between "ROUNDS" and "go"), on QPs without inline data (`max_inline_data`
+/// 0: the slot has room for `slot::COPY_ROOM` bytes anyway), while inline data the application
+/// asks for stays bound by it; a fenced SEND of a buffer that a READ just
 /// filled is not copied at post and carries the READ's data, and so does a SEND posted behind a
 /// fenced one; SGEs the daemon refuses still fail
 /// with LOC_PROT_ERR: an unknown key, bytes past the region, a region of another PD, a region
 /// deregistered.
 fn copied_role(ctx: &Context) {
     const ROUNDS: usize = 100;
-    const LEN: usize = 48;
+    const LEN: usize = 200;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1024, None).unwrap();
-    let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 2, max_recv_sge: 1, max_inline_data: 64 };
+    let cap = QpCap { max_send_wr: 64, max_recv_wr: 64, max_send_sge: 2, max_recv_sge: 1, max_inline_data: 0 };
     let pair = || looped_pair(ctx, &pd, &cq, cap, RW);
     let mut heap = vec![0u8; 8192 + 16];
     // SAFETY: `heap` outlives the regions (dropped after them); this process touches it only
@@ -900,6 +902,9 @@ fn copied_role(ctx: &Context) {
         )
     };
     let (a, b) = pair();
+    let inline =
+        SendWr { wr_id: 0, op: SendOp::Send, payload: Payload::Inline(vec![1]), flags: SendFlags::INLINE, ud: None };
+    assert!(a.post_send(inline).is_err(), "inline data past max_inline_data 0");
     out("READY");
     assert_eq!(input(), "go");
     for i in 0..ROUNDS {

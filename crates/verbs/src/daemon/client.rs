@@ -809,8 +809,9 @@ impl Qp {
         let r = &mut *r;
         let mut staged = 0;
         let mut copied = [0u8; COPY_MAX];
-        // Small payloads in process_vm regions go in the slot, as inline data.
-        let room = copied.len().min(self.cap.max_inline_data as usize);
+        // Small payloads in process_vm regions go in the slot, as inline data (the daemon makes
+        // room for `slot::COPY_ROOM` bytes at least).
+        let room = copied.len().min(slot::inline_room(r.prod.ring().slot_size()) as usize);
         let result = wrs.try_for_each(|wr| {
             let wr = wr.borrow();
             self.check_send_wr(wr)?;

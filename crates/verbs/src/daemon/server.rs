@@ -537,7 +537,7 @@ impl QpEntry {
                     else {
                         break;
                     };
-                    slot::decode_send(&buf[..n], self.cap.max_send_sge, self.cap.max_inline_data)
+                    slot::decode_send(&buf[..n], self.cap.max_send_sge, slot::inline_room(self.sq.ring().slot_size()))
                 }
             };
             let wr = match decoded {
@@ -1105,7 +1105,8 @@ impl SvcDevice {
                     let Ok(Some(n)) = q.sq.peek_used_at(k, &mut sc.buf, slot::SEND_HEADER, slot::send_used) else {
                         break;
                     };
-                    let wr = slot::decode_send(&sc.buf[..n], q.cap.max_send_sge, q.cap.max_inline_data);
+                    let room = slot::inline_room(q.sq.ring().slot_size());
+                    let wr = slot::decode_send(&sc.buf[..n], q.cap.max_send_sge, room);
                     match &wr {
                         // A READ executed directly reads its target while it is taken.
                         Ok(SendWr { op: SendOp::Read { remote_addr, rkey }, payload: Payload::Sgl(sgl), .. }) => {
@@ -1877,7 +1878,10 @@ impl Session {
                     return Err(Refusal::InvalidArgument(format!("SGE count above max_sge {}", attr.max_sge)));
                 }
                 let sq_capacity = cap.max_send_wr.max(1).next_power_of_two();
-                let sq_slot = slot::send_slot_size(cap.max_send_sge, cap.max_inline_data);
+                // Room for a small payload the client copies in when it posts (`COPY_ROOM`);
+                // inline data the application asks for stays within its `max_inline_data` (the
+                // client's library checks).
+                let sq_slot = slot::send_slot_size(cap.max_send_sge, cap.max_inline_data.max(slot::COPY_ROOM));
                 let rq_offset = ring_bytes(sq_capacity, sq_slot).next_multiple_of(64);
                 let rq_capacity = cap.max_recv_wr.max(1).next_power_of_two();
                 let rq_slot = slot::recv_slot_size(cap.max_recv_sge);
@@ -1892,13 +1896,16 @@ impl Session {
                     r.init();
                     Some(Consumer::new(r))
                 };
+                // The engine takes what the slot holds as inline data: a payload the client
+                // copied in may pass the application's `max_inline_data`.
+                let engine_cap = QpCap { max_inline_data: slot::inline_room(sq_slot), ..cap };
                 let init = QpInit {
                     qp_type,
                     pd: PdId(pd),
                     send_cq: CqId(send_cq),
                     recv_cq: CqId(recv_cq),
                     srq: srq.map(SrqId),
-                    cap,
+                    cap: engine_cap,
                     sq_sig_all,
                 };
                 let qpn = {
