@@ -18,8 +18,8 @@ use cpus::{allow, allowed_cpus, cpus_to_move_between};
 use softrdma_verbs::daemon::admin::Admin;
 use softrdma_verbs::{
     open_device, Access, AhAttr, AsyncEvent, CmConnParam, CmEventChannel, CmEventKind, CompletionQueue, ConnectParams,
-    Context, Gid, MemoryRegion, Mtu, Payload, PortSpace, ProtectionDomain, Psn, QpCap, QpInitAttr, QpType, QueuePair,
-    RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    Context, Gid, MemoryRegion, ModifyQp, Mtu, Payload, PortSpace, ProtectionDomain, Psn, QpCap, QpInitAttr, QpState,
+    QpType, QueuePair, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 // ---- the daemon ---------------------------------------------------------------------------------
@@ -1467,7 +1467,8 @@ fn latewrite_role(ctx: &Context) {
 /// make at its poll (verbs client_place.rs; the test counts the daemon's entries between the
 /// lines): made here, each completion finds its data in place. Left unpolled, the daemon takes
 /// them back before anything else touches those bytes: a READ of them sees them, a later WRITE of
-/// them wins, a deregistration finds them made, and so does the destruction of their QP and CQ.
+/// them wins, a deregistration finds them made, and so do a move of their QP to the error state
+/// and the destruction of their QP and CQ.
 fn placed_role(ctx: &Context) {
     let pd = ctx.alloc_pd();
     let (cq, other_cq) = (ctx.create_cq(64, None).unwrap(), ctx.create_cq(64, None).unwrap());
@@ -1544,6 +1545,13 @@ fn placed_role(ctx: &Context) {
     drop(other);
     one(&cq, 50);
     assert_eq!(at(4096), 0xe0e0_u64.to_le_bytes(), "deregistered before its data was made");
+    // Left unpolled, then its QP moved to the error state: made then (the application may take
+    // the buffer back without polling, as after a destroy).
+    recv(55, &mr, 3008);
+    send_value(0x5555);
+    std::thread::sleep(Duration::from_millis(100));
+    rx.modify(&ModifyQp { state: Some(QpState::Err), ..Default::default() }).unwrap();
+    assert_eq!(at(3008), 0x5555_u64.to_le_bytes(), "not made when its QP went to error");
     // Left unpolled, then its QPs and CQ destroyed: made then, so that the buffer is the
     // application's again (its store is what a later READ finds).
     let gone_cq = ctx.create_cq(4, None).unwrap();
@@ -1809,7 +1817,7 @@ fn small_writes_into_client_memory_are_made_by_the_client_or_taken_back_first() 
     c.send("go");
     assert_eq!(c.finish(), "OK");
     let back = d.counter("client_placements_taken_back");
-    assert_eq!(back, 4, "before a READ, a WRITE, a deregistration, at a destroy");
+    assert_eq!(back, 5, "before a READ, a WRITE, a deregistration, at an error, at a destroy");
     assert_eq!(d.counter("client_placements_given_up"), 0);
     assert_eq!(d.counter("client_writes_lost"), 0);
     d.wait_idle();

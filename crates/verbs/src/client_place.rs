@@ -18,14 +18,14 @@
 //! The writes thus land in the order they were kept, whoever makes them, and before any access
 //! that could see or overwrite them.
 //!
-//! The loop serves other clients too, so it waits for one process's copies [`CLIENT_WAIT`] all
-//! told. A process that uses that up (a thread stopped in the middle of a copy of at most 232
-//! bytes, or a hostile client) is given up on, counted, handed nothing more and never waited for
-//! again; the tail its threads see stops at the entry it holds, so none of them hands out a
+//! The loop serves other clients too, so it waits for one process's copies from a budget of
+//! [`CLIENT_WAIT`] that a second gives back [`REFILL_PER_SECOND`] of ([`Budget`]). A process that
+//! uses it up (a thread stopped in the middle of a copy of at most 232 bytes, or a hostile
+//! client) is given up on, counted, handed nothing more and never waited for again; the tail its threads see stops at the entry it holds, so none of them hands out a
 //! completion past it. What it then risks is its own: that entry's copy may land after a later
 //! access to the same bytes.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
@@ -34,8 +34,14 @@ use softrdma_abi::shm::Shm;
 
 use crate::client_io::WriteBehind;
 
-/// Longest the device loop waits, all told, for one process's copies of entries it took.
+/// Longest the device loop waits for one process's copies of entries it took, from a full
+/// budget ([`Budget`]).
 const CLIENT_WAIT: Duration = Duration::from_millis(10);
+
+/// What a second of the process's life gives back of it: a thread descheduled now and then in
+/// the middle of a copy is waited for, one that is stopped, or a process that holds entries on
+/// purpose, uses the budget up.
+const REFILL_PER_SECOND: Duration = Duration::from_millis(1);
 
 /// Most bytes one write may have to be handed out.
 pub(crate) const PLACE_MAX: usize = DATA_MAX;
@@ -51,11 +57,29 @@ struct Ring {
     tail: u32,
     /// Sessions of the process on this device that were given the ring.
     sessions: u32,
-    /// How long the loop has waited for the process's copies, all told.
-    waited: Duration,
-    /// That passed [`CLIENT_WAIT`]: nothing more is handed to the process, and no copy of it is
-    /// waited for again.
+}
+
+/// How long the loop may still wait for one process's copies: [`CLIENT_WAIT`] at most,
+/// refilled by [`REFILL_PER_SECOND`]. Emptied, the process is given up for good: nothing more is
+/// handed to it and no copy of it is waited for again.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    left: Duration,
+    at: Instant,
     given_up: bool,
+}
+
+impl Budget {
+    fn full(now: Instant) -> Budget {
+        Budget { left: CLIENT_WAIT, at: now, given_up: false }
+    }
+
+    /// What the time since the last look gave back.
+    fn refill(&mut self, now: Instant) {
+        let gained = now.saturating_duration_since(self.at).as_secs_f64() * REFILL_PER_SECOND.as_secs_f64();
+        self.left = (self.left + Duration::from_secs_f64(gained)).min(CLIENT_WAIT);
+        self.at = now;
+    }
 }
 
 /// Counts of entries.
@@ -65,7 +89,7 @@ pub struct PlacementCounts {
     pub handed_out: u64,
     /// Taken back and made by the daemon (the rest were made by their clients).
     pub taken_back: u64,
-    /// Taken by a client that did not say it was done within [`CLIENT_WAIT`].
+    /// Processes given up on (see [`Budget`]).
     pub given_up: u64,
 }
 
@@ -75,8 +99,9 @@ pub(crate) struct ClientPlacements {
     rings: HashMap<u32, Ring>,
     /// Rings with entries not known to be done.
     open: usize,
-    /// Processes given up on (see `Ring::given_up`), also for the rings they open later.
-    given_up: HashSet<u32>,
+    /// The wait budgets of processes that used some (kept across their rings, so that closing
+    /// and opening the device again does not fill one), by process.
+    budgets: HashMap<u32, Budget>,
     /// The daemon's writes of entries it took back (one call per process per reclaim).
     writes: WriteBehind,
     taken: Vec<u32>,
@@ -101,8 +126,7 @@ impl ClientPlacements {
         let ring = shm.placements(0, CAPACITY)?;
         ring.init();
         let fd = shm.fd().try_clone()?;
-        let given_up = self.given_up.contains(&pid);
-        self.rings.insert(pid, Ring { ring, shm, head: 0, tail: 0, sessions: 1, waited: Duration::ZERO, given_up });
+        self.rings.insert(pid, Ring { ring, shm, head: 0, tail: 0, sessions: 1 });
         Ok(fd)
     }
 
@@ -117,13 +141,28 @@ impl ClientPlacements {
                 self.open -= 1;
             }
             self.rings.remove(&pid);
+            // A budget full again needs no keeping; one given up on, or still short, is kept.
+            if let Some(b) = self.budgets.get_mut(&pid) {
+                b.refill(Instant::now());
+                if !b.given_up && b.left == CLIENT_WAIT {
+                    self.budgets.remove(&pid);
+                }
+            }
         }
+    }
+
+    /// Whether process `pid` was given up on.
+    fn given_up(&self, pid: u32) -> bool {
+        self.budgets.get(&pid).is_some_and(|b| b.given_up)
     }
 
     /// Whether `n` more entries fit in process `pid`'s ring (entries its client made are counted
     /// out first).
     pub fn room(&mut self, pid: u32, n: usize) -> bool {
-        let Some(r) = self.rings.get_mut(&pid).filter(|r| !r.given_up) else { return false };
+        if self.given_up(pid) {
+            return false;
+        }
+        let Some(r) = self.rings.get_mut(&pid) else { return false };
         let free = |r: &Ring| (CAPACITY - r.head.wrapping_sub(r.tail)) as usize;
         if free(r) < n && r.tail != r.head {
             while r.tail != r.head && r.ring.seen(r.tail) == Seen::Is(State::Done) {
@@ -186,15 +225,16 @@ impl ClientPlacements {
                     // within what is left of the process's budget.
                     write_taken(&mut self.writes, &r.ring, &mut self.taken);
                     let start = Instant::now();
-                    while !r.given_up && r.ring.seen(n) == Seen::Is(State::Client) {
-                        if r.waited + start.elapsed() > CLIENT_WAIT {
+                    let b = self.budgets.entry(pid).or_insert_with(|| Budget::full(start));
+                    b.refill(start);
+                    while !b.given_up && r.ring.seen(n) == Seen::Is(State::Client) {
+                        if start.elapsed() > b.left {
                             self.counts.given_up += 1;
-                            r.given_up = true;
-                            self.given_up.insert(pid);
+                            b.given_up = true;
                         }
                         std::thread::yield_now();
                     }
-                    r.waited += start.elapsed();
+                    b.left = b.left.saturating_sub(start.elapsed());
                     if r.ring.seen(n) == Seen::Is(State::Client) {
                         held.get_or_insert(n);
                     }
@@ -352,7 +392,8 @@ mod tests {
         let start = Instant::now();
         p.reclaim(me());
         let took = start.elapsed();
-        assert!(took >= CLIENT_WAIT && took < 3 * CLIENT_WAIT, "{took:?}");
+        // Not 20 waits of the budget (200 ms).
+        assert!(took >= CLIENT_WAIT && took < 10 * CLIENT_WAIT, "{took:?}");
         assert_eq!(p.counts.given_up, 1);
         assert_eq!(view.tail(), 0, "the tail went past an entry the client holds");
         // Given up on: handed nothing more, waited for no more, also in a ring opened later.
@@ -360,6 +401,45 @@ mod tests {
         p.detach(me());
         let _view = client_view(p.attach(me()).unwrap());
         assert!(!p.room(me(), 1));
+    }
+
+    #[test]
+    fn a_budget_refills_with_time_up_to_its_size() {
+        let t0 = Instant::now();
+        let mut b = Budget::full(t0);
+        b.left = Duration::ZERO;
+        b.refill(t0 + Duration::from_secs(4));
+        assert!((b.left.as_secs_f64() - 0.004).abs() < 1e-6, "{:?}", b.left);
+        b.refill(t0 + Duration::from_secs(1000));
+        assert_eq!(b.left, CLIENT_WAIT);
+        // A clock that reads earlier gives nothing back.
+        b.left = Duration::ZERO;
+        b.refill(t0);
+        assert_eq!(b.left, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_budget_short_of_full_outlives_the_ring() {
+        let mut p = ClientPlacements::default();
+        let (view, _shm) = client_view(p.attach(me()).unwrap());
+        let buf = [0u8; 8];
+        assert!(p.room(me(), 1));
+        p.hand_out(me(), buf.as_ptr() as u64, &[3; 8]);
+        view.take(0, State::Client).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(3));
+                view.finish(0);
+            });
+            p.reclaim(me());
+        });
+        assert_eq!(p.counts.given_up, 0);
+        let left = p.budgets[&me()].left;
+        assert!(left <= CLIENT_WAIT - Duration::from_millis(3), "{left:?}");
+        // Closing and opening again does not fill it.
+        p.detach(me());
+        let _view = client_view(p.attach(me()).unwrap());
+        assert!(p.budgets[&me()].left < CLIENT_WAIT);
     }
 
     #[test]

@@ -330,17 +330,20 @@ impl CmState {
     }
 
     /// Apply the agent's outputs in order (QP changes to the engine, MADs through `send`) and hand
-    /// its events to their channels.
+    /// its events to their channels. True if a QP was moved to the error state (softrdmad then
+    /// makes what waits for its clients to place: `MrTable::make_all_placements`).
     pub fn drain(
         &mut self,
         hca: &mut Hca,
         mem: &mut dyn MemoryAccess,
         now: Instant,
         mut send: impl FnMut([u8; 16], &mut [u8]),
-    ) {
+    ) -> bool {
+        let mut errored = false;
         while let Some(o) = self.agent.poll_output() {
             match o {
                 Output::Qp(cmd) => {
+                    errored |= matches!(cmd, QpCommand::Err { .. });
                     let (qpn, mut m) = modify_for(cmd);
                     if hca.query_qp(qpn).is_ok_and(|q| q.qp_type == softrdma_transport::QpType::Uc) {
                         m = for_uc(m);
@@ -374,6 +377,7 @@ impl CmState {
                 q.push_back(ev);
             }
         }
+        errored
     }
 
     /// A UD SEND_ONLY from QP1 to QP1 carrying `mad`.

@@ -487,7 +487,16 @@ impl MrTable {
     /// Make what waits in process `pid`'s placement ring now (its client destroyed or reset
     /// objects whose completions would have named it).
     pub(crate) fn make_placements(&mut self, pid: u32) {
+        // Writes still kept (from a flush just made) go too, after the entries before them.
+        self.write_pending();
         self.placements.get_mut().reclaim(pid);
+    }
+
+    /// [`MrTable::make_placements`] for every process (a QP went to error where its owner is
+    /// not at hand: the RDMA CM, a malformed work request).
+    pub(crate) fn make_all_placements(&mut self) {
+        self.write_pending();
+        self.placements.get_mut().reclaim_all();
     }
 
     /// The end of process `pid`'s placement entries, for the completions published to it.

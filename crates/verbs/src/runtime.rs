@@ -651,7 +651,7 @@ impl Device {
             }
             let mut to_self: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
             let State { cm, hca, mem, link, tx_errors, .. } = &mut *st;
-            cm.drain(hca, mem, now, |dgid, pkt| {
+            let errored = cm.drain(hca, mem, now, |dgid, pkt| {
                 let sent = self.addrs_for(dgid).is_some_and(|(dst, src)| {
                     if src == dst && link.loops_back() {
                         to_self.push((pkt.to_vec(), dst));
@@ -666,6 +666,10 @@ impl Device {
                     *tx_errors += 1;
                 }
             });
+            if errored {
+                // The QP's buffers are its application's again (as after a destroy).
+                mem.make_all_placements();
+            }
             if to_self.is_empty() {
                 break;
             }

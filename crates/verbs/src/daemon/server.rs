@@ -553,6 +553,8 @@ impl QpEntry {
                         now,
                         &mut st.mem,
                     );
+                    // As for a move to error the client asks for.
+                    st.mem.make_all_placements();
                     work = true;
                     continue;
                 }
@@ -1874,8 +1876,11 @@ impl Session {
                 if cap.max_send_wr > attr.max_qp_wr || cap.max_recv_wr > attr.max_qp_wr {
                     return Err(Refusal::InvalidArgument(format!("queue depth above max_qp_wr {}", attr.max_qp_wr)));
                 }
-                if cap.max_send_sge > attr.max_sge || cap.max_recv_sge > attr.max_sge || cap.max_inline_data > 4096 {
+                if cap.max_send_sge > attr.max_sge || cap.max_recv_sge > attr.max_sge {
                     return Err(Refusal::InvalidArgument(format!("SGE count above max_sge {}", attr.max_sge)));
+                }
+                if cap.max_inline_data > 4096 {
+                    return Err(Refusal::InvalidArgument("max_inline_data above 4096".into()));
                 }
                 let sq_capacity = cap.max_send_wr.max(1).next_power_of_two();
                 // Room for a small payload the client copies in when it posts (`COPY_ROOM`);
