@@ -38,7 +38,7 @@ pub const PLACEMENTS_MAGIC: u32 = 0x434c_5053;
 /// Bytes before the first slot.
 pub const HEADER_LEN: usize = 256;
 /// Bytes per slot.
-pub const SLOT: usize = 256;
+pub const SLOT: usize = 512;
 /// Bytes of data before it in a slot.
 const DATA_AT: usize = 24;
 /// Most bytes one entry carries.

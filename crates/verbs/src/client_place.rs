@@ -20,7 +20,7 @@
 //!
 //! The loop serves other clients too, so it waits for one process's copies from a budget of
 //! [`CLIENT_WAIT`] that a second gives back [`REFILL_PER_SECOND`] of ([`Budget`]). A process that
-//! uses it up (a thread stopped in the middle of a copy of at most 232 bytes, or a hostile
+//! uses it up (a thread stopped in the middle of a copy of at most 488 bytes, or a hostile
 //! client) is given up on, counted, handed nothing more and never waited for again; the tail its threads see stops at the entry it holds, so none of them hands out a
 //! completion past it. What it then risks is its own: that entry's copy may land after a later
 //! access to the same bytes.
