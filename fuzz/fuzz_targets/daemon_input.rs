@@ -3,11 +3,13 @@
 //! (`decode_send`, `decode_recv`, `decode_cqe`); and what a client reads from the daemon
 //! (`Response::decode`, `decode_event`). Each must give a value or an error, never panic. A send
 //! slot decodes from the bytes its header says it uses (`send_used`, what the daemon copies out
-//! of the ring) to what it decodes to from the whole slot, errors included.
+//! of the ring) to what it decodes to from the whole slot, errors included. What the daemon
+//! reads of a placement entry a client may have rewritten stays inside its slot.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use softrdma_abi::msg::{decode_event, Request, Response};
+use softrdma_abi::placements::{placements_bytes, Placements, State, DATA_MAX};
 use softrdma_abi::slot::{decode_cqe, decode_recv, decode_send, send_used, CQE_LEN, SEND_HEADER};
 
 fuzz_target!(|data: &[u8]| {
@@ -25,4 +27,27 @@ fuzz_target!(|data: &[u8]| {
     if let Some(cqe) = slot.first_chunk::<CQE_LEN>() {
         let _ = decode_cqe(cqe);
     }
+    placement_ring(data);
 });
+
+/// A placement ring of two slots filled with `data`, read as the daemon reads one.
+fn placement_ring(data: &[u8]) {
+    #[repr(C, align(64))]
+    struct Mem([u8; placements_bytes(2)]);
+    let mut mem = Box::new(Mem([0; placements_bytes(2)]));
+    let n = data.len().min(mem.0.len());
+    mem.0[..n].copy_from_slice(&data[..n]);
+    // SAFETY: 64-byte aligned, `placements_bytes(2)` long, alive for the view's use below.
+    let ring = unsafe { Placements::new(mem.0.as_mut_ptr(), 2) };
+    let _ = ring.header_ok();
+    let mut out = [0u8; DATA_MAX];
+    for e in 0..4u32 {
+        let _ = ring.seen(e);
+        if ring.take(e, State::Daemon).is_ok() {
+            let (_, len) = ring.read(e, &mut out);
+            assert!(len <= DATA_MAX);
+            ring.finish(e);
+        }
+        assert!(ring.data(e).2 <= DATA_MAX);
+    }
+}
