@@ -541,6 +541,44 @@ mod tests {
         assert_eq!(w.lost, 1, "the other process's write: there is no such process");
     }
 
+    /// The writes to one process are handed away whole, in order, when every one of them is its
+    /// own work request's and small enough; the rest stay kept, in order, and a write right after
+    /// the last one left still extends it.
+    #[test]
+    fn a_process_s_writes_are_taken_whole_and_the_rest_stay_in_order() {
+        let target = Box::new([0u8; 64]);
+        let base = target.as_ptr() as u64;
+        let mut w = WriteBehind::default();
+        assert!(w.defer(NO_PROCESS, 0x1000, &[1; 8], true));
+        assert!(w.defer(me(), base, &[2; 8], false));
+        assert!(w.defer(NO_PROCESS, 0x2000, &[3; 4], true));
+        assert!(w.defer(me(), base + 8, &[4; 8], false));
+        assert_eq!(w.placeable(NO_PROCESS, 8), Some(2));
+        assert_eq!(w.placeable(NO_PROCESS, 7), None, "one is longer");
+        assert_eq!(w.placeable(me(), 64), None, "not its own work request's");
+        assert_eq!(w.placeable(12345, 8), Some(0));
+        let mut taken = Vec::new();
+        w.take(NO_PROCESS, |addr, data| taken.push((addr, data.to_vec())));
+        assert_eq!(taken, [(0x1000, vec![1; 8]), (0x2000, vec![3; 4])]);
+        assert_eq!(w.bytes(), 16);
+        assert_eq!(w.ranges.len(), 2);
+        assert!(w.defer(me(), base + 16, &[5; 8], false), "right after the last one left");
+        assert_eq!(w.ranges.len(), 2, "extends it");
+        // A local write merged into a remote one makes it not the client's to make.
+        assert!(w.defer(me(), base + 24, &[6; 8], true));
+        assert_eq!(w.placeable(me(), 64), None);
+        w.write_all(true);
+        // SAFETY: a plain read of `target`'s buffer, which only the kernel writes (process_vm).
+        let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };
+        let mut want = [0u8; 64];
+        want[..8].fill(2);
+        want[8..16].fill(4);
+        want[16..24].fill(5);
+        want[24..32].fill(6);
+        assert_eq!(now, want);
+        assert_eq!(w.lost, 0);
+    }
+
     /// Writes to two processes that alternate are made with one call per process (and not one per
     /// run of writes to one process), each process's in the order they were kept (the later of
     /// two overlapping writes wins); not by process, with a call per run.
