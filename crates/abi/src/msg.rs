@@ -72,7 +72,18 @@ pub enum Request {
     /// Destroy an SRQ.
     DestroySrq { srq: u32 },
     /// A QP.
-    CreateQp { pd: u32, qp_type: QpType, send_cq: u32, recv_cq: u32, srq: Option<u32>, cap: QpCap, sq_sig_all: bool },
+    CreateQp {
+        pd: u32,
+        qp_type: QpType,
+        send_cq: u32,
+        recv_cq: u32,
+        srq: Option<u32>,
+        cap: QpCap,
+        sq_sig_all: bool,
+        /// Bytes of data each send slot should have room for beyond `cap` (at most
+        /// `slot::COPY_ROOM` taken): small payloads the client copies in when it posts.
+        copy_room: u32,
+    },
     /// Modify a QP.
     ModifyQp { qpn: u32, attr: ModifyQp },
     /// Query a QP.
@@ -864,11 +875,11 @@ impl Request {
                 header(&mut w, 14);
                 w.u32(*srq);
             }
-            Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all } => {
+            Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all, copy_room } => {
                 header(&mut w, 15);
                 w.u32(*pd).u8(qp_type_code(*qp_type)).u32(*send_cq).u32(*recv_cq).opt_u32(*srq);
                 w.u32(cap.max_send_wr).u32(cap.max_recv_wr).u32(cap.max_send_sge).u32(cap.max_recv_sge);
-                w.u32(cap.max_inline_data).bool(*sq_sig_all);
+                w.u32(cap.max_inline_data).bool(*sq_sig_all).u32(*copy_room);
             }
             Request::ModifyQp { qpn, attr } => {
                 header(&mut w, 16);
@@ -1033,6 +1044,7 @@ impl Request {
                     max_inline_data: r.u32()?,
                 },
                 sq_sig_all: r.bool()?,
+                copy_room: r.u32()?,
             },
             16 => Request::ModifyQp { qpn: r.u32()?, attr: modify_from(&mut r)? },
             17 => Request::QueryQp { qpn: r.u32()? },
@@ -1303,6 +1315,7 @@ mod tests {
                 srq: None,
                 cap: QpCap { max_send_wr: 1, max_recv_wr: 2, max_send_sge: 3, max_recv_sge: 4, max_inline_data: 5 },
                 sq_sig_all: true,
+                copy_room: 256,
             },
             Request::ModifyQp {
                 qpn: 0x11,

@@ -1961,10 +1961,21 @@ fn hostile_rings_are_contained() {
     let Response::Cq { id: cq, .. } = call(Request::CreateCq { cqe: 16, channel: None }).0 else { panic!() };
     let cap = QpCap { max_send_wr: 8, max_recv_wr: 8, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let mut qps = Vec::new();
-    for _ in 0..2 {
-        let req =
-            Request::CreateQp { pd, qp_type: QpType::Rc, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false };
+    // Send slots as the capacities say, and with room asked for copied payloads (more than the
+    // daemon gives: it gives `COPY_ROOM`).
+    for (copy_room, want) in [(0, 96 + 16), (4096, 96 + softrdma_abi::slot::COPY_ROOM)] {
+        let req = Request::CreateQp {
+            pd,
+            qp_type: QpType::Rc,
+            send_cq: cq,
+            recv_cq: cq,
+            srq: None,
+            cap,
+            sq_sig_all: false,
+            copy_room,
+        };
         let (Response::Qp { qpn, sq_slot, .. }, mut fds) = call(req) else { panic!() };
+        assert_eq!(sq_slot, want, "copy room {copy_room}");
         qps.push((qpn, sq_slot, std::fs::File::from(fds.pop().unwrap())));
     }
     // A region of this process's memory (reached by process_vm): the device loop now reads ahead

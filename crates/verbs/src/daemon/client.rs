@@ -682,7 +682,11 @@ impl Qp {
         cap: QpCap,
         sq_sig_all: bool,
     ) -> Result<Qp> {
-        let req = Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all };
+        // Slots with room for small payloads copied at post, for a process that registered its
+        // own memory (reached by process_vm) already: the C ABI's programs (perftest registers
+        // before it creates its QPs). Others keep slots as small as their capacities.
+        let copy_room = if s.process_regions.read().expect("regions lock").is_empty() { 0 } else { slot::COPY_ROOM };
+        let req = Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all, copy_room };
         let (resp, mut fds) = s.call(&req, &[])?;
         let Response::Qp { qpn, sq_capacity, sq_slot, rq_capacity, rq_slot, rq_offset } = resp else {
             return Err(unexpected());

@@ -1861,7 +1861,7 @@ impl Session {
                 count(svc, -1);
                 ok(Response::Ok)
             }
-            Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all } => {
+            Request::CreateQp { pd, qp_type, send_cq, recv_cq, srq, cap, sq_sig_all, copy_room } => {
                 if !owns_pd(svc, pd) {
                     return Err(nso());
                 }
@@ -1883,10 +1883,11 @@ impl Session {
                     return Err(Refusal::InvalidArgument("max_inline_data above 4096".into()));
                 }
                 let sq_capacity = cap.max_send_wr.max(1).next_power_of_two();
-                // Room for a small payload the client copies in when it posts (`COPY_ROOM`);
-                // inline data the application asks for stays within its `max_inline_data` (the
-                // client's library checks).
-                let sq_slot = slot::send_slot_size(cap.max_send_sge, cap.max_inline_data.max(slot::COPY_ROOM));
+                // Room for a small payload the client copies in when it posts, as it asks (at
+                // most `COPY_ROOM`); inline data the application asks for stays within its
+                // `max_inline_data` (the client's library checks).
+                let room = cap.max_inline_data.max(copy_room.min(slot::COPY_ROOM));
+                let sq_slot = slot::send_slot_size(cap.max_send_sge, room);
                 let rq_offset = ring_bytes(sq_capacity, sq_slot).next_multiple_of(64);
                 let rq_capacity = cap.max_recv_wr.max(1).next_power_of_two();
                 let rq_slot = slot::recv_slot_size(cap.max_recv_sge);
