@@ -501,6 +501,11 @@ impl MrTable {
 
     /// The end of process `pid`'s placement entries, for the completions published to it.
     pub(crate) fn placements_end(&self, pid: u32) -> Option<u32> {
+        // Without regions reached by process_vm nothing is handed out: no lookup on the path of
+        // every completion of clients whose regions the daemon maps.
+        if self.process_regions == 0 {
+            return None;
+        }
         self.placements.borrow().end(pid)
     }
 
