@@ -654,7 +654,9 @@ fn disarming_leaves_the_io_threads_doorbells_alone() {
 fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
     let Some(cpus) = cpus_to_move_between() else { return };
     let mut checked = 0;
-    for round in 0..20u8 {
+    // Up to 120 rounds: alongside the other tests of this binary the kernel sometimes spreads
+    // the two within their first round trips for a score of rounds in a row (once in CI).
+    for round in 0..120u8 {
         let (a, b, _) = pair(100 + round, [true, true]);
         let Some((ea, eb)) = ping_pong_from(&a, &b, (cpus[0], cpus[0]), true, 400) else {
             eprintln!("skipped: threads cannot be pinned here");
@@ -674,7 +676,7 @@ fn a_poller_sharing_its_cpu_with_its_peer_moves_off() {
             return;
         }
     }
-    // Spreading them within 8 round trips, 20 times out of 20, is not something the kernel does.
+    // Spreading them within 8 round trips, 120 times out of 120, is not something the kernel does.
     assert!(checked > 0, "the pollers never yielded enough to move");
 }
 
