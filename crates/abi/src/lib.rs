@@ -30,7 +30,7 @@ pub mod sock;
 /// Version of the ABI; both sides refuse a peer of another version. 2: completions may name a
 /// batch of writes to wait for (`slot::cqe_writes`, `ring::Ring::writes_made`). 3: opening a
 /// device brings a placement ring, and completions may name entries of it to make first
-/// (`slot::cqe_places`). 4: a QP's send slots may be asked to hold `slot::COPY_ROOM` bytes of
-/// data whatever its inline size (`Request::CreateQp`'s `copy_room`), and the daemon takes
-/// inline data up to what its slot holds.
-pub const ABI_VERSION: u32 = 4;
+/// (`slot::cqe_places`). 4: the daemon takes inline data up to what a send slot holds. 5: a QP's
+/// send slots may be asked to hold `slot::COPY_ROOM` bytes of data whatever its inline size
+/// (`Request::CreateQp`'s `copy_room`), and placement slots are 512 bytes.
+pub const ABI_VERSION: u32 = 5;

@@ -80,8 +80,8 @@ pub enum Request {
         srq: Option<u32>,
         cap: QpCap,
         sq_sig_all: bool,
-        /// Bytes of data each send slot should have room for beyond `cap` (at most
-        /// `slot::COPY_ROOM` taken): small payloads the client copies in when it posts.
+        /// Bytes of data each send slot should have room for at least, whatever `cap` says (at
+        /// most `slot::COPY_ROOM` taken): small payloads the client copies in when it posts.
         copy_room: u32,
     },
     /// Modify a QP.

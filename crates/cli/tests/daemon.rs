@@ -879,7 +879,8 @@ fn looped_pair(
 /// posted (verbs daemon/client.rs `copy_payload`): SENDs of two SGEs and WRITEs of a buffer
 /// rewritten before every post arrive byte for byte, and the daemon reads none of them (the test
 /// counts its system calls between "ROUNDS" and "go"), on QPs without inline data (`max_inline_data`
-/// 0: the slot has room for `slot::COPY_ROOM` bytes anyway), while inline data the application
+/// 0: the slot has room for `slot::COPY_ROOM` bytes anyway, since this process registers its
+/// regions before it creates the QPs), while inline data the application
 /// asks for stays bound by it; a fenced SEND of a buffer that a READ just
 /// filled is not copied at post and carries the READ's data, and so does a SEND posted behind a
 /// fenced one; SGEs the daemon refuses still fail
@@ -1518,6 +1519,18 @@ fn placed_role(ctx: &Context) {
     one(&cq, 21);
     assert_eq!(at(1032), 0x77_u64.to_le_bytes(), "atomic's original value not in place");
     assert_eq!(local.to_vec(64, 8).unwrap(), 0x7c_u64.to_le_bytes());
+    // The most a placement carries (488 bytes), and one byte more (the daemon writes that).
+    for (wr_id, at, len) in [(22u64, 1100usize, 488usize), (23, 3200, 489)] {
+        let data = pattern(wr_id as u32, b'P', len);
+        local.write(512, &data).unwrap();
+        rx.post_recv(RecvWr { wr_id, sgl: vec![mr.sge(at, len).unwrap()].into() }).unwrap();
+        let payload = Payload::Sgl(vec![local.sge(512, len).unwrap()].into());
+        tx.post_send(SendWr { wr_id: 0, op: SendOp::Send, payload, flags: SendFlags::NONE, ud: None }).unwrap();
+        one(&cq, wr_id);
+        // SAFETY: bytes of `heap`, as in `at`.
+        let got: Vec<u8> = (0..len).map(|i| unsafe { std::ptr::read_volatile(base.add(at + i)) }).collect();
+        assert_eq!(got, data, "a {len}-byte receive not in place");
+    }
     out("PLACED");
     assert_eq!(input(), "go");
     // Left unpolled, then READ by the peer: the READ sees it.
@@ -1812,7 +1825,7 @@ fn small_writes_into_client_memory_are_made_by_the_client_or_taken_back_first() 
     let handed = d.counter("client_placements");
     c.send("go");
     assert_eq!(c.line(), "PLACED");
-    assert_eq!(d.counter("client_placements"), handed + 10, "8 receives, a READ, an atomic");
+    assert_eq!(d.counter("client_placements"), handed + 11, "8 receives, a READ, an atomic, 488 bytes");
     assert_eq!(d.counter("client_placements_taken_back"), 0, "made by the daemon, not the client");
     c.send("go");
     assert_eq!(c.finish(), "OK");

@@ -564,9 +564,19 @@ mod tests {
         assert_eq!(w.ranges.len(), 2);
         assert!(w.defer(me(), base + 16, &[5; 8], false), "right after the last one left");
         assert_eq!(w.ranges.len(), 2, "extends it");
-        // A local write merged into a remote one makes it not the client's to make.
         assert!(w.defer(me(), base + 24, &[6; 8], true));
-        assert_eq!(w.placeable(me(), 64), None);
+        // A write the client may make, extended by one it may not: no longer the client's to make.
+        let mut v = WriteBehind::default();
+        assert!(v.defer(NO_PROCESS, 0x1000, &[1; 8], true));
+        assert!(v.defer(NO_PROCESS, 0x1008, &[1; 8], false));
+        assert_eq!(v.ranges.len(), 1);
+        assert_eq!(v.placeable(NO_PROCESS, 64), None);
+        // Sizes up to the most a placement carries.
+        let mut v = WriteBehind::default();
+        assert!(v.defer(NO_PROCESS, 0x1000, &[1; crate::client_place::PLACE_MAX], true));
+        assert_eq!(v.placeable(NO_PROCESS, crate::client_place::PLACE_MAX), Some(1));
+        assert!(v.defer(NO_PROCESS, 0x9000, &[1; crate::client_place::PLACE_MAX + 1], true));
+        assert_eq!(v.placeable(NO_PROCESS, crate::client_place::PLACE_MAX), None);
         w.write_all(true);
         // SAFETY: a plain read of `target`'s buffer, which only the kernel writes (process_vm).
         let now = unsafe { std::ptr::read_volatile(target.as_ptr() as *const [u8; 64]) };

@@ -940,7 +940,7 @@ fn a_ring_that_moves_where_it_sent_no_ring_is_dropped() {
 /// answers), finds nothing expired and retransmits nothing.
 #[test]
 fn a_post_after_a_pause_times_its_packet_from_when_it_left() {
-    let (a, b, _) = pair(54, [true, true]);
+    let (a, b, _) = pair(55, [true, true]);
     eventually(Duration::from_secs(5), "the lane", || stats(&a).lanes_out == 1);
     for round in 0..3u64 {
         b.qp.post_recv(RecvWr { wr_id: round, sgl: vec![b.sge(0, 64)].into() }).unwrap();

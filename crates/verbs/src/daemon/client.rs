@@ -906,6 +906,22 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_of_the_most_a_slot_carries_is_made_whole() {
+        let (mut d, client, _fd) = rings();
+        let me = std::process::id();
+        let buf = [0u8; softrdma_abi::placements::DATA_MAX + 8];
+        let data: Vec<u8> = (0..softrdma_abi::placements::DATA_MAX).map(|i| i as u8 ^ 0x5a).collect();
+        assert!(d.room(me, 1));
+        d.hand_out(me, buf.as_ptr() as u64 + 4, &data);
+        assert!(client.make_until(1));
+        let got = bytes(&buf);
+        assert_eq!(
+            (&got[..4], &got[4..4 + data.len()], &got[4 + data.len()..]),
+            (&[0u8; 4][..], &data[..], &[0u8; 4][..])
+        );
+    }
+
+    #[test]
     fn a_cursor_far_behind_the_ring_starts_at_its_tail() {
         // A session that opened late, or stood still while others went on: its cursor is more
         // than half the number space behind the ring's tail.
