@@ -1500,6 +1500,11 @@ fn placed_role(ctx: &Context) {
         let wcs = wait_wcs(cq, 1, 30);
         assert_eq!((wcs[0].wr_id, wcs[0].status), (wr_id, WcStatus::Success), "{wcs:?}");
     };
+    // Until the test (which reads the daemon's counters) has seen the receive's data handed out.
+    let handed_out = || {
+        out("SENT");
+        assert_eq!(input(), "go");
+    };
     out("READY");
     assert_eq!(input(), "go");
     // Made here.
@@ -1536,7 +1541,7 @@ fn placed_role(ctx: &Context) {
     // Left unpolled, then READ by the peer: the READ sees it.
     recv(30, &mr, 2048);
     send_value(0xb0b0);
-    std::thread::sleep(Duration::from_millis(100));
+    handed_out();
     peer.post_send(send(31, SendOp::Read { remote_addr: mr.addr() + 2048, rkey: mr.rkey() }, &local, 128, 8)).unwrap();
     one(&other_cq, 31);
     assert_eq!(local.to_vec(128, 8).unwrap(), 0xb0b0_u64.to_le_bytes(), "a READ did not see a receive's data");
@@ -1545,7 +1550,7 @@ fn placed_role(ctx: &Context) {
     // Left unpolled, then written by the peer: the WRITE wins.
     recv(40, &mr, 2112);
     send_value(0xc0c0);
-    std::thread::sleep(Duration::from_millis(100));
+    handed_out();
     local.write(192, &0xd0d0_u64.to_le_bytes()).unwrap();
     peer.post_send(send(41, SendOp::Write { remote_addr: mr.addr() + 2112, rkey: mr.rkey() }, &local, 192, 8)).unwrap();
     one(&other_cq, 41);
@@ -1554,7 +1559,7 @@ fn placed_role(ctx: &Context) {
     // Left unpolled, then its region deregistered: made first.
     recv(50, &other, 0);
     send_value(0xe0e0);
-    std::thread::sleep(Duration::from_millis(100));
+    handed_out();
     drop(other);
     one(&cq, 50);
     assert_eq!(at(4096), 0xe0e0_u64.to_le_bytes(), "deregistered before its data was made");
@@ -1562,7 +1567,7 @@ fn placed_role(ctx: &Context) {
     // the buffer back without polling, as after a destroy).
     recv(55, &mr, 3008);
     send_value(0x5555);
-    std::thread::sleep(Duration::from_millis(100));
+    handed_out();
     rx.modify(&ModifyQp { state: Some(QpState::Err), ..Default::default() }).unwrap();
     assert_eq!(at(3008), 0x5555_u64.to_le_bytes(), "not made when its QP went to error");
     // Left unpolled, then its QPs and CQ destroyed: made then, so that the buffer is the
@@ -1572,7 +1577,7 @@ fn placed_role(ctx: &Context) {
     gone_rx.post_recv(RecvWr { wr_id: 60, sgl: vec![mr.sge(3072, 8).unwrap()].into() }).unwrap();
     let payload = Payload::Inline(0xf0f0_u64.to_le_bytes().to_vec());
     gone_tx.post_send(SendWr { wr_id: 0, op: SendOp::Send, payload, flags: SendFlags::INLINE, ud: None }).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    handed_out();
     drop((gone_tx, gone_rx, gone_cq));
     assert_eq!(at(3072), 0xf0f0_u64.to_le_bytes(), "not made when its QP and CQ went");
     // SAFETY: bytes of `heap`, the application's again.
@@ -1827,7 +1832,19 @@ fn small_writes_into_client_memory_are_made_by_the_client_or_taken_back_first() 
     assert_eq!(c.line(), "PLACED");
     assert_eq!(d.counter("client_placements"), handed + 11, "8 receives, a READ, an atomic, 488 bytes");
     assert_eq!(d.counter("client_placements_taken_back"), 0, "made by the daemon, not the client");
+    // Five receives left unpolled: each handed out before the role goes on.
+    let mut handed = d.counter("client_placements");
     c.send("go");
+    for _ in 0..5 {
+        assert_eq!(c.line(), "SENT");
+        let t = Instant::now();
+        while d.counter("client_placements") == handed {
+            assert!(t.elapsed() < Duration::from_secs(10), "the receive's data was not handed out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        handed = d.counter("client_placements");
+        c.send("go");
+    }
     assert_eq!(c.finish(), "OK");
     let back = d.counter("client_placements_taken_back");
     assert_eq!(back, 5, "before a READ, a WRITE, a deregistration, at an error, at a destroy");

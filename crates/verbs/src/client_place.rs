@@ -70,14 +70,14 @@ struct Budget {
 }
 
 impl Budget {
-    fn full(now: Instant) -> Budget {
-        Budget { left: CLIENT_WAIT, at: now, given_up: false }
+    fn full(now: Instant, size: Duration) -> Budget {
+        Budget { left: size, at: now, given_up: false }
     }
 
-    /// What the time since the last look gave back.
-    fn refill(&mut self, now: Instant) {
+    /// What the time since the last look gave back, up to `size`.
+    fn refill(&mut self, now: Instant, size: Duration) {
         let gained = now.saturating_duration_since(self.at).as_secs_f64() * REFILL_PER_SECOND.as_secs_f64();
-        self.left = (self.left + Duration::from_secs_f64(gained)).min(CLIENT_WAIT);
+        self.left = (self.left + Duration::from_secs_f64(gained)).min(size);
         self.at = now;
     }
 }
@@ -94,7 +94,6 @@ pub struct PlacementCounts {
 }
 
 /// The placement rings of a device's clients, by process.
-#[derive(Default)]
 pub(crate) struct ClientPlacements {
     rings: HashMap<u32, Ring>,
     /// Rings with entries not known to be done.
@@ -106,6 +105,23 @@ pub(crate) struct ClientPlacements {
     writes: WriteBehind,
     taken: Vec<u32>,
     pub counts: PlacementCounts,
+    /// The size of a process's wait budget: [`CLIENT_WAIT`] (tests that must not depend on
+    /// how soon a thread is scheduled set more).
+    wait: Duration,
+}
+
+impl Default for ClientPlacements {
+    fn default() -> ClientPlacements {
+        ClientPlacements {
+            rings: HashMap::new(),
+            open: 0,
+            budgets: HashMap::new(),
+            writes: WriteBehind::default(),
+            taken: Vec::new(),
+            counts: PlacementCounts::default(),
+            wait: CLIENT_WAIT,
+        }
+    }
 }
 
 impl std::fmt::Debug for ClientPlacements {
@@ -143,8 +159,8 @@ impl ClientPlacements {
             self.rings.remove(&pid);
             // A budget full again needs no keeping; one given up on, or still short, is kept.
             if let Some(b) = self.budgets.get_mut(&pid) {
-                b.refill(Instant::now());
-                if !b.given_up && b.left == CLIENT_WAIT {
+                b.refill(Instant::now(), self.wait);
+                if !b.given_up && b.left == self.wait {
                     self.budgets.remove(&pid);
                 }
             }
@@ -225,8 +241,9 @@ impl ClientPlacements {
                     // within what is left of the process's budget.
                     write_taken(&mut self.writes, &r.ring, &mut self.taken);
                     let start = Instant::now();
-                    let b = self.budgets.entry(pid).or_insert_with(|| Budget::full(start));
-                    b.refill(start);
+                    let wait = self.wait;
+                    let b = self.budgets.entry(pid).or_insert_with(|| Budget::full(start, wait));
+                    b.refill(start, wait);
                     while !b.given_up && r.ring.seen(n) == Seen::Is(State::Client) {
                         if start.elapsed() > b.left {
                             self.counts.given_up += 1;
@@ -337,9 +354,14 @@ mod tests {
         assert_eq!(p.calls(), 1);
     }
 
+    /// Waits that must not end in giving up, however late the test's other thread runs.
+    fn patient() -> ClientPlacements {
+        ClientPlacements { wait: Duration::from_secs(10), ..ClientPlacements::default() }
+    }
+
     #[test]
     fn an_entry_the_client_is_copying_is_waited_for() {
-        let mut p = ClientPlacements::default();
+        let mut p = patient();
         let (view, _shm) = client_view(p.attach(me()).unwrap());
         let buf = vec![0u8; 8];
         let at = buf.as_ptr() as u64;
@@ -406,21 +428,21 @@ mod tests {
     #[test]
     fn a_budget_refills_with_time_up_to_its_size() {
         let t0 = Instant::now();
-        let mut b = Budget::full(t0);
+        let mut b = Budget::full(t0, CLIENT_WAIT);
         b.left = Duration::ZERO;
-        b.refill(t0 + Duration::from_secs(4));
+        b.refill(t0 + Duration::from_secs(4), CLIENT_WAIT);
         assert!((b.left.as_secs_f64() - 0.004).abs() < 1e-6, "{:?}", b.left);
-        b.refill(t0 + Duration::from_secs(1000));
+        b.refill(t0 + Duration::from_secs(1000), CLIENT_WAIT);
         assert_eq!(b.left, CLIENT_WAIT);
         // A clock that reads earlier gives nothing back.
         b.left = Duration::ZERO;
-        b.refill(t0);
+        b.refill(t0, CLIENT_WAIT);
         assert_eq!(b.left, Duration::ZERO);
     }
 
     #[test]
     fn a_budget_short_of_full_outlives_the_ring() {
-        let mut p = ClientPlacements::default();
+        let mut p = patient();
         let (view, _shm) = client_view(p.attach(me()).unwrap());
         let buf = [0u8; 8];
         assert!(p.room(me(), 1));
@@ -435,11 +457,11 @@ mod tests {
         });
         assert_eq!(p.counts.given_up, 0);
         let left = p.budgets[&me()].left;
-        assert!(left <= CLIENT_WAIT - Duration::from_millis(3), "{left:?}");
+        assert!(left <= p.wait - Duration::from_millis(3), "{left:?}");
         // Closing and opening again does not fill it.
         p.detach(me());
         let _view = client_view(p.attach(me()).unwrap());
-        assert!(p.budgets[&me()].left < CLIENT_WAIT);
+        assert!(p.budgets[&me()].left < p.wait);
     }
 
     #[test]
