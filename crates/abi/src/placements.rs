@@ -118,10 +118,14 @@ impl Placements {
         Placements { base, capacity }
     }
 
+    /// What the header's first four words say of this ring.
+    fn header_words(&self) -> [u32; 4] {
+        [PLACEMENTS_MAGIC, crate::ABI_VERSION, self.capacity, SLOT as u32]
+    }
+
     /// Write the header (the daemon, once, on zeroed memory: every slot's word is 0, no entry).
     pub fn init(&self) {
-        let words = [PLACEMENTS_MAGIC, crate::ABI_VERSION, self.capacity, SLOT as u32];
-        for (i, w) in words.iter().enumerate() {
+        for (i, w) in self.header_words().iter().enumerate() {
             self.header(4 * i).store(*w, Ordering::Relaxed);
         }
         self.header(TAIL).store(0, Ordering::Release);
@@ -129,8 +133,7 @@ impl Placements {
 
     /// Whether the header matches this ring's parameters (the client's check after mapping).
     pub fn header_ok(&self) -> bool {
-        let words = [PLACEMENTS_MAGIC, crate::ABI_VERSION, self.capacity, SLOT as u32];
-        words.iter().enumerate().all(|(i, w)| self.header(4 * i).load(Ordering::Relaxed) == *w)
+        self.header_words().iter().enumerate().all(|(i, w)| self.header(4 * i).load(Ordering::Relaxed) == *w)
     }
 
     /// Slots.
@@ -182,23 +185,19 @@ impl Placements {
     /// The destination and bytes of entry `n`, taken by the caller: the address, and the data
     /// copied into `out` (at least [`DATA_MAX`] bytes); returns the length.
     pub fn read(&self, n: u32, out: &mut [u8]) -> (u64, usize) {
-        let s = self.slot(n);
-        // SAFETY: the slot lies in the mapping; the length is cut to DATA_MAX, so the copy stays
-        // inside the slot, and to `out`'s length.
-        unsafe {
-            let addr = ptr::read_unaligned(s.add(8) as *const u64);
-            let len = (ptr::read_unaligned(s.add(16) as *const u32) as usize).min(DATA_MAX).min(out.len());
-            ptr::copy_nonoverlapping(s.add(DATA_AT), out.as_mut_ptr(), len);
-            (addr, len)
-        }
+        let (addr, from, len) = self.data(n);
+        let len = len.min(out.len());
+        // SAFETY: `data` keeps the bytes inside the slot, in the mapping; `len` fits `out`.
+        unsafe { ptr::copy_nonoverlapping(from, out.as_mut_ptr(), len) };
+        (addr, len)
     }
 
     /// The destination, and a pointer to the bytes and their length, of entry `n`, taken by the
     /// caller (the client copies from the ring straight into place).
     pub fn data(&self, n: u32) -> (u64, *const u8, usize) {
         let s = self.slot(n);
-        // SAFETY: as in `read`: the header fields lie in the slot, and the length is cut so the
-        // bytes do too.
+        // SAFETY: the slot lies in the mapping; the header fields lie in the slot, and the
+        // length is cut to DATA_MAX so that the bytes do too.
         unsafe {
             let addr = ptr::read_unaligned(s.add(8) as *const u64);
             let len = (ptr::read_unaligned(s.add(16) as *const u32) as usize).min(DATA_MAX);

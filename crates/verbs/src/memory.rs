@@ -228,6 +228,8 @@ pub(crate) struct MrTable {
     placements: std::cell::RefCell<ClientPlacements>,
     /// Whether writes may be handed out (`SOFTRDMA_PLACEMENTS=0` says no).
     placements_off: bool,
+    /// The processes [`MrTable::hand_out`] looks at, kept for its next pass.
+    hand_out_pids: Vec<u32>,
 }
 
 // SAFETY: the raw pointers refer to buffers owned by live MemoryRegions (see the module docs); the
@@ -329,7 +331,7 @@ impl MrTable {
                 self.read_ahead.add(pid, s.addr, s.length as usize);
             }
         }
-        self.reclaim_for_reads();
+        self.placements.get_mut().reclaim_each(self.read_ahead.unread_pids());
         self.read_ahead.read_all();
     }
 
@@ -399,10 +401,7 @@ impl MrTable {
                     self.owed_reads.add(pid, va, len);
                 }
             }
-            let p = self.placements.get_mut();
-            if p.any_open() {
-                self.owed_reads.unread_pids().for_each(|pid| p.reclaim(pid));
-            }
+            self.placements.get_mut().reclaim_each(self.owed_reads.unread_pids());
             self.owed_reads.read_all();
         }
         self.owed_scratch = look;
@@ -425,21 +424,9 @@ impl MrTable {
         }
         let mut w = self.write_behind.borrow_mut();
         if !w.is_empty() {
-            let mut p = self.placements.borrow_mut();
-            if p.any_open() {
-                // Entries handed out to those processes are made first: they were kept first.
-                w.pids().for_each(|pid| p.reclaim(pid));
-            }
+            // Entries handed out to those processes are made first: they were kept first.
+            self.placements.borrow_mut().reclaim_each(w.pids());
             w.write_all(self.shared_process_regions == 0);
-        }
-    }
-
-    /// Before the read-ahead's queued ranges are read: the entries handed out to their
-    /// processes are made.
-    fn reclaim_for_reads(&mut self) {
-        let p = self.placements.get_mut();
-        if p.any_open() {
-            self.read_ahead.unread_pids().for_each(|pid| p.reclaim(pid));
         }
     }
 
@@ -455,13 +442,13 @@ impl MrTable {
             return;
         }
         let p = self.placements.get_mut();
-        let mut pids: Vec<u32> = w.pids().collect();
+        // (A list kept from pass to pass: no allocation per pass.)
+        let pids = &mut self.hand_out_pids;
+        pids.clear();
+        pids.extend(w.pids());
         pids.sort_unstable();
         pids.dedup();
-        for pid in pids {
-            if p.end(pid).is_none() {
-                continue;
-            }
+        for &pid in pids.iter() {
             let Some(n) = w.placeable(pid, PLACE_MAX) else { continue };
             if p.room(pid, n) {
                 w.take(pid, |addr, data| p.hand_out(pid, addr, data));

@@ -207,12 +207,8 @@ impl PlacementRing {
                 Err(Seen::Is(State::Done)) => {}
                 Err(Seen::Is(by)) => {
                     // Being made by the daemon, or by another of this process's threads.
-                    let start = monotonic_ns();
-                    while self.ring.seen(n) == Seen::Is(by) {
-                        if monotonic_ns().saturating_sub(start) > WRITES_SPIN.as_nanos() as u64 {
-                            return false;
-                        }
-                        std::hint::spin_loop();
+                    if !spin_until(|| self.ring.seen(n) != Seen::Is(by)) {
+                        return false;
                     }
                     continue;
                 }
@@ -584,12 +580,18 @@ impl WorkRing {
 }
 
 /// Wait until CQ ring `ring` says the daemon made write batch `batch` (`Ring::writes_made`): a
-/// system call of the daemon's, under a microsecond, so look without giving the CPU away for
-/// [`WRITES_SPIN`]; false if it is not made by then (the caller's poll returns what it has, and
-/// gives its CPU away if that is nothing, as an empty poll does).
+/// system call of the daemon's, under a microsecond (see [`spin_until`]).
 fn wait_for_writes(ring: &softrdma_abi::ring::Ring, batch: u32) -> bool {
+    spin_until(|| ring.batch_made(batch))
+}
+
+/// Look until `done` says so, without giving the CPU away, for up to [`WRITES_SPIN`]: what the
+/// daemon (or another thread) is making takes less; false if it is not done by then (the
+/// caller's poll returns what it has, and gives its CPU away if that is nothing, as an empty
+/// poll does).
+fn spin_until(done: impl Fn() -> bool) -> bool {
     let start = monotonic_ns();
-    while !ring.batch_made(batch) {
+    while !done() {
         if monotonic_ns().saturating_sub(start) > WRITES_SPIN.as_nanos() as u64 {
             return false;
         }

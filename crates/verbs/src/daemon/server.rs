@@ -483,6 +483,7 @@ struct CqEntry {
 
 struct QpEntry {
     client: u64,
+    /// Its capacities as the engine has them: inline data up to what a send slot holds.
     cap: QpCap,
     sq: Consumer,
     rq: Option<Consumer>,
@@ -537,7 +538,7 @@ impl QpEntry {
                     else {
                         break;
                     };
-                    slot::decode_send(&buf[..n], self.cap.max_send_sge, slot::inline_room(self.sq.ring().slot_size()))
+                    slot::decode_send(&buf[..n], self.cap.max_send_sge, self.cap.max_inline_data)
                 }
             };
             let wr = match decoded {
@@ -1107,8 +1108,7 @@ impl SvcDevice {
                     let Ok(Some(n)) = q.sq.peek_used_at(k, &mut sc.buf, slot::SEND_HEADER, slot::send_used) else {
                         break;
                     };
-                    let room = slot::inline_room(q.sq.ring().slot_size());
-                    let wr = slot::decode_send(&sc.buf[..n], q.cap.max_send_sge, room);
+                    let wr = slot::decode_send(&sc.buf[..n], q.cap.max_send_sge, q.cap.max_inline_data);
                     match &wr {
                         // A READ executed directly reads its target while it is taken.
                         Ok(SendWr { op: SendOp::Read { remote_addr, rkey }, payload: Payload::Sgl(sgl), .. }) => {
@@ -1902,16 +1902,17 @@ impl Session {
                     r.init();
                     Some(Consumer::new(r))
                 };
-                // The engine takes what the slot holds as inline data: a payload the client
-                // copied in may pass the application's `max_inline_data`.
-                let engine_cap = QpCap { max_inline_data: slot::inline_room(sq_slot), ..cap };
+                // The engine, and the decoding of the ring's slots, take what the slot holds as
+                // inline data: a payload the client copied in may pass the application's
+                // `max_inline_data`.
+                let cap = QpCap { max_inline_data: slot::inline_room(sq_slot), ..cap };
                 let init = QpInit {
                     qp_type,
                     pd: PdId(pd),
                     send_cq: CqId(send_cq),
                     recv_cq: CqId(recv_cq),
                     srq: srq.map(SrqId),
-                    cap: engine_cap,
+                    cap,
                     sq_sig_all,
                 };
                 let qpn = {
