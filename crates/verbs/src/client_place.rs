@@ -311,7 +311,7 @@ fn write_taken(writes: &mut WriteBehind, ring: &Placements, taken: &mut Vec<u32>
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn me() -> u32 {
@@ -326,9 +326,10 @@ mod tests {
         (ring, shm)
     }
 
-    fn bytes(buf: &[u8]) -> Vec<u8> {
-        // SAFETY: in bounds of `buf`; volatile, since the kernel wrote them (process_vm_writev)
-        // through an address the compiler does not see.
+    /// `buf`'s bytes as they are now.
+    pub(crate) fn bytes(buf: &[u8]) -> Vec<u8> {
+        // SAFETY: in bounds of `buf`; volatile, since the kernel (process_vm_writev) or a poll
+        // wrote them through an address the compiler does not see.
         (0..buf.len()).map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }).collect()
     }
 

@@ -872,13 +872,8 @@ impl Drop for Qp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::client_place::tests::bytes;
     use crate::client_place::ClientPlacements;
-
-    fn bytes(buf: &[u8]) -> Vec<u8> {
-        // SAFETY: in bounds of `buf`; volatile, since the polls and the daemon wrote them
-        // through addresses the compiler does not see.
-        (0..buf.len()).map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }).collect()
-    }
 
     /// A daemon's side and a client's view of one ring of this process.
     fn rings() -> (ClientPlacements, PlacementRing, OwnedFd) {
